@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# Install everything the tests need (Python deps, Debian's prometheus/promtool) and run them all.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+./scripts/bootstrap.sh
+if ! command -v prometheus >/dev/null || ! command -v promtool >/dev/null; then
+  if [ "$(id -u)" = 0 ]; then SUDO=""; else SUDO="sudo"; fi
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq prometheus >/dev/null
+fi
+# Debian's package starts a system Prometheus on :9090; tests start their own on free ports.
+.venv/bin/ruff check src tests benchmarks
+.venv/bin/mypy
+exec .venv/bin/python -m pytest -q -p no:cacheprovider "$@"

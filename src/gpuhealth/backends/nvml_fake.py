@@ -1,0 +1,453 @@
+"""A GPU backend that replays an "NVML recording v1" file, plus scenario overrides and timed events.
+
+Recordings are loaded as they are (``tools/nvml_record.py`` / ``gpuhealth record`` write them).
+A *scenario* (YAML or JSON) names a recording and changes it:
+
+```yaml
+recording: nvml_h200x2.json     # path relative to the scenario file, or a bundled name
+gpu_count: 8                    # optional: clone recorded GPUs cyclically (unique UUIDs, bus ids)
+overrides:                      # per GPU index: recording keys → replacement
+  "1":
+    CurrPcieLinkWidth: 8                       # shorthand for {"value": 8}
+    NumaNodeId: {error: "Not Supported", code: 3}
+    PcieReplayCounter: {ramp: 50}              # recorded value + 50 per second since start
+    nvlink: {"3": {state: 0}}
+    field_values: {NVML_FI_DEV_MEMORY_TEMP: 99}
+    sysfs: {current_link_width: "8"}
+events:                         # applied when the scenario clock passes ``at`` (seconds)
+  - {at: 5, type: xid, gpu: 0, xid: 79}
+  - {at: 8, type: set, gpu: 1, key: TotalEccErrors_UNCORRECTED_VOLATILE, value: 2}
+  - {at: 10, type: lost, gpu: 1}               # every call on GPU 1 → GPU_IS_LOST
+  - {at: 20, type: driver_unloaded, until: 30} # init/all calls fail, then recover
+kmsg: ["NVRM: Xid (PCI:0000:00:06): 79, pid=0, GPU has fallen off the bus."]
+```
+The clock is injected (``clock``), so tests step time without sleeping.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from gpuhealth.backends import errors
+from gpuhealth.backends.base import NVLINK_MAX_LINKS, FieldResult, XidEvent
+from gpuhealth.backends.errors import NvmlError, RecordingError
+
+BUNDLED_RECORDINGS = ("nvml_h200x2.json", "nvml_h100x1.json")
+DEFAULT_RECORDING = "nvml_h200x2.json"
+
+# Per-link field ids served from the recording's per-link counters (scope = link number).
+_PER_LINK_FIELDS = {
+    "NVML_FI_DEV_NVLINK_ERROR_DL_CRC": "err_DL_CRC_FLIT",
+    "NVML_FI_DEV_NVLINK_ERROR_DL_REPLAY": "err_DL_REPLAY",
+    "NVML_FI_DEV_NVLINK_ERROR_DL_RECOVERY": "err_DL_RECOVERY",
+    "NVML_FI_DEV_NVLINK_GET_STATE": "state",
+    "NVML_FI_DEV_NVLINK_GET_VERSION": "version",
+}
+_NVLINK_ERROR_FIELD_PREFIXES = {
+    "NVML_FI_DEV_NVLINK_CRC_FLIT_ERROR_COUNT_L": "err_DL_CRC_FLIT",
+    "NVML_FI_DEV_NVLINK_CRC_DATA_ERROR_COUNT_L": "err_DL_CRC_DATA",
+    "NVML_FI_DEV_NVLINK_REPLAY_ERROR_COUNT_L": "err_DL_REPLAY",
+    "NVML_FI_DEV_NVLINK_RECOVERY_ERROR_COUNT_L": "err_DL_RECOVERY",
+    "NVML_FI_DEV_NVLINK_ECC_DATA_ERROR_COUNT_L": "err_DL_ECC_DATA",
+}
+
+
+def bundled_recording_path(name: str = DEFAULT_RECORDING) -> Path:
+    """Path of a real recording shipped inside the package (``gpuhealth/data``)."""
+    ref = resources.files("gpuhealth") / "data" / name
+    return Path(str(ref))
+
+
+def _load_structured(path: Path) -> Any:
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise RecordingError(f"{path}: cannot read: {exc.strerror or exc}") from exc
+    try:
+        if path.suffix in (".yaml", ".yml"):
+            return yaml.safe_load(text)
+        return json.loads(text)
+    except (json.JSONDecodeError, yaml.YAMLError) as exc:
+        raise RecordingError(f"{path}: not valid {'YAML' if path.suffix in ('.yaml', '.yml') else 'JSON'}: {exc}") from exc
+
+
+def _answer(entry: Any, where: str) -> Any:
+    """Turn one recorded ``{"value": …}`` / ``{"error": …, "code": …}`` entry into a value or raise."""
+    if isinstance(entry, Mapping):
+        if "value" in entry:
+            return entry["value"]
+        if "error" in entry:
+            code = entry.get("code")
+            if code is None:  # the recorder's own failure (bindings), not NVML: treat as unsupported
+                raise NvmlError(errors.NOT_SUPPORTED, f"not recorded: {entry['error']}")
+            raise NvmlError(int(code), str(entry["error"]))
+    raise RecordingError(f"{where}: expected {{'value': …}} or {{'error': …, 'code': …}}, got {entry!r:.80}")
+
+
+def _normalise_override(value: Any) -> Any:
+    if isinstance(value, Mapping) and ({"value", "error", "ramp"} & set(value)):
+        return dict(value)
+    return {"value": value}
+
+
+@dataclass(frozen=True, slots=True)
+class _Event:
+    at: float
+    type: str
+    gpu: int | None
+    data: Mapping[str, Any]
+
+
+_EVENT_TYPES = frozenset({"xid", "set", "lost", "driver_unloaded", "restore"})
+
+
+class FakeNvml:
+    """Replays a recording. Thread-safe enough for one poller plus the XID event thread."""
+
+    def __init__(
+        self,
+        recording: Mapping[str, Any],
+        *,
+        source: str = "recording",
+        overrides: Mapping[int, Mapping[str, Any]] | None = None,
+        events: Sequence[_Event] = (),
+        gpu_count: int | None = None,
+        kmsg_lines: Sequence[str] = (),
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._source = source
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._check_recording(recording, source)
+        self._recording = recording
+        devices = list(recording["devices"])
+        if gpu_count is not None and gpu_count != len(devices):
+            devices = [self._clone(devices[i % len(devices)], i) for i in range(gpu_count)]
+        self._base_devices: list[dict[str, Any]] = devices
+        self._devices: list[dict[str, Any]] = [dict(d) for d in devices]
+        self._ramps: dict[tuple[int, str], tuple[float, float]] = {}
+        for idx, keys in (overrides or {}).items():
+            if not 0 <= idx < len(self._devices):
+                raise RecordingError(f"{source}: overrides: GPU {idx} does not exist ({len(self._devices)} GPUs)")
+            for key, val in keys.items():
+                self._apply_override(idx, key, val)
+        self._events = sorted(events, key=lambda e: e.at)
+        self._next_event = 0
+        self._lost: set[int] = set()
+        self._driver_down_until: float | None = None
+        self._initialised = False
+        self._xid_queue: list[XidEvent] = []
+        self._xid_cond = threading.Condition(self._lock)
+        self.kmsg_lines: list[str] = list(kmsg_lines)
+        self._t0 = clock()
+
+    # ---------------------------------------------------------------- construction helpers
+    @classmethod
+    def from_file(cls, path: str | Path, *, clock: Callable[[], float] = time.monotonic) -> FakeNvml:
+        """Load a recording (``.json`` with ``devices``) or a scenario (anything with ``recording``)."""
+        p = Path(path)
+        data = _load_structured(p)
+        if not isinstance(data, Mapping):
+            raise RecordingError(f"{p}: top level must be an object")
+        if "devices" in data:
+            return cls(data, source=str(p), clock=clock)
+        if "recording" in data:
+            return cls.from_scenario(data, base_dir=p.parent, source=str(p), clock=clock)
+        raise RecordingError(f"{p}: neither a recording (no 'devices') nor a scenario (no 'recording')")
+
+    @classmethod
+    def bundled(cls, name: str = DEFAULT_RECORDING, *, clock: Callable[[], float] = time.monotonic) -> FakeNvml:
+        return cls.from_file(bundled_recording_path(name), clock=clock)
+
+    @classmethod
+    def from_scenario(
+        cls,
+        scenario: Mapping[str, Any],
+        *,
+        base_dir: Path = Path("."),
+        source: str = "scenario",
+        clock: Callable[[], float] = time.monotonic,
+    ) -> FakeNvml:
+        rec_name = scenario.get("recording")
+        if not isinstance(rec_name, str):
+            raise RecordingError(f"{source}: 'recording' must be a file name")
+        rec_path = base_dir / rec_name
+        if not rec_path.exists() and rec_name in BUNDLED_RECORDINGS:
+            rec_path = bundled_recording_path(rec_name)
+        recording = _load_structured(rec_path)
+        if not isinstance(recording, Mapping):
+            raise RecordingError(f"{rec_path}: top level must be an object")
+        overrides: dict[int, Mapping[str, Any]] = {}
+        raw_over = scenario.get("overrides") or {}
+        if not isinstance(raw_over, Mapping):
+            raise RecordingError(f"{source}: 'overrides' must map GPU index → keys")
+        for k, v in raw_over.items():
+            try:
+                idx = int(k)
+            except (TypeError, ValueError) as exc:
+                raise RecordingError(f"{source}: overrides: key {k!r} is not a GPU index") from exc
+            if not isinstance(v, Mapping):
+                raise RecordingError(f"{source}: overrides.{k}: must map recording keys → values")
+            overrides[idx] = v
+        events = []
+        for n, ev in enumerate(scenario.get("events") or []):
+            if not isinstance(ev, Mapping) or ev.get("type") not in _EVENT_TYPES:
+                raise RecordingError(f"{source}: events[{n}]: 'type' must be one of {sorted(_EVENT_TYPES)}")
+            try:
+                at = float(ev.get("at", 0))
+            except (TypeError, ValueError) as exc:
+                raise RecordingError(f"{source}: events[{n}].at: not a number") from exc
+            gpu = ev.get("gpu")
+            events.append(_Event(at, str(ev["type"]), None if gpu is None else int(gpu), dict(ev)))
+        count = scenario.get("gpu_count")
+        kmsg = scenario.get("kmsg") or []
+        if not isinstance(kmsg, list):
+            raise RecordingError(f"{source}: 'kmsg' must be a list of lines")
+        return cls(
+            recording,
+            source=source,
+            overrides=overrides,
+            events=events,
+            gpu_count=None if count is None else int(count),
+            kmsg_lines=[str(x) for x in kmsg],
+            clock=clock,
+        )
+
+    @staticmethod
+    def _check_recording(rec: Mapping[str, Any], source: str) -> None:
+        devices = rec.get("devices")
+        if not isinstance(devices, list) or not devices:
+            raise RecordingError(f"{source}: 'devices' must be a non-empty list")
+        for i, d in enumerate(devices):
+            if not isinstance(d, Mapping):
+                raise RecordingError(f"{source}: devices[{i}] must be an object")
+            for key in ("UUID", "PciInfo", "Name"):
+                if key not in d:
+                    raise RecordingError(f"{source}: devices[{i}]: missing key '{key}'")
+            uuid = d["UUID"]
+            if not isinstance(uuid, Mapping) or "value" not in uuid:
+                raise RecordingError(f"{source}: devices[{i}].UUID: expected {{'value': …}}")
+
+    @staticmethod
+    def _clone(dev: Mapping[str, Any], index: int) -> dict[str, Any]:
+        d = copy.deepcopy(dict(dev))
+        uuid = str(d["UUID"]["value"])
+        d["UUID"] = {"value": f"{uuid[:-4]}{index:04x}"}
+        bus = f"00000000:{0x18 + index * 0x10:02X}:00.0"
+        for key in ("PciInfo", "PciInfo_v3"):
+            if isinstance(d.get(key), Mapping) and isinstance(d[key].get("value"), Mapping):
+                v = dict(d[key]["value"])
+                v["busId"] = bus
+                v["busIdLegacy"] = bus[4:]
+                v["bus"] = 0x18 + index * 0x10
+                v["device"] = 0
+                d[key] = {"value": v}
+        if "MinorNumber" in d:
+            d["MinorNumber"] = {"value": index}
+        if isinstance(d.get("sysfs"), Mapping):
+            s = dict(d["sysfs"])
+            s["bdf"] = bus[4:].lower()
+            d["sysfs"] = s
+        return d
+
+    def _apply_override(self, idx: int, key: str, val: Any) -> None:
+        dev = self._devices[idx]
+        if key == "nvlink":
+            links = {str(k): dict(v) for k, v in (dev.get("nvlink") or {}).items()}
+            for link, kv in dict(val).items():
+                entry = links.setdefault(str(link), {})
+                for lk, lv in dict(kv).items():
+                    entry[lk] = _normalise_override(lv)
+            dev["nvlink"] = links
+        elif key == "field_values":
+            fv = dict(dev.get("field_values") or {})
+            fields = dict(fv.get("fields") or {})
+            for name, fval in dict(val).items():
+                fields[name] = _normalise_override(fval)
+            fv["fields"] = fields
+            dev["field_values"] = fv
+        elif key == "sysfs":
+            s = dict(dev.get("sysfs") or {})
+            s.update({k: str(v) for k, v in dict(val).items()})
+            dev["sysfs"] = s
+        else:
+            entry = _normalise_override(val)
+            if "ramp" in entry:
+                base = self._base_devices[idx].get(key, {}).get("value", 0)
+                self._ramps[(idx, key)] = (float(base or 0), float(entry["ramp"]))
+                entry = {"value": base}
+            dev[key] = entry
+
+    # ---------------------------------------------------------------- time and events
+    def elapsed(self) -> float:
+        return self._clock() - self._t0
+
+    def _advance(self) -> None:
+        now = self.elapsed()
+        while self._next_event < len(self._events) and self._events[self._next_event].at <= now:
+            ev = self._events[self._next_event]
+            self._next_event += 1
+            self._fire(ev)
+        if self._driver_down_until is not None and now >= self._driver_down_until:
+            self._driver_down_until = None
+
+    def _fire(self, ev: _Event) -> None:
+        if ev.type == "xid":
+            self._xid_queue.append(
+                XidEvent(
+                    gpu_index=ev.gpu,
+                    xid=int(ev.data.get("xid", 0)),
+                    timestamp=time.time(),
+                    source="nvml",
+                    pci_bus_id=self._bus_id(ev.gpu) if ev.gpu is not None else "",
+                    detail=str(ev.data.get("detail", "")),
+                )
+            )
+            self._xid_cond.notify_all()
+        elif ev.type == "set" and ev.gpu is not None:
+            self._apply_override(ev.gpu, str(ev.data["key"]), ev.data.get("value"))
+        elif ev.type == "lost" and ev.gpu is not None:
+            self._lost.add(ev.gpu)
+        elif ev.type == "restore" and ev.gpu is not None:
+            self._lost.discard(ev.gpu)
+        elif ev.type == "driver_unloaded":
+            until = ev.data.get("until")
+            self._driver_down_until = float(until) if until is not None else float("inf")
+            self._initialised = False
+
+    def _bus_id(self, idx: int) -> str:
+        try:
+            return str(self._devices[idx]["PciInfo"]["value"]["busId"])
+        except (KeyError, TypeError, IndexError):
+            return ""
+
+    def _check(self, index: int | None = None) -> None:
+        self._advance()
+        if self._driver_down_until is not None:
+            raise NvmlError(errors.DRIVER_NOT_LOADED, "Driver Not Loaded")
+        if not self._initialised:
+            raise NvmlError(errors.UNINITIALIZED, "Uninitialized")
+        if index is not None:
+            if not 0 <= index < len(self._devices):
+                raise NvmlError(errors.INVALID_ARGUMENT, "Invalid Argument")
+            if index in self._lost:
+                raise NvmlError(errors.GPU_IS_LOST, "GPU is lost")
+
+    # ---------------------------------------------------------------- protocol
+    @property
+    def simulated(self) -> bool:
+        return True
+
+    @property
+    def description(self) -> str:
+        return f"simulated from {self._source}"
+
+    def init(self) -> None:
+        with self._lock:
+            self._advance()
+            if self._driver_down_until is not None:
+                raise NvmlError(errors.DRIVER_NOT_LOADED, "Driver Not Loaded")
+            self._initialised = True
+
+    def shutdown(self) -> None:
+        with self._lock:
+            self._initialised = False
+
+    def system(self, key: str) -> Any:
+        with self._lock:
+            self._check()
+            if key not in self._recording:
+                raise NvmlError(errors.NOT_SUPPORTED, f"not recorded: {key}")
+            return _answer(self._recording[key], f"{self._source}: {key}")
+
+    def device_count(self) -> int:
+        with self._lock:
+            self._check()
+            return len(self._devices)
+
+    def query(self, index: int, key: str) -> Any:
+        with self._lock:
+            self._check(index)
+            entry = self._devices[index].get(key)
+            if entry is None:
+                raise NvmlError(errors.NOT_SUPPORTED, f"not recorded: {key}")
+            if key in ("sysfs", "nvlink", "field_values"):
+                return copy.deepcopy(entry)
+            value = _answer(entry, f"{self._source}: devices[{index}].{key}")
+            ramp = self._ramps.get((index, key))
+            if ramp is not None:
+                return int(ramp[0] + ramp[1] * self.elapsed())
+            return value
+
+    def nvlink(self, index: int, link: int, key: str) -> Any:
+        with self._lock:
+            self._check(index)
+            if not 0 <= link < NVLINK_MAX_LINKS:
+                raise NvmlError(errors.INVALID_ARGUMENT, "Invalid Argument")
+            links = self._devices[index].get("nvlink") or {}
+            entry = links.get(str(link))
+            if entry is None:
+                raise NvmlError(errors.NOT_SUPPORTED, "Not Supported")
+            if "error" in entry and key not in entry:  # recorder stored one error for the whole link
+                return _answer(entry, f"{self._source}: devices[{index}].nvlink.{link}")
+            if key not in entry:
+                raise NvmlError(errors.NOT_SUPPORTED, f"not recorded: nvlink.{link}.{key}")
+            return _answer(entry[key], f"{self._source}: devices[{index}].nvlink.{link}.{key}")
+
+    def field_values(self, index: int, requests: Sequence[tuple[str, int]]) -> list[FieldResult]:
+        with self._lock:
+            self._check(index)
+            dev = self._devices[index]
+            fields = (dev.get("field_values") or {}).get("fields") or {}
+            links = dev.get("nvlink") or {}
+            out: list[FieldResult] = []
+            for name, scope in requests:
+                out.append(self._field(fields, links, name, scope))
+            return out
+
+    @staticmethod
+    def _field(fields: Mapping[str, Any], links: Mapping[str, Any], name: str, scope: int) -> FieldResult:
+        link_key = _PER_LINK_FIELDS.get(name) if scope else None
+        link = scope
+        if link_key is None:
+            for prefix, lk in _NVLINK_ERROR_FIELD_PREFIXES.items():
+                if name.startswith(prefix) and name[len(prefix):].isdigit():
+                    link_key, link = lk, int(name[len(prefix):])
+                    break
+        if link_key is not None:
+            entry = (links.get(str(link)) or {}).get(link_key)
+            if entry is None:
+                return NvmlError(errors.NOT_SUPPORTED, "Not Supported")
+            if "value" in entry:
+                return entry["value"]
+            return NvmlError(int(entry.get("code", errors.NOT_SUPPORTED)), str(entry.get("error", "")))
+        entry = fields.get(name)
+        if entry is None:
+            return NvmlError(errors.NOT_SUPPORTED, "Not Supported")
+        if "value" in entry:
+            return entry["value"]
+        return NvmlError(int(entry.get("ret", entry.get("code", errors.NOT_SUPPORTED))), "field error")
+
+    def wait_xid_events(self, timeout_ms: int) -> list[XidEvent]:
+        deadline = time.monotonic() + timeout_ms / 1000
+        with self._lock:
+            while True:
+                self._advance()
+                if self._xid_queue:
+                    out, self._xid_queue = self._xid_queue, []
+                    return out
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return []
+                # Scenario time may be driven by a fake clock: poll in small steps.
+                self._xid_cond.wait(min(remaining, 0.05))

@@ -1,0 +1,269 @@
+"""The real NVML backend (``nvidia-ml-py``, which provides ``import pynvml``).
+
+Keys follow "NVML recording v1": the getter name without ``nvmlDeviceGet`` plus argument suffixes.
+Values are converted to plain data the same way the recorder does, so a live reading and a replayed
+one look identical to a collector.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from gpuhealth.backends import errors
+from gpuhealth.backends.base import FieldResult, XidEvent
+from gpuhealth.backends.errors import BackendUnavailable, NvmlError
+
+
+def plain(value: Any, depth: int = 0) -> Any:
+    """ctypes structs/arrays and bytes → dicts/lists/str (the recorder's conversion)."""
+    if depth > 5:
+        return repr(value)
+    if isinstance(value, (int, float, str, bool)) or value is None:
+        return value
+    if isinstance(value, bytes):
+        return value.decode(errors="replace")
+    if isinstance(value, (list, tuple)):
+        return [plain(x, depth + 1) for x in value]
+    if isinstance(value, ctypes.Array):
+        return [plain(x, depth + 1) for x in value]
+    if hasattr(value, "_fields_"):
+        return {f[0]: plain(getattr(value, f[0]), depth + 1) for f in value._fields_}
+    return repr(value)
+
+
+# getters taking only the handle (recording key == getter suffix)
+SIMPLE_KEYS = (
+    "Name", "UUID", "Serial", "VbiosVersion", "InforomImageVersion", "PciInfo", "PciInfo_v3", "MinorNumber",
+    "Brand", "Architecture", "CudaComputeCapability", "NumaNodeId", "BoardId", "ModuleId", "PersistenceMode",
+    "ComputeMode", "MigMode", "EccMode", "CurrentEccMode", "PerformanceState", "PowerUsage",
+    "TotalEnergyConsumption", "EnforcedPowerLimit", "PowerManagementLimit", "PowerManagementDefaultLimit",
+    "PowerManagementLimitConstraints", "MemoryInfo", "BAR1MemoryInfo", "UtilizationRates",
+    "CurrentClocksEventReasons", "CurrentClocksThrottleReasons", "SupportedClocksEventReasons",
+    "CurrPcieLinkGeneration", "CurrPcieLinkWidth", "MaxPcieLinkGeneration", "MaxPcieLinkWidth",
+    "GpuMaxPcieLinkGeneration", "PcieLinkMaxSpeed", "PcieSpeed", "PcieReplayCounter",
+    "RetiredPagesPendingStatus", "RemappedRows", "RowRemapperHistogram", "ComputeRunningProcesses",
+    "GraphicsRunningProcesses", "SupportedEventTypes", "MemoryBusWidth", "NumGpuCores", "GspFirmwareMode",
+    "GspFirmwareVersion", "MarginTemperature", "DynamicPstatesInfo", "RepairStatus", "Pdi",
+    "AdaptiveClockInfoStatus", "MaxMigDeviceCount", "IrqNum", "BusType", "ClkMonStatus",
+    "UnrepairableMemoryFlag_v1", "PowerSource", "HostVgpuMode", "InforomConfigurationChecksum",
+    "EncoderUtilization", "DecoderUtilization", "FanSpeed",
+)
+
+
+class RealNvml:
+    """Talks to the driver. ``init`` raises ``BackendUnavailable`` when there is no NVML at all."""
+
+    def __init__(self) -> None:
+        self._nvml: Any = None
+        self._handles: dict[int, Any] = {}
+        self._dispatch: dict[str, Callable[[Any], Any]] = {}
+        self._event_set: Any = None
+        self._event_lock = threading.Lock()
+        self._bus_to_index: dict[str, int] = {}
+        self._handle_to_index: dict[int, int] = {}
+
+    @property
+    def simulated(self) -> bool:
+        return False
+
+    @property
+    def description(self) -> str:
+        return "NVML (live)"
+
+    # ------------------------------------------------------------------ lifecycle
+    def init(self) -> None:
+        try:
+            import pynvml
+        except ImportError as exc:  # pragma: no cover - dependency is declared
+            raise BackendUnavailable("nvidia-ml-py is not installed (pip install nvidia-ml-py)") from exc
+        try:
+            pynvml.nvmlInit()
+        except pynvml.NVMLError as exc:
+            code = getattr(exc, "value", errors.UNKNOWN)
+            if code in (errors.LIBRARY_NOT_FOUND, errors.DRIVER_NOT_LOADED):
+                raise BackendUnavailable(f"NVIDIA driver not available: {exc}") from exc
+            raise NvmlError(code, str(exc)) from exc
+        except OSError as exc:
+            raise BackendUnavailable(f"cannot load libnvidia-ml: {exc}") from exc
+        self._nvml = pynvml
+        self._handles.clear()
+        self._dispatch = self._build_dispatch(pynvml)
+        self._handle_to_index.clear()
+        self._bus_to_index.clear()
+
+    def shutdown(self) -> None:
+        if self._nvml is None:
+            return
+        with self._event_lock:
+            if self._event_set is not None:
+                try:
+                    self._nvml.nvmlEventSetFree(self._event_set)
+                except self._nvml.NVMLError:
+                    pass
+                self._event_set = None
+        try:
+            self._nvml.nvmlShutdown()
+        except self._nvml.NVMLError:
+            pass
+        self._nvml = None
+        self._handles.clear()
+
+    # ------------------------------------------------------------------ helpers
+    def _n(self) -> Any:
+        if self._nvml is None:
+            raise NvmlError(errors.UNINITIALIZED, "Uninitialized")
+        return self._nvml
+
+    def _call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        n = self._n()
+        try:
+            return fn(*args)
+        except n.NVMLError as exc:
+            raise NvmlError(getattr(exc, "value", errors.UNKNOWN), str(exc)) from exc
+
+    def _handle(self, index: int) -> Any:
+        h = self._handles.get(index)
+        if h is None:
+            n = self._n()
+            h = self._call(n.nvmlDeviceGetHandleByIndex, index)
+            self._handles[index] = h
+        return h
+
+    def _build_dispatch(self, n: Any) -> dict[str, Callable[[Any], Any]]:
+        d: dict[str, Callable[[Any], Any]] = {}
+        for key in SIMPLE_KEYS:
+            fn = getattr(n, "nvmlDeviceGet" + key, None)
+            if fn is not None:
+                d[key] = fn
+        d["Temperature_GPU"] = lambda h: n.nvmlDeviceGetTemperature(h, n.NVML_TEMPERATURE_GPU)
+        for name in ("SLOWDOWN", "SHUTDOWN", "GPU_MAX", "MEM_MAX"):
+            const = getattr(n, "NVML_TEMPERATURE_THRESHOLD_" + name)
+            d["TemperatureThreshold_" + name] = lambda h, c=const: n.nvmlDeviceGetTemperatureThreshold(h, c)
+        for name in ("GRAPHICS", "SM", "MEM", "VIDEO"):
+            const = getattr(n, "NVML_CLOCK_" + name)
+            d["ClockInfo_" + name] = lambda h, c=const: n.nvmlDeviceGetClockInfo(h, c)
+            d["MaxClockInfo_" + name] = lambda h, c=const: n.nvmlDeviceGetMaxClockInfo(h, c)
+        for et_name, et in (("CORRECTED", n.NVML_MEMORY_ERROR_TYPE_CORRECTED),
+                            ("UNCORRECTED", n.NVML_MEMORY_ERROR_TYPE_UNCORRECTED)):
+            for ct_name, ct in (("VOLATILE", n.NVML_VOLATILE_ECC), ("AGGREGATE", n.NVML_AGGREGATE_ECC)):
+                d[f"TotalEccErrors_{et_name}_{ct_name}"] = (
+                    lambda h, e=et, c=ct: n.nvmlDeviceGetTotalEccErrors(h, e, c)
+                )
+        for src_name, src in (("SBE", n.NVML_PAGE_RETIREMENT_CAUSE_MULTIPLE_SINGLE_BIT_ECC_ERRORS),
+                              ("DBE", n.NVML_PAGE_RETIREMENT_CAUSE_DOUBLE_BIT_ECC_ERROR)):
+            d["RetiredPages_" + src_name] = lambda h, s=src: n.nvmlDeviceGetRetiredPages(h, s)
+        for pol in ("POWER", "THERMAL", "SYNC_BOOST", "BOARD_LIMIT", "LOW_UTILIZATION", "RELIABILITY"):
+            const = getattr(n, "NVML_PERF_POLICY_" + pol)
+            d["ViolationStatus_" + pol] = lambda h, c=const: n.nvmlDeviceGetViolationStatus(h, c)
+        d["CpuAffinity_64x4"] = lambda h: n.nvmlDeviceGetCpuAffinity(h, 4)
+        d["MemoryAffinity_64x4"] = lambda h: n.nvmlDeviceGetMemoryAffinity(h, 4, n.NVML_AFFINITY_SCOPE_NODE)
+        d["PcieThroughput_TX"] = lambda h: n.nvmlDeviceGetPcieThroughput(h, n.NVML_PCIE_UTIL_TX_BYTES)
+        d["PcieThroughput_RX"] = lambda h: n.nvmlDeviceGetPcieThroughput(h, n.NVML_PCIE_UTIL_RX_BYTES)
+
+        def fabric(h: Any) -> Any:
+            info = n.c_nvmlGpuFabricInfo_t()
+            n.nvmlDeviceGetGpuFabricInfo(h, ctypes.byref(info))
+            return info
+
+        d["GpuFabricInfo"] = fabric
+        return d
+
+    # ------------------------------------------------------------------ protocol
+    def system(self, key: str) -> Any:
+        n = self._n()
+        fn = {
+            "driver": n.nvmlSystemGetDriverVersion,
+            "nvml_version": n.nvmlSystemGetNVMLVersion,
+            "cuda_driver": n.nvmlSystemGetCudaDriverVersion_v2,
+        }.get(key)
+        if fn is None:
+            raise NvmlError(errors.NOT_SUPPORTED, f"unknown system key {key}")
+        return plain(self._call(fn))
+
+    def device_count(self) -> int:
+        n = self._n()
+        return int(self._call(n.nvmlDeviceGetCount))
+
+    def query(self, index: int, key: str) -> Any:
+        fn = self._dispatch.get(key)
+        if fn is None:
+            self._n()
+            raise NvmlError(errors.FUNCTION_NOT_FOUND, f"no getter for {key} in these bindings")
+        return plain(self._call(fn, self._handle(index)))
+
+    def nvlink(self, index: int, link: int, key: str) -> Any:
+        n = self._n()
+        h = self._handle(index)
+        if key == "state":
+            return plain(self._call(n.nvmlDeviceGetNvLinkState, h, link))
+        if key == "version":
+            return plain(self._call(n.nvmlDeviceGetNvLinkVersion, h, link))
+        if key == "remote_pci":
+            return plain(self._call(n.nvmlDeviceGetNvLinkRemotePciInfo, h, link))
+        if key == "remote_type":
+            return plain(self._call(n.nvmlDeviceGetNvLinkRemoteDeviceType, h, link))
+        if key.startswith("err_"):
+            const = getattr(n, "NVML_NVLINK_ERROR_" + key[4:], None)
+            if const is None:
+                raise NvmlError(errors.INVALID_ARGUMENT, f"unknown nvlink counter {key}")
+            return plain(self._call(n.nvmlDeviceGetNvLinkErrorCounter, h, link, const))
+        raise NvmlError(errors.INVALID_ARGUMENT, f"unknown nvlink key {key}")
+
+    def field_values(self, index: int, requests: Sequence[tuple[str, int]]) -> list[FieldResult]:
+        n = self._n()
+        ids: list[tuple[int, int]] = []
+        out: list[FieldResult] = [None] * len(requests)
+        positions: list[int] = []
+        for pos, (name, scope) in enumerate(requests):
+            fid = getattr(n, name, None)
+            if not isinstance(fid, int):
+                out[pos] = NvmlError(errors.NOT_SUPPORTED, f"{name} unknown to these bindings")
+                continue
+            ids.append((fid, scope))
+            positions.append(pos)
+        if not ids:
+            return out
+        values = self._call(n.nvmlDeviceGetFieldValues, self._handle(index), ids)
+        for pos, v in zip(positions, values, strict=True):
+            if v.nvmlReturn != 0:
+                out[pos] = NvmlError(int(v.nvmlReturn), "field error")
+                continue
+            out[pos] = {
+                0: v.value.dVal, 1: v.value.uiVal, 2: v.value.ulVal, 3: v.value.ullVal,
+                4: v.value.sllVal, 5: v.value.siVal, 6: getattr(v.value, "usVal", 0),
+            }.get(v.valueType)
+        return out
+
+    def _ensure_event_set(self) -> Any:
+        n = self._n()
+        if self._event_set is not None:
+            return self._event_set
+        es = self._call(n.nvmlEventSetCreate)
+        count = self.device_count()
+        for i in range(count):
+            try:
+                h = self._handle(i)
+                self._call(n.nvmlDeviceRegisterEvents, h, n.nvmlEventTypeXidCriticalError, es)
+                self._handle_to_index[ctypes.cast(h, ctypes.c_void_p).value or 0] = i
+            except NvmlError:
+                continue  # a GPU that cannot register events still gets kernel-log XIDs
+        self._event_set = es
+        return es
+
+    def wait_xid_events(self, timeout_ms: int) -> list[XidEvent]:
+        n = self._n()
+        with self._event_lock:
+            es = self._ensure_event_set()
+        try:
+            data = n.nvmlEventSetWait_v2(es, timeout_ms)
+        except n.NVMLError as exc:
+            if getattr(exc, "value", None) == errors.TIMEOUT:
+                return []
+            raise NvmlError(getattr(exc, "value", errors.UNKNOWN), str(exc)) from exc
+        handle_key = ctypes.cast(data.device, ctypes.c_void_p).value or 0
+        idx = self._handle_to_index.get(handle_key)
+        return [XidEvent(gpu_index=idx, xid=int(data.eventData), timestamp=time.time(), source="nvml")]

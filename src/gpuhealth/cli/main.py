@@ -1,0 +1,76 @@
+"""The ``gpuhealth`` command. Subcommands load lazily so ``gpuhealth status`` never pays for torch,
+gRPC or the coordinator (and a missing optional extra only breaks the command that needs it)."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from typing import Any
+
+import click
+
+from gpuhealth import __version__
+
+# name → "module:attribute" of a click command. One line per command; each lives in its own module.
+COMMANDS: dict[str, tuple[str, str]] = {
+    "status": ("gpuhealth.cli.status", "Node health per GPU, from NVML or a recording."),
+    "record": ("gpuhealth.cli.record", "Write an NVML recording of this node (a test fixture)."),
+    "agent": ("gpuhealth.cli.agent", "Run the per-node agent (/metrics, /health)."),
+    "coordinator": ("gpuhealth.cli.coordinator", "Run the cluster coordinator (gRPC ingest, hangs)."),
+    "jobs": ("gpuhealth.cli.jobs", "List jobs known to the coordinator."),
+    "fleet": ("gpuhealth.cli.fleet", "Fleet view: version drift, SDC votes, unhealthy GPUs."),
+    "triage": ("gpuhealth.cli.triage", "Triage a hung or slow job from flight-recorder dumps."),
+    "diag": ("gpuhealth.cli.diag", "Run one diagnostic: sdc, busbw, bandwidth."),
+    "qualify": ("gpuhealth.cli.qualify", "Pre-job node qualification with a verdict."),
+    "demo": ("gpuhealth.cli.demo", "Run agent + coordinator on the bundled real recording (simulated)."),
+}
+
+
+class LazyGroup(click.Group):
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted(COMMANDS)
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        entry = COMMANDS.get(cmd_name)
+        if entry is None:
+            return None
+        module_name = entry[0]
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as exc:
+            if exc.name and exc.name.startswith("gpuhealth"):
+                return _unavailable(cmd_name, f"not built yet ({exc.name})")
+            return _unavailable(cmd_name, f"needs the optional dependency '{exc.name}' "
+                                          f"(pip install 'gpuhealth[all]')")
+        cmd = getattr(module, "command", None)
+        if not isinstance(cmd, click.Command):
+            return _unavailable(cmd_name, f"{module_name} defines no 'command'")
+        return cmd
+
+    def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        rows = [(name, help_text) for name, (_, help_text) in sorted(COMMANDS.items())]
+        with formatter.section("Commands"):
+            formatter.write_dl(rows)
+
+
+def _unavailable(name: str, why: str) -> click.Command:
+    @click.command(name=name, context_settings={"ignore_unknown_options": True, "allow_extra_args": True})
+    def _cmd(**_: Any) -> None:
+        click.echo(f"gpuhealth {name}: {why}", err=True)
+        sys.exit(3)
+
+    return _cmd
+
+
+@click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="gpuhealth")
+def cli() -> None:
+    """gpuhealth: GPU fleet health and distributed-debug daemon."""
+
+
+def main() -> None:
+    cli(prog_name="gpuhealth")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,172 @@
+"""The one vocabulary every part speaks: findings, severities, health, actions, samples.
+
+A ``Finding`` is what a collector, a diagnostic or an analyzer concludes; a GPU's (or node's) health
+is derived from its findings, never stored separately (GPUd's model).
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class Severity(enum.IntEnum):
+    """Ordered so that ``max()`` over findings gives the worst one."""
+
+    INFO = 0
+    WARNING = 1
+    CRITICAL = 2
+
+    def __str__(self) -> str:
+        return self.name.lower()
+
+    @classmethod
+    def parse(cls, text: str) -> Severity:
+        return cls[text.strip().upper()]
+
+
+class Health(enum.IntEnum):
+    """Ordered: healthy < degraded < unhealthy < unknown is *not* implied; unknown is separate."""
+
+    HEALTHY = 0
+    DEGRADED = 1
+    UNHEALTHY = 2
+    UNKNOWN = 3
+
+    def __str__(self) -> str:
+        return self.name.lower()
+
+
+class Action(enum.IntEnum):
+    """Suggested remedy, ordered by how disruptive it is (the worst wins when aggregating)."""
+
+    NONE = 0
+    MONITOR = 1
+    CHECK_JOB = 2
+    RESET_GPU = 3
+    REBOOT = 4
+    DRAIN = 5
+    RMA = 6
+
+    def __str__(self) -> str:
+        return self.name.lower()
+
+    @classmethod
+    def parse(cls, text: str) -> Action:
+        return cls[text.strip().upper()]
+
+
+class EntityKind(enum.StrEnum):
+    NODE = "node"
+    GPU = "gpu"
+    LINK = "link"  # nvlink/pcie/ib port; id like "GPU-uuid/nvlink/3" or "mlx5_0/1"
+    RANK = "rank"
+    PROCESS = "process"
+    JOB = "job"
+
+
+@dataclass(frozen=True, slots=True)
+class Entity:
+    """What a finding is about. ``id`` is stable: GPU UUID, "nvlink:<uuid>:<n>", rank number, …"""
+
+    kind: EntityKind
+    id: str
+    gpu_index: int | None = None  # convenience for display/joins when the entity sits on a GPU
+
+    def __str__(self) -> str:
+        return f"{self.kind.value}:{self.id}"
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"kind": self.kind.value, "id": self.id}
+        if self.gpu_index is not None:
+            out["gpu_index"] = self.gpu_index
+        return out
+
+    @classmethod
+    def node(cls, name: str) -> Entity:
+        return cls(EntityKind.NODE, name)
+
+    @classmethod
+    def gpu(cls, uuid: str, index: int | None = None) -> Entity:
+        return cls(EntityKind.GPU, uuid, index)
+
+    @classmethod
+    def rank(cls, rank: int) -> Entity:
+        return cls(EntityKind.RANK, str(rank))
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Entity:
+        return cls(EntityKind(data["kind"]), str(data["id"]), data.get("gpu_index"))
+
+
+@dataclass(frozen=True, slots=True)
+class Finding:
+    """A conclusion with a stable dotted ``code`` (alerts route on it; never rename a code)."""
+
+    code: str
+    severity: Severity
+    entity: Entity
+    message: str
+    action: Action = Action.NONE
+    evidence: Mapping[str, Any] = field(default_factory=dict)
+    source: str = ""  # collector/diagnostic/analyzer that produced it
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "code": self.code,
+            "severity": str(self.severity),
+            "entity": self.entity.to_dict(),
+            "message": self.message,
+            "action": str(self.action),
+            "evidence": dict(self.evidence),
+            "source": self.source,
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Finding:
+        return cls(
+            code=str(data["code"]),
+            severity=Severity.parse(str(data["severity"])),
+            entity=Entity.from_dict(data["entity"]),
+            message=str(data.get("message", "")),
+            action=Action.parse(str(data.get("action", "none"))),
+            evidence=dict(data.get("evidence", {})),
+            source=str(data.get("source", "")),
+        )
+
+
+def health_of(findings: Iterable[Finding]) -> Health:
+    """Critical → unhealthy, warning → degraded, else healthy. Info never changes health."""
+    worst = max((f.severity for f in findings), default=Severity.INFO)
+    if worst is Severity.CRITICAL:
+        return Health.UNHEALTHY
+    if worst is Severity.WARNING:
+        return Health.DEGRADED
+    return Health.HEALTHY
+
+
+def worst_action(findings: Iterable[Finding]) -> Action:
+    return max((f.action for f in findings), default=Action.NONE)
+
+
+class MetricKind(enum.StrEnum):
+    GAUGE = "gauge"
+    COUNTER = "counter"
+    INFO = "info"
+
+
+@dataclass(frozen=True, slots=True)
+class Sample:
+    """One exported reading. ``name`` is the full metric name without the ``gpuhealth_`` prefix
+    (e.g. ``gpu_temperature_celsius``); counters are named without ``_total`` (the exporter adds it).
+    ``gpu`` is the GPU index when the sample belongs to a GPU: the exporter then adds the standard
+    GPU labels (gpu, uuid, pci_bus_id, model_name)."""
+
+    name: str
+    value: float
+    help: str
+    kind: MetricKind = MetricKind.GAUGE
+    gpu: int | None = None
+    labels: tuple[tuple[str, str], ...] = ()
