@@ -170,3 +170,66 @@ class Sample:
     kind: MetricKind = MetricKind.GAUGE
     gpu: int | None = None
     labels: tuple[tuple[str, str], ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class RankIdentity:
+    """Who a training rank is and where it runs (sent once by the instrument hook)."""
+
+    job_id: str
+    rank: int
+    world_size: int
+    host: str
+    pid: int
+    local_rank: int | None = None
+    gpu_uuid: str | None = None
+    gpu_index: int | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "job_id": self.job_id, "rank": self.rank, "world_size": self.world_size, "host": self.host,
+            "pid": self.pid, "local_rank": self.local_rank, "gpu_uuid": self.gpu_uuid,
+            "gpu_index": self.gpu_index,
+        }
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> RankIdentity:
+        return cls(
+            job_id=str(d["job_id"]), rank=int(d["rank"]), world_size=int(d["world_size"]),
+            host=str(d.get("host", "")), pid=int(d.get("pid", 0)),
+            local_rank=None if d.get("local_rank") is None else int(d["local_rank"]),
+            gpu_uuid=d.get("gpu_uuid"), gpu_index=None if d.get("gpu_index") is None else int(d["gpu_index"]),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class StepRecord:
+    """One training step of one rank. Wall time alone cannot show a straggler (every rank waits at
+    the collective): ``compute_s`` and ``comm_wait_s`` carry the signal. Either may be None when
+    the hook could not split them."""
+
+    job_id: str
+    rank: int
+    step: int
+    start_time: float  # wall clock, seconds since the epoch
+    wall_s: float
+    compute_s: float | None = None
+    comm_wait_s: float | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "job_id": self.job_id, "rank": self.rank, "step": self.step, "start_time": self.start_time,
+            "wall_s": self.wall_s, "compute_s": self.compute_s, "comm_wait_s": self.comm_wait_s,
+        }
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> StepRecord:
+        def opt(key: str) -> float | None:
+            v = d.get(key)
+            return None if v is None else float(v)
+
+        return cls(
+            job_id=str(d["job_id"]), rank=int(d["rank"]), step=int(d["step"]),
+            start_time=float(d["start_time"]), wall_s=float(d["wall_s"]),
+            compute_s=opt("compute_s"), comm_wait_s=opt("comm_wait_s"),
+        )
