@@ -73,12 +73,11 @@ def _load_structured(path: Path) -> Any:
         text = path.read_text()
     except OSError as exc:
         raise RecordingError(f"{path}: cannot read: {exc.strerror or exc}") from exc
+    is_yaml = path.suffix in (".yaml", ".yml")
     try:
-        if path.suffix in (".yaml", ".yml"):
-            return yaml.safe_load(text)
-        return json.loads(text)
+        return yaml.safe_load(text) if is_yaml else json.loads(text)
     except (json.JSONDecodeError, yaml.YAMLError) as exc:
-        raise RecordingError(f"{path}: not valid {'YAML' if path.suffix in ('.yaml', '.yml') else 'JSON'}: {exc}") from exc
+        raise RecordingError(f"{path}: not valid {'YAML' if is_yaml else 'JSON'}: {exc}") from exc
 
 
 def _answer(entry: Any, where: str) -> Any:

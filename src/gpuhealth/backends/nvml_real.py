@@ -54,6 +54,11 @@ SIMPLE_KEYS = (
 )
 
 
+def _bind(fn: Callable[..., Any], *args: Any) -> Callable[[Any], Any]:
+    """A getter of the handle alone, with NVML's extra arguments fixed."""
+    return lambda handle: fn(handle, *args)
+
+
 class RealNvml:
     """Talks to the driver. ``init`` raises ``BackendUnavailable`` when there is no NVML at all."""
 
@@ -139,30 +144,28 @@ class RealNvml:
             fn = getattr(n, "nvmlDeviceGet" + key, None)
             if fn is not None:
                 d[key] = fn
-        d["Temperature_GPU"] = lambda h: n.nvmlDeviceGetTemperature(h, n.NVML_TEMPERATURE_GPU)
+        d["Temperature_GPU"] = _bind(n.nvmlDeviceGetTemperature, n.NVML_TEMPERATURE_GPU)
         for name in ("SLOWDOWN", "SHUTDOWN", "GPU_MAX", "MEM_MAX"):
             const = getattr(n, "NVML_TEMPERATURE_THRESHOLD_" + name)
-            d["TemperatureThreshold_" + name] = lambda h, c=const: n.nvmlDeviceGetTemperatureThreshold(h, c)
+            d["TemperatureThreshold_" + name] = _bind(n.nvmlDeviceGetTemperatureThreshold, const)
         for name in ("GRAPHICS", "SM", "MEM", "VIDEO"):
             const = getattr(n, "NVML_CLOCK_" + name)
-            d["ClockInfo_" + name] = lambda h, c=const: n.nvmlDeviceGetClockInfo(h, c)
-            d["MaxClockInfo_" + name] = lambda h, c=const: n.nvmlDeviceGetMaxClockInfo(h, c)
+            d["ClockInfo_" + name] = _bind(n.nvmlDeviceGetClockInfo, const)
+            d["MaxClockInfo_" + name] = _bind(n.nvmlDeviceGetMaxClockInfo, const)
         for et_name, et in (("CORRECTED", n.NVML_MEMORY_ERROR_TYPE_CORRECTED),
                             ("UNCORRECTED", n.NVML_MEMORY_ERROR_TYPE_UNCORRECTED)):
             for ct_name, ct in (("VOLATILE", n.NVML_VOLATILE_ECC), ("AGGREGATE", n.NVML_AGGREGATE_ECC)):
-                d[f"TotalEccErrors_{et_name}_{ct_name}"] = (
-                    lambda h, e=et, c=ct: n.nvmlDeviceGetTotalEccErrors(h, e, c)
-                )
+                d[f"TotalEccErrors_{et_name}_{ct_name}"] = _bind(n.nvmlDeviceGetTotalEccErrors, et, ct)
         for src_name, src in (("SBE", n.NVML_PAGE_RETIREMENT_CAUSE_MULTIPLE_SINGLE_BIT_ECC_ERRORS),
                               ("DBE", n.NVML_PAGE_RETIREMENT_CAUSE_DOUBLE_BIT_ECC_ERROR)):
-            d["RetiredPages_" + src_name] = lambda h, s=src: n.nvmlDeviceGetRetiredPages(h, s)
+            d["RetiredPages_" + src_name] = _bind(n.nvmlDeviceGetRetiredPages, src)
         for pol in ("POWER", "THERMAL", "SYNC_BOOST", "BOARD_LIMIT", "LOW_UTILIZATION", "RELIABILITY"):
             const = getattr(n, "NVML_PERF_POLICY_" + pol)
-            d["ViolationStatus_" + pol] = lambda h, c=const: n.nvmlDeviceGetViolationStatus(h, c)
-        d["CpuAffinity_64x4"] = lambda h: n.nvmlDeviceGetCpuAffinity(h, 4)
-        d["MemoryAffinity_64x4"] = lambda h: n.nvmlDeviceGetMemoryAffinity(h, 4, n.NVML_AFFINITY_SCOPE_NODE)
-        d["PcieThroughput_TX"] = lambda h: n.nvmlDeviceGetPcieThroughput(h, n.NVML_PCIE_UTIL_TX_BYTES)
-        d["PcieThroughput_RX"] = lambda h: n.nvmlDeviceGetPcieThroughput(h, n.NVML_PCIE_UTIL_RX_BYTES)
+            d["ViolationStatus_" + pol] = _bind(n.nvmlDeviceGetViolationStatus, const)
+        d["CpuAffinity_64x4"] = _bind(n.nvmlDeviceGetCpuAffinity, 4)
+        d["MemoryAffinity_64x4"] = _bind(n.nvmlDeviceGetMemoryAffinity, 4, n.NVML_AFFINITY_SCOPE_NODE)
+        d["PcieThroughput_TX"] = _bind(n.nvmlDeviceGetPcieThroughput, n.NVML_PCIE_UTIL_TX_BYTES)
+        d["PcieThroughput_RX"] = _bind(n.nvmlDeviceGetPcieThroughput, n.NVML_PCIE_UTIL_RX_BYTES)
 
         def fabric(h: Any) -> Any:
             info = n.c_nvmlGpuFabricInfo_t()
