@@ -77,7 +77,7 @@ def test_scenario_overrides_clones_and_events(tmp_path: Path, clock) -> None:  #
 def test_malformed_files_name_file_and_key(tmp_path: Path) -> None:
     bad = tmp_path / "bad.json"
     bad.write_text("{not json")
-    with pytest.raises(RecordingError, match="bad.json"):
+    with pytest.raises(RecordingError, match=r"bad\.json"):
         FakeNvml.from_file(bad)
     no_uuid = tmp_path / "nouuid.json"
     no_uuid.write_text(json.dumps({"devices": [{"Name": {"value": "x"}, "PciInfo": {"value": {}}}]}))
