@@ -46,6 +46,9 @@ class AgentConfig:
     coordinator: str | None = None  # host:port of the coordinator, None = standalone
     state_dir: str = "/var/lib/gpuhealth"
     socket_path: str = "/run/gpuhealth/agent.sock"  # instrument hook → agent
+    # GPU → pod attribution (kubelet PodResources API); used only when the socket exists.
+    pod_resources_socket: str = "/var/lib/kubelet/pod-resources/kubelet.sock"
+    slurm_job_dir: str | None = None  # GPU → Slurm job mapping files (written by the prolog)
 
 
 @dataclass(slots=True)

@@ -1,0 +1,1 @@
+"""The per-node agent: scheduler, cache/history, HTTP server, rank hub, coordinator link."""
