@@ -1,0 +1,415 @@
+"""``RankHub``: the agent's side of the instrument socket (training ranks on this node connect here).
+
+An agent extension (``name``, ``start(agent)``, ``stop()``). It listens on a unix stream socket,
+speaks ``gpuhealth.instrument.protocol`` (newline-delimited JSON; it never imports torch), keeps
+the identity of each connected rank, passes step records to listeners and sends requests to
+ranks on behalf of the coordinator link:
+
+    hub = RankHub("/run/gpuhealth/agent.sock")
+    hub.add_listener(on_identity=..., on_steps=..., on_disconnect=...)
+    hub.start(agent)
+    hub.ranks()                                         # -> list[RankIdentity]
+    hub.request_dump("job42", None, "/var/lib/gpuhealth/fr/job42", timeout_s=30)
+        # -> {rank: "/…/rank3.json" | Exception}
+    hub.request_stacks("job42", 3, timeout_s=10)        # -> {3: {"pid", "threads", "text"} | Exception}
+    hub.stop()
+
+Listener callbacks run on the hub's thread: keep them short (hand off to a queue). A listener that
+raises is counted in ``stats()["listener_errors"]`` and never stops the hub. Malformed lines are
+counted and skipped. One thread runs a selector over all connections.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+import os
+import selectors
+import socket
+import stat
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from gpuhealth.instrument import protocol
+from gpuhealth.model import RankIdentity, StepRecord
+
+log = logging.getLogger(__name__)
+
+OnIdentity = Callable[[RankIdentity], None]
+OnSteps = Callable[["RankIdentity | None", list[StepRecord]], None]
+OnDisconnect = Callable[[RankIdentity], None]
+
+_UNIX_PATH_MAX = 107  # sun_path is 108 bytes including the terminating NUL on Linux
+
+
+class RankHubError(RuntimeError):
+    """The socket cannot be set up (bad path, in use by a live agent, not a socket)."""
+
+
+class RankRequestError(RuntimeError):
+    """A rank answered a request with an error (its message is the rank's)."""
+
+
+class RankNotConnectedError(LookupError):
+    """The rank asked for is not connected, or went away before answering."""
+
+
+@dataclass(eq=False)
+class _Conn:
+    sock: socket.socket
+    buffer: protocol.LineBuffer = field(default_factory=protocol.LineBuffer)
+    identity: RankIdentity | None = None
+    send_lock: threading.Lock = field(default_factory=threading.Lock)
+    connected_at: float = field(default_factory=time.time)
+
+
+@dataclass(eq=False)
+class _Waiter:
+    conn: _Conn
+    rank: int
+    done: threading.Event = field(default_factory=threading.Event)
+    result: Any = None
+
+
+@dataclass(frozen=True)
+class _Listener:
+    on_identity: OnIdentity | None
+    on_steps: OnSteps | None
+    on_disconnect: OnDisconnect | None
+
+
+class RankHub:
+    """Listens for instrumented training ranks on ``socket_path`` (file mode ``mode``)."""
+
+    name = "ranks"
+
+    def __init__(self, socket_path: str | os.PathLike[str], *, mode: int = 0o660, send_timeout_s: float = 2.0) -> None:
+        self.socket_path = Path(socket_path)
+        self.mode = mode
+        self._send_timeout = send_timeout_s
+        self._lock = threading.Lock()
+        self._conns: set[_Conn] = set()
+        self._by_rank: dict[tuple[str, int], _Conn] = {}
+        self._waiters: dict[str, _Waiter] = {}
+        self._listeners: list[_Listener] = []
+        self._ids = itertools.count(1)
+        self._listen: socket.socket | None = None
+        self._sel: selectors.BaseSelector | None = None
+        self._wake_r: socket.socket | None = None
+        self._wake_w: socket.socket | None = None
+        self._thread: threading.Thread | None = None
+        self._stopping = threading.Event()
+        self._inode: int | None = None
+        self._stats = {"connections": 0, "disconnects": 0, "malformed": 0, "bad_records": 0, "records": 0,
+                       "listener_errors": 0, "unknown_messages": 0, "late_replies": 0}
+
+    # -- lifecycle ----------------------------------------------------------------------------------
+
+    def start(self, agent: object | None = None) -> None:
+        """Bind the socket and start the hub thread (does not block). ``agent`` is unused."""
+        if self._thread is not None:
+            return
+        self._listen = self._bind()
+        self._sel = selectors.DefaultSelector()
+        self._wake_r, self._wake_w = socket.socketpair()
+        for s in (self._wake_r, self._wake_w, self._listen):
+            s.setblocking(False)
+        self._sel.register(self._listen, selectors.EVENT_READ)
+        self._sel.register(self._wake_r, selectors.EVENT_READ)
+        self._stopping.clear()
+        self._thread = threading.Thread(target=self._run, name="gpuhealth-rankhub", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Close every connection, fail pending requests, remove the socket file."""
+        if self._thread is None:
+            return
+        self._stopping.set()
+        self._wake()
+        self._thread.join(5.0)
+        self._thread = None
+        with self._lock:
+            conns = list(self._conns)
+        for conn in conns:
+            self._drop(conn)
+        for s in (self._listen, self._wake_r, self._wake_w):
+            if s is not None:
+                s.close()
+        if self._sel is not None:
+            self._sel.close()
+        self._listen = self._wake_r = self._wake_w = None
+        self._sel = None
+        with contextlib.suppress(OSError):  # remove the file only if it is still the one we made
+            if self._inode is not None and self.socket_path.lstat().st_ino == self._inode:
+                self.socket_path.unlink()
+
+    def _bind(self) -> socket.socket:
+        path = self.socket_path
+        if len(os.fsencode(str(path))) > _UNIX_PATH_MAX:
+            raise RankHubError(f"socket path {path} is longer than {_UNIX_PATH_MAX} bytes (unix socket limit)")
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise RankHubError(f"cannot create {path.parent}: {exc.strerror or exc}") from exc
+        try:
+            st = path.lstat()
+        except FileNotFoundError:
+            st = None
+        if st is not None:
+            if not stat.S_ISSOCK(st.st_mode):
+                raise RankHubError(f"{path} exists and is not a socket; not removing it")
+            probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            probe.settimeout(1.0)
+            try:
+                probe.connect(str(path))
+                live = True
+            except OSError:
+                live = False  # stale socket from a dead agent
+            finally:
+                probe.close()
+            if live:
+                raise RankHubError(f"another process is already listening on {path}")
+            path.unlink()
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.bind(str(path))
+            os.chmod(path, self.mode)
+            sock.listen(128)
+        except OSError as exc:
+            sock.close()
+            raise RankHubError(f"cannot listen on {path}: {exc.strerror or exc}") from exc
+        self._inode = path.lstat().st_ino
+        return sock
+
+    def _wake(self) -> None:
+        if self._wake_w is not None:
+            with contextlib.suppress(OSError):
+                self._wake_w.send(b"x")
+
+    # -- public API (thread-safe) -------------------------------------------------------------------
+
+    def add_listener(
+        self,
+        on_identity: OnIdentity | None = None,
+        on_steps: OnSteps | None = None,
+        on_disconnect: OnDisconnect | None = None,
+    ) -> None:
+        """``on_identity(identity)`` when a rank says hello; ``on_steps(identity or None, records)``
+        for each batch; ``on_disconnect(identity)`` when a rank that said hello goes away."""
+        with self._lock:
+            self._listeners.append(_Listener(on_identity, on_steps, on_disconnect))
+
+    def ranks(self, job_id: str | None = None) -> list[RankIdentity]:
+        """Identities of connected ranks (of one job when ``job_id`` is given), by job then rank."""
+        with self._lock:
+            idents = [c.identity for c in self._by_rank.values() if c.identity is not None]
+        if job_id is not None:
+            idents = [i for i in idents if i.job_id == job_id]
+        return sorted(idents, key=lambda i: (i.job_id, i.rank))
+
+    def stats(self) -> dict[str, int]:
+        with self._lock:
+            return {**self._stats, "connected": len(self._conns), "ranks": len(self._by_rank)}
+
+    def request_dump(
+        self, job_id: str, rank: int | None, out_dir: str, timeout_s: float = 30.0
+    ) -> dict[int, str | Exception]:
+        """Ask ranks (all of the job's ranks on this node when ``rank`` is None) to write their flight
+        recorder into ``out_dir``. Returns each rank's dump path, or the Exception that stands in for
+        it (RankRequestError, RankNotConnectedError, TimeoutError). Waits at most ``timeout_s``."""
+        results = self._request(job_id, rank, timeout_s, lambda rid: protocol.dump_fr_request(rid, str(out_dir)))
+        out: dict[int, str | Exception] = {}
+        for r, res in results.items():
+            if isinstance(res, Exception):
+                out[r] = res
+            elif isinstance(res.get("path"), str):
+                out[r] = res["path"]
+            else:
+                out[r] = RankRequestError(f"rank {r} replied without a path")
+        return out
+
+    def request_stacks(
+        self, job_id: str, rank: int | None, timeout_s: float = 10.0
+    ) -> dict[int, dict[str, Any] | Exception]:
+        """All-thread Python stacks of the ranks: ``{"pid", "threads": [{"thread_id", "name", "main",
+        "frames": [{"file", "line", "function", "code"}, …innermost last]}], "text"}`` or an Exception."""
+        results = self._request(job_id, rank, timeout_s, protocol.stacks_request)
+        out: dict[int, dict[str, Any] | Exception] = {}
+        for r, res in results.items():
+            if isinstance(res, Exception):
+                out[r] = res
+            elif isinstance(res.get("stacks"), dict):
+                out[r] = res["stacks"]
+            else:
+                out[r] = RankRequestError(f"rank {r} replied without stacks")
+        return out
+
+    def _request(
+        self, job_id: str, rank: int | None, timeout_s: float, build: Callable[[str], dict[str, Any]]
+    ) -> dict[int, Any]:
+        results: dict[int, Any] = {}
+        with self._lock:
+            if rank is None:
+                targets = [(r, c) for (j, r), c in self._by_rank.items() if j == job_id]
+            else:
+                conn = self._by_rank.get((job_id, rank))
+                targets = [(rank, conn)] if conn is not None else []
+                if conn is None:
+                    results[rank] = RankNotConnectedError(f"rank {rank} of job {job_id} is not connected here")
+            waiters: dict[str, _Waiter] = {}
+            for r, conn in targets:
+                rid = f"{os.getpid()}-{next(self._ids)}"
+                waiters[rid] = self._waiters[rid] = _Waiter(conn, r)
+        for rid, w in waiters.items():
+            try:
+                line = protocol.encode(build(rid))
+                with w.conn.send_lock:
+                    w.conn.sock.sendall(line)
+            except (OSError, protocol.ProtocolError) as exc:
+                self._finish(rid, RankNotConnectedError(f"rank {w.rank}: cannot send the request: {exc}"))
+        deadline = time.monotonic() + timeout_s
+        for rid, w in waiters.items():
+            w.done.wait(max(0.0, deadline - time.monotonic()))
+            with self._lock:
+                self._waiters.pop(rid, None)
+            results[w.rank] = w.result if w.done.is_set() else TimeoutError(
+                f"rank {w.rank} did not answer within {timeout_s:g} s")
+        return results
+
+    def _finish(self, rid: str, result: Any) -> None:
+        with self._lock:
+            w = self._waiters.pop(rid, None)
+        if w is None:
+            with self._lock:
+                self._stats["late_replies"] += 1
+            return
+        w.result = result
+        w.done.set()
+
+    # -- hub thread ---------------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        assert self._sel is not None
+        while not self._stopping.is_set():
+            try:
+                events = self._sel.select(1.0)
+            except OSError:
+                if self._stopping.is_set():
+                    break
+                raise
+            for key, _ in events:
+                obj = key.fileobj
+                try:
+                    if obj is self._listen:
+                        self._accept()
+                    elif obj is self._wake_r:
+                        with contextlib.suppress(OSError):
+                            self._wake_r.recv(4096)
+                    else:
+                        self._read(key.data)
+                except Exception:  # one bad connection never stops the hub
+                    log.exception("rank hub: error on a connection")
+                    if isinstance(key.data, _Conn):
+                        self._drop(key.data)
+
+    def _accept(self) -> None:
+        assert self._listen is not None and self._sel is not None
+        while True:
+            try:
+                sock, _ = self._listen.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            sock.settimeout(self._send_timeout)  # sends from request threads must not hang forever
+            conn = _Conn(sock)
+            with self._lock:
+                self._conns.add(conn)
+                self._stats["connections"] += 1
+            self._sel.register(sock, selectors.EVENT_READ, conn)
+
+    def _read(self, conn: _Conn) -> None:
+        try:
+            data = conn.sock.recv(1 << 20)
+        except (BlockingIOError, InterruptedError, TimeoutError):
+            return
+        except OSError:
+            data = b""
+        if not data:
+            self._drop(conn)
+            return
+        before = conn.buffer.malformed
+        for message in conn.buffer.feed(data):
+            self._on_message(conn, message)
+        if conn.buffer.malformed != before:
+            with self._lock:
+                self._stats["malformed"] += conn.buffer.malformed - before
+
+    def _on_message(self, conn: _Conn, msg: Mapping[str, Any]) -> None:
+        kind = msg["type"]
+        try:
+            if kind == protocol.HELLO:
+                self._on_hello(conn, protocol.read_identity(msg))
+            elif kind == protocol.STEPS:
+                records, bad = protocol.read_steps(msg)
+                with self._lock:
+                    self._stats["records"] += len(records)
+                    self._stats["bad_records"] += bad
+                if records:
+                    self._notify(lambda li: li.on_steps and li.on_steps(conn.identity, records))
+            elif kind == protocol.REPLY:
+                rid = protocol.request_id_of(msg)
+                if msg.get("ok") is True:
+                    self._finish(rid, dict(msg))
+                else:
+                    who = conn.identity.rank if conn.identity else "?"
+                    self._finish(rid, RankRequestError(f"rank {who}: {msg.get('error', 'request failed')}"))
+            else:
+                with self._lock:
+                    self._stats["unknown_messages"] += 1
+        except protocol.ProtocolError:
+            with self._lock:
+                self._stats["malformed"] += 1
+
+    def _on_hello(self, conn: _Conn, ident: RankIdentity) -> None:
+        with self._lock:
+            if conn.identity is not None and self._by_rank.get((conn.identity.job_id, conn.identity.rank)) is conn:
+                del self._by_rank[(conn.identity.job_id, conn.identity.rank)]
+            conn.identity = ident
+            # A restarted rank replaces its old connection (the old one may linger half-closed).
+            self._by_rank[(ident.job_id, ident.rank)] = conn
+        self._notify(lambda li: li.on_identity and li.on_identity(ident))
+
+    def _drop(self, conn: _Conn) -> None:
+        with self._lock:
+            if conn not in self._conns:
+                return
+            self._conns.discard(conn)
+            self._stats["disconnects"] += 1
+            ident = conn.identity
+            if ident is not None and self._by_rank.get((ident.job_id, ident.rank)) is conn:
+                del self._by_rank[(ident.job_id, ident.rank)]
+            orphans = [rid for rid, w in self._waiters.items() if w.conn is conn]
+        if self._sel is not None:
+            with contextlib.suppress(KeyError, ValueError):
+                self._sel.unregister(conn.sock)
+        conn.sock.close()
+        for rid in orphans:
+            who = ident.rank if ident else "?"
+            self._finish(rid, RankNotConnectedError(f"rank {who} disconnected before answering"))
+        if ident is not None:
+            self._notify(lambda li: li.on_disconnect and li.on_disconnect(ident))
+
+    def _notify(self, call: Callable[[_Listener], Any]) -> None:
+        with self._lock:
+            listeners = list(self._listeners)
+        for li in listeners:
+            try:
+                call(li)
+            except Exception:
+                log.exception("rank hub: a listener raised")
+                with self._lock:
+                    self._stats["listener_errors"] += 1

@@ -1,0 +1,170 @@
+"""The instrument wire protocol: newline-delimited JSON over a unix stream socket.
+
+Pure (no I/O, no torch): the training-side hook and the agent's ``RankHub`` both use it.
+
+Every line is one JSON object with a ``type``. Version 1 messages:
+
+rank → agent
+    ``{"v": 1, "type": "hello", "identity": RankIdentity}``  (first line on a connection)
+    ``{"type": "steps", "records": [StepRecord, ...], "dropped": N}``
+    ``{"type": "reply", "id": ID, "ok": true, "path": "..."}``            (answer to dump_fr)
+    ``{"type": "reply", "id": ID, "ok": true, "stacks": {...}}``          (answer to stacks)
+    ``{"type": "reply", "id": ID, "ok": false, "error": "..."}``
+agent → rank
+    ``{"type": "dump_fr", "id": ID, "dir": "/folder"}``
+    ``{"type": "stacks", "id": ID}``
+
+Either side ignores message types it does not know (forward compatibility) and lines that are
+not valid JSON objects (counted, never fatal). A line longer than ``MAX_LINE_BYTES`` is discarded
+whole, up to its newline.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+from gpuhealth.model import RankIdentity, StepRecord
+
+PROTOCOL_VERSION = 1
+# Large enough for a batch of step records or all-thread stacks of a busy process; small enough
+# that one bad peer cannot make the other side buffer without bound.
+MAX_LINE_BYTES = 8 * 1024 * 1024
+
+HELLO = "hello"
+STEPS = "steps"
+REPLY = "reply"
+DUMP_FR = "dump_fr"
+STACKS = "stacks"
+
+
+class ProtocolError(ValueError):
+    """A line that is not a valid message (bad JSON, not an object, missing fields, too long)."""
+
+
+def encode(message: Mapping[str, Any]) -> bytes:
+    """One message as one line (with the trailing newline). Raises ProtocolError when too long."""
+    line = json.dumps(message, separators=(",", ":"), allow_nan=False, default=str).encode() + b"\n"
+    if len(line) > MAX_LINE_BYTES:
+        raise ProtocolError(f"message of type {message.get('type')!r} is {len(line)} bytes, over {MAX_LINE_BYTES}")
+    return line
+
+
+def decode(line: bytes | str) -> dict[str, Any]:
+    """Parse one line into a message dict with a string ``type``; ProtocolError otherwise."""
+    if len(line) > MAX_LINE_BYTES:
+        raise ProtocolError(f"line of {len(line)} bytes is over {MAX_LINE_BYTES}")
+    try:
+        obj = json.loads(line)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ProtocolError(f"not JSON: {exc}") from exc
+    if not isinstance(obj, dict):
+        raise ProtocolError(f"expected a JSON object, got {type(obj).__name__}")
+    if not isinstance(obj.get("type"), str):
+        raise ProtocolError("message has no string 'type'")
+    return obj
+
+
+# -- builders -------------------------------------------------------------------------------------
+
+
+def hello(identity: RankIdentity) -> dict[str, Any]:
+    return {"v": PROTOCOL_VERSION, "type": HELLO, "identity": identity.to_dict()}
+
+
+def steps(records: Sequence[StepRecord], dropped: int = 0) -> dict[str, Any]:
+    return {"type": STEPS, "records": [r.to_dict() for r in records], "dropped": dropped}
+
+
+def dump_fr_request(request_id: str, out_dir: str) -> dict[str, Any]:
+    return {"type": DUMP_FR, "id": request_id, "dir": out_dir}
+
+
+def stacks_request(request_id: str) -> dict[str, Any]:
+    return {"type": STACKS, "id": request_id}
+
+
+def reply_ok(request_id: str, **payload: Any) -> dict[str, Any]:
+    return {"type": REPLY, "id": request_id, "ok": True, **payload}
+
+
+def reply_error(request_id: str, error: str) -> dict[str, Any]:
+    return {"type": REPLY, "id": request_id, "ok": False, "error": error}
+
+
+# -- readers (validate the payload of a decoded message) ----------------------------------------
+
+
+def read_identity(message: Mapping[str, Any]) -> RankIdentity:
+    """The identity of a hello; ProtocolError when it is missing or malformed."""
+    ident = message.get("identity")
+    if not isinstance(ident, Mapping):
+        raise ProtocolError("hello without an 'identity' object")
+    try:
+        return RankIdentity.from_dict(ident)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ProtocolError(f"bad identity: {exc!r}") from exc
+
+
+def read_steps(message: Mapping[str, Any]) -> tuple[list[StepRecord], int]:
+    """(valid records, number of malformed records skipped) of a steps message."""
+    raw = message.get("records")
+    if not isinstance(raw, list):
+        raise ProtocolError("steps without a 'records' list")
+    records: list[StepRecord] = []
+    bad = 0
+    for item in raw:
+        try:
+            if not isinstance(item, Mapping):
+                raise TypeError("record is not an object")
+            records.append(StepRecord.from_dict(item))
+        except (KeyError, TypeError, ValueError):
+            bad += 1
+    return records, bad
+
+
+def request_id_of(message: Mapping[str, Any]) -> str:
+    rid = message.get("id")
+    if not isinstance(rid, str | int) or isinstance(rid, bool):
+        raise ProtocolError(f"{message.get('type')} without a string 'id'")
+    return str(rid)
+
+
+class LineBuffer:
+    """Splits a byte stream into lines and decodes them, never holding more than one line's limit.
+
+    ``feed(data)`` yields each decoded message; malformed and over-long lines are counted in
+    ``malformed`` and skipped."""
+
+    def __init__(self, max_line: int = MAX_LINE_BYTES) -> None:
+        self._buf = bytearray()
+        self._max = max_line
+        self._discarding = False  # inside an over-long line: drop bytes up to the next newline
+        self.malformed = 0
+
+    def feed(self, data: bytes) -> Iterator[dict[str, Any]]:
+        self._buf += data
+        while True:
+            nl = self._buf.find(b"\n")
+            if nl < 0:
+                if len(self._buf) > self._max:
+                    if not self._discarding:
+                        self.malformed += 1
+                    self._discarding = True
+                    self._buf.clear()
+                return
+            line = bytes(self._buf[:nl])
+            del self._buf[: nl + 1]
+            if self._discarding:
+                self._discarding = False
+                continue
+            if not line.strip():
+                continue
+            if len(line) > self._max:
+                self.malformed += 1
+                continue
+            try:
+                yield decode(line)
+            except ProtocolError:
+                self.malformed += 1

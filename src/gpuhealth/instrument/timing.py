@@ -1,0 +1,279 @@
+"""Step timers: split each step's wall time into compute and collective wait.
+
+Two timers share one small interface (``StepTimer``):
+
+- ``HostTimer`` reads ``time.perf_counter``: right on CPU/Gloo, where a collective blocks the
+  calling thread for as long as it waits.
+- ``LazyEventTimer`` records device events (CUDA events in practice) around the step and around
+  each collective, and resolves them *later*, when ``query()`` says they are done: the training
+  loop never waits for the GPU (no host sync per step). A step's numbers come out a few steps
+  after it ran. Collective spans can also be NCCL's own timings (``WorkSpan``: ``Work.
+  get_duration()`` with ``TORCH_NCCL_ENABLE_TIMING=1``), resolved the same lazy way.
+
+Pure: no torch import. The event objects come from a factory given to the constructor, so tests
+drive the lazy logic with a small fake at the hardware boundary.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+
+@dataclass(frozen=True, slots=True)
+class StepTiming:
+    """What a timer knows about one finished step (the Tracker adds job id and rank)."""
+
+    step: int
+    start_time: float  # wall clock (epoch seconds) when the step began on the host
+    wall_s: float
+    compute_s: float | None
+    comm_wait_s: float | None
+
+
+class StepTimer(Protocol):
+    def begin_step(self, step: int, start_time: float) -> None: ...
+
+    def begin_collective(self) -> None: ...
+
+    def end_collective(self) -> None: ...
+
+    def add_span(self, span: CommSpan) -> None: ...
+
+    def end_step(self) -> None: ...
+
+    def abort_step(self) -> None: ...
+
+    def poll(self) -> list[StepTiming]: ...
+
+    def flush(self, timeout_s: float) -> list[StepTiming]: ...
+
+    @property
+    def pending(self) -> int: ...
+
+
+class TimingEvent(Protocol):
+    """The part of ``torch.cuda.Event(enable_timing=True)`` the lazy timer uses."""
+
+    def record(self) -> None: ...
+
+    def query(self) -> bool: ...
+
+    def elapsed_time(self, end_event: Any) -> float: ...  # milliseconds
+
+    def synchronize(self) -> None: ...
+
+
+class CommSpan(Protocol):
+    """One collective's wait, known once ``ready()``."""
+
+    def ready(self) -> bool: ...
+
+    def seconds(self) -> float: ...
+
+    def wait(self) -> None: ...
+
+
+@dataclass(slots=True)
+class EventSpan:
+    """Wait between two events recorded on the compute stream just before and after a collective."""
+
+    begin: TimingEvent
+    end: TimingEvent
+
+    def ready(self) -> bool:
+        return self.end.query()
+
+    def seconds(self) -> float:
+        return self.begin.elapsed_time(self.end) / 1000.0
+
+    def wait(self) -> None:
+        self.end.synchronize()
+
+
+@dataclass(slots=True)
+class WorkSpan:
+    """NCCL's own timing of one collective (``TORCH_NCCL_ENABLE_TIMING=1``): ``Work.get_duration()``
+    in ms, valid once ``Work.is_completed()``."""
+
+    work: Any
+
+    def ready(self) -> bool:
+        return bool(self.work.is_completed())
+
+    def seconds(self) -> float:
+        return float(self.work.get_duration()) / 1000.0
+
+    def wait(self) -> None:
+        self.work.wait()
+
+
+class HostTimer:
+    """perf_counter timing: a collective's wait is the time the host spent inside it."""
+
+    def __init__(self, clock: Callable[[], float] = time.perf_counter) -> None:
+        self._clock = clock
+        self._t0 = 0.0
+        self._c0 = 0.0
+        self._comm = 0.0
+        self._step = -1
+        self._start_time = 0.0
+        self._done: list[StepTiming] = []
+
+    def begin_step(self, step: int, start_time: float) -> None:
+        self._step = step
+        self._start_time = start_time
+        self._comm = 0.0
+        self._t0 = self._clock()
+
+    def begin_collective(self) -> None:
+        self._c0 = self._clock()
+
+    def end_collective(self) -> None:
+        self._comm += self._clock() - self._c0
+
+    def add_span(self, span: CommSpan) -> None:
+        """Ignored: on the host, the time spent waiting for the collective is already counted."""
+
+    def end_step(self) -> None:
+        wall = self._clock() - self._t0
+        comm = min(self._comm, wall)
+        self._done.append(StepTiming(self._step, self._start_time, wall, wall - comm, comm))
+
+    def abort_step(self) -> None:
+        self._comm = 0.0
+
+    def poll(self) -> list[StepTiming]:
+        if not self._done:
+            return []
+        out, self._done = self._done, []
+        return out
+
+    def flush(self, timeout_s: float) -> list[StepTiming]:
+        return self.poll()
+
+    @property
+    def pending(self) -> int:
+        return len(self._done)
+
+
+@dataclass(slots=True)
+class _PendingStep:
+    step: int
+    start_time: float
+    start: TimingEvent
+    end: TimingEvent | None = None
+    spans: list[CommSpan] = field(default_factory=list)
+
+
+class LazyEventTimer:
+    """Records events, resolves them once done; never blocks the caller except in ``flush``.
+
+    Steps are resolved in order: a step waits for the ones before it, so records keep their order.
+    Events are pooled and reused after a step is resolved (creating CUDA events every step costs).
+    More than ``max_pending`` unresolved steps (a GPU far behind, or stuck) drops the oldest ones,
+    counted in ``dropped``, so memory stays bounded.
+    """
+
+    def __init__(self, event_factory: Callable[[], TimingEvent], *, max_pending: int = 64) -> None:
+        self._new_event = event_factory
+        self._pool: list[TimingEvent] = []
+        self._pending: deque[_PendingStep] = deque()
+        self._current: _PendingStep | None = None
+        self._open_begin: TimingEvent | None = None
+        self._max_pending = max_pending
+        self.dropped = 0
+
+    def _event(self) -> TimingEvent:
+        return self._pool.pop() if self._pool else self._new_event()
+
+    def _release(self, p: _PendingStep) -> None:
+        self._pool.append(p.start)
+        if p.end is not None:
+            self._pool.append(p.end)
+        for span in p.spans:
+            if isinstance(span, EventSpan):
+                self._pool.extend((span.begin, span.end))
+
+    def begin_step(self, step: int, start_time: float) -> None:
+        ev = self._event()
+        ev.record()
+        self._current = _PendingStep(step, start_time, ev)
+
+    def begin_collective(self) -> None:
+        if self._current is None:
+            return
+        ev = self._event()
+        ev.record()
+        self._open_begin = ev
+
+    def end_collective(self) -> None:
+        if self._current is None or self._open_begin is None:
+            return
+        ev = self._event()
+        ev.record()
+        self._current.spans.append(EventSpan(self._open_begin, ev))
+        self._open_begin = None
+
+    def add_span(self, span: CommSpan) -> None:
+        if self._current is not None:
+            self._current.spans.append(span)
+
+    def end_step(self) -> None:
+        cur = self._current
+        if cur is None:
+            return
+        ev = self._event()
+        ev.record()
+        cur.end = ev
+        self._current = None
+        self._pending.append(cur)
+        while len(self._pending) > self._max_pending:
+            self._release(self._pending.popleft())
+            self.dropped += 1
+
+    def abort_step(self) -> None:
+        if self._current is not None:
+            # Events may still be in flight on the stream; do not reuse them, let them be freed.
+            self._current = None
+        self._open_begin = None
+
+    @staticmethod
+    def _ready(p: _PendingStep) -> bool:
+        return p.end is not None and p.end.query() and all(s.ready() for s in p.spans)
+
+    @staticmethod
+    def _resolve(p: _PendingStep) -> StepTiming:
+        assert p.end is not None
+        wall = p.start.elapsed_time(p.end) / 1000.0
+        comm = min(sum(s.seconds() for s in p.spans), wall)
+        return StepTiming(p.step, p.start_time, wall, wall - comm, comm)
+
+    def poll(self) -> list[StepTiming]:
+        out: list[StepTiming] = []
+        while self._pending and self._ready(self._pending[0]):
+            p = self._pending.popleft()
+            out.append(self._resolve(p))
+            self._release(p)
+        return out
+
+    def flush(self, timeout_s: float) -> list[StepTiming]:
+        """Resolve everything recorded so far, waiting for the device (used at close only)."""
+        deadline = time.monotonic() + timeout_s
+        out: list[StepTiming] = []
+        while self._pending and time.monotonic() < deadline:
+            head = self._pending[0]
+            if not self._ready(head):
+                assert head.end is not None
+                head.end.synchronize()
+                for s in head.spans:
+                    s.wait()
+            out.extend(self.poll())
+        return out
+
+    @property
+    def pending(self) -> int:
+        return len(self._pending)
