@@ -1,0 +1,110 @@
+"""Small helpers the hardware collectors share: entities, batched field reads, counter deltas.
+
+Kept private (``_shared``): the public contract is the collector protocol in ``base.py``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from gpuhealth.backends.errors import NvmlError
+from gpuhealth.backends.sysfs import Sysfs, sysfs_for
+from gpuhealth.collectors.base import CollectContext, History, Observations
+from gpuhealth.model import Entity, EntityKind
+
+
+def gpu_entity(ctx: CollectContext, index: int) -> Entity:
+    g = ctx.gpu_by_index(index)
+    return Entity.gpu(g.uuid if g is not None else f"gpu{index}", index)
+
+
+def link_entity(ctx: CollectContext, index: int, kind: str, link: int | str) -> Entity:
+    """A per-GPU link ("GPU-uuid/nvlink/3", "GPU-uuid/pcie")."""
+    g = ctx.gpu_by_index(index)
+    uuid = g.uuid if g is not None else f"gpu{index}"
+    suffix = f"{kind}/{link}" if link != "" else kind
+    return Entity(EntityKind.LINK, f"{uuid}/{suffix}", index)
+
+
+def node_entity(ctx: CollectContext) -> Entity:
+    return Entity.node(ctx.node_name)
+
+
+def sysfs_of(ctx: CollectContext) -> Sysfs:
+    """The context's sysfs, or the one matching its backend (recording → recorded sysfs)."""
+    if ctx.sysfs is not None:
+        return ctx.sysfs  # type: ignore[no-any-return]
+    return sysfs_for(ctx.backend, ctx.config.collectors.sysfs_root)
+
+
+def read_fields(
+    ctx: CollectContext, obs: Observations, index: int, requests: Sequence[tuple[str, int]]
+) -> dict[tuple[str, int], Any]:
+    """One batched ``field_values`` call; returns the values that came back. Per-field failures
+    go to ``obs`` ("Not Supported" → unsupported, anything else → errors) keyed ``FIELD`` or
+    ``FIELD@scope``; a failure of the whole call is recorded once under ``field_values``."""
+    if not requests:
+        return {}
+    try:
+        results = ctx.backend.field_values(index, list(requests))
+    except NvmlError as exc:
+        obs.note_error(index, "field_values", exc)
+        return {}
+    out: dict[tuple[str, int], Any] = {}
+    for (name, scope), res in zip(requests, results, strict=False):
+        if isinstance(res, NvmlError):
+            obs.note_error(index, name if scope == 0 else f"{name}@{scope}", res)
+        elif res is not None:
+            out[(name, scope)] = res
+    return out
+
+
+def is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def counter_delta(
+    history: History,
+    now: Observations,
+    get: Callable[[Observations], Any],
+    window_s: float | None = None,
+) -> tuple[float, float] | None:
+    """(increase, seconds) of a counter between the oldest usable earlier observation and ``now``.
+
+    ``get`` pulls the counter out of an observation (None when absent). Only observations within
+    ``window_s`` count. A counter that went backwards (GPU reset, driver reload) counts from zero.
+    None when there is no earlier reading."""
+    cur = get(now)
+    if not is_number(cur):
+        return None
+    for past in history:
+        if past is now or past.time >= now.time:
+            continue
+        if window_s is not None and now.time - past.time > window_s:
+            continue
+        prev = get(past)
+        if not is_number(prev):
+            continue
+        dt = now.time - past.time
+        delta = cur - prev if cur >= prev else cur
+        return float(delta), float(dt)
+    return None
+
+
+def gpu_key(index: int, key: str) -> Callable[[Observations], Any]:
+    """Accessor for ``counter_delta``: ``obs.per_gpu[index][key]``."""
+    return lambda o: o.per_gpu.get(index, {}).get(key)
+
+
+def gpu_indices(ctx: CollectContext) -> list[int]:
+    return [g.index for g in ctx.gpus]
+
+
+def fetch(ctx: CollectContext, obs: Observations, index: int, key: str) -> Any:
+    """``backend.query`` that records a failure in ``obs`` and returns None, without storing."""
+    try:
+        return ctx.backend.query(index, key)
+    except NvmlError as exc:
+        obs.note_error(index, key, exc)
+        return None

@@ -1,0 +1,222 @@
+"""NVLink: per-link state and error counters, and the NVSwitch fabric state.
+
+Cost: the per-link getters cost ~1 ms per link per counter (18 links × 5 counters ≈ 90 ms per GPU,
+MEASUREMENTS.md). Everything per-link is read here in ONE ``field_values`` batch per GPU (scope =
+link number), on the slow lane.
+
+Expected link count: ``config.collectors.expected_nvlinks`` when set, else the GPU's own
+``NVML_FI_DEV_NVLINK_LINK_COUNT``. One inactive link among the expected ones →
+``nvlink.link_down`` (critical, entity = that link). A GPU whose every NVLink query answers
+"Not Supported" and that nobody expects links from (a PCIe card alone in a VM, like the H100
+recording) has no NVLink: no finding. If config expects links but the GPU reports none, that is
+reported, since the operator said they should be there.
+
+Errors: CRC (flit), replay and recovery counters as growth over the history window →
+``nvlink.errors`` (warning): CRC above DCGM's 100/s, any replay or recovery growth (DCGM's limit 1).
+
+Fabric (``GpuFabricInfo``; GPUs on NVSwitch): registration finished with an error, or never
+started, → ``fabric.degraded`` critical; still in progress → warning. NOT_SUPPORTED → nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from gpuhealth.backends.base import NVLINK_MAX_LINKS
+from gpuhealth.catalog.thresholds import thresholds_from
+from gpuhealth.collectors._shared import (
+    counter_delta,
+    fetch,
+    gpu_entity,
+    gpu_key,
+    is_number,
+    link_entity,
+    read_fields,
+)
+from gpuhealth.collectors.base import CollectContext, Collector, History, Lane, Observations
+from gpuhealth.model import Action, Finding, MetricKind, Sample, Severity
+
+NAME = "nvlink"
+
+LINK_COUNT_FIELD = "NVML_FI_DEV_NVLINK_LINK_COUNT"
+NVSWITCH_LINKS_FIELD = "NVML_FI_DEV_NVSWITCH_CONNECTED_LINK_COUNT"
+STATE_FIELD = "NVML_FI_DEV_NVLINK_GET_STATE"
+# counter label → per-link field (scope = link)
+COUNTER_FIELDS = {
+    "crc": "NVML_FI_DEV_NVLINK_ERROR_DL_CRC",
+    "replay": "NVML_FI_DEV_NVLINK_ERROR_DL_REPLAY",
+    "recovery": "NVML_FI_DEV_NVLINK_ERROR_DL_RECOVERY",
+}
+
+# nvmlGpuFabricState_t
+FABRIC_NOT_SUPPORTED, FABRIC_NOT_STARTED, FABRIC_IN_PROGRESS, FABRIC_COMPLETED = 0, 1, 2, 3
+_FABRIC_STATE_NAMES = {0: "not_supported", 1: "not_started", 2: "in_progress", 3: "completed"}
+# healthMask: bits 0-1 = degraded bandwidth (1 = true)
+_HEALTH_DEGRADED_BW_TRUE = 1
+
+
+def expected_links(rec: dict[str, Any], ctx: CollectContext) -> int | None:
+    configured = ctx.config.collectors.expected_nvlinks
+    if configured is not None:
+        return int(configured)
+    own = rec.get("link_count")
+    return int(own) if is_number(own) else None
+
+
+class NvlinkCollector:
+    name = NAME
+    lane = Lane.SLOW
+
+    def supported(self, ctx: CollectContext) -> bool:
+        return True
+
+    def collect(self, ctx: CollectContext) -> Observations:
+        obs = Observations(NAME, ctx.now)
+        for g in ctx.gpus:
+            i = g.index
+            rec = obs.gpu(i)
+            head = read_fields(ctx, obs, i, [(LINK_COUNT_FIELD, 0), (NVSWITCH_LINKS_FIELD, 0)])
+            count = head.get((LINK_COUNT_FIELD, 0))
+            if is_number(count):
+                rec["link_count"] = int(count)
+            sw = head.get((NVSWITCH_LINKS_FIELD, 0))
+            if is_number(sw):
+                rec["nvswitch_links"] = int(sw)
+            wanted = expected_links(rec, ctx)
+            n = min(max(wanted or 0, 0), NVLINK_MAX_LINKS) if wanted is not None else NVLINK_MAX_LINKS
+            requests: list[tuple[str, int]] = []
+            for link in range(n):
+                requests.append((STATE_FIELD, link))
+                requests.extend((f, link) for f in COUNTER_FIELDS.values())
+            values = read_fields(ctx, obs, i, requests)
+            states: dict[int, int] = {}
+            for link in range(n):
+                s = values.get((STATE_FIELD, link))
+                if is_number(s):
+                    states[link] = int(s)
+                for label, f in COUNTER_FIELDS.items():
+                    v = values.get((f, link))
+                    if is_number(v):
+                        rec[f"link{link}.{label}"] = int(v)
+            rec["links_queried"] = n
+            rec["link_states"] = states
+            fabric = fetch(ctx, obs, i, "GpuFabricInfo")
+            if isinstance(fabric, dict) and is_number(fabric.get("state")):
+                rec["fabric_state"] = int(fabric["state"])
+                if is_number(fabric.get("status")):
+                    rec["fabric_status"] = int(fabric["status"])
+                if is_number(fabric.get("healthMask")):
+                    rec["fabric_health_mask"] = int(fabric["healthMask"])
+        return obs
+
+    def evaluate(self, obs: Observations, history: History, ctx: CollectContext) -> list[Finding]:
+        th = thresholds_from(ctx).nvlink
+        out: list[Finding] = []
+        for i, rec in sorted(obs.per_gpu.items()):
+            states: dict[int, int] = rec.get("link_states") or {}
+            wanted = expected_links(rec, ctx)
+            if wanted:
+                if not states:
+                    out.append(Finding(
+                        "nvlink.link_down", Severity.CRITICAL, gpu_entity(ctx, i),
+                        f"GPU {i}: {wanted} NVLinks expected, the GPU reports none",
+                        Action.REBOOT, {"expected": wanted, "up": 0}, NAME,
+                    ))
+                else:
+                    up = sum(1 for s in states.values() if s == 1)
+                    for link in range(min(wanted, NVLINK_MAX_LINKS)):
+                        if states.get(link) == 1:
+                            continue
+                        state = states.get(link)
+                        out.append(Finding(
+                            "nvlink.link_down", Severity.CRITICAL, link_entity(ctx, i, "nvlink", link),
+                            f"GPU {i}: NVLink {link} is "
+                            f"{'inactive' if state == 0 else 'not reporting'} ({up} of {wanted} up)",
+                            Action.REBOOT, {"link": link, "state": state, "expected": wanted, "up": up}, NAME,
+                        ))
+            for link in sorted(states):
+                problems: dict[str, Any] = {}
+                window: float | None = None
+                for label in COUNTER_FIELDS:
+                    d = counter_delta(history, obs, gpu_key(i, f"link{link}.{label}"))
+                    if d is None or d[1] < th.min_window_s or d[0] <= 0:
+                        continue
+                    window = d[1]
+                    if label == "crc" and d[0] / d[1] >= th.crc_per_second_warning:
+                        problems["crc_per_second"] = round(d[0] / d[1], 2)
+                    elif label == "replay" and d[0] >= th.replay_per_window_warning:
+                        problems["replay_increase"] = int(d[0])
+                    elif label == "recovery" and d[0] >= th.recovery_per_window_warning:
+                        problems["recovery_increase"] = int(d[0])
+                if problems:
+                    parts = ", ".join(f"{k}={v}" for k, v in problems.items())
+                    out.append(Finding(
+                        "nvlink.errors", Severity.WARNING, link_entity(ctx, i, "nvlink", link),
+                        f"GPU {i}: NVLink {link} errors growing over {window or 0:.0f} s: {parts}",
+                        Action.MONITOR, {"link": link, "window_s": round(window or 0, 1), **problems}, NAME,
+                    ))
+            out.extend(self._fabric_findings(i, rec, ctx))
+        return out
+
+    @staticmethod
+    def _fabric_findings(i: int, rec: dict[str, Any], ctx: CollectContext) -> list[Finding]:
+        state = rec.get("fabric_state")
+        if not is_number(state) or state == FABRIC_NOT_SUPPORTED:
+            return []
+        status = rec.get("fabric_status")
+        ev = {"state": _FABRIC_STATE_NAMES.get(int(state), str(state)), "status": status,
+              "health_mask": rec.get("fabric_health_mask")}
+        ent = gpu_entity(ctx, i)
+        if state == FABRIC_COMPLETED and is_number(status) and status != 0:
+            return [Finding("fabric.degraded", Severity.CRITICAL, ent,
+                            f"GPU {i}: NVSwitch fabric registration finished with error {status}",
+                            Action.REBOOT, ev, NAME)]
+        if state == FABRIC_NOT_STARTED:
+            return [Finding("fabric.degraded", Severity.CRITICAL, ent,
+                            f"GPU {i}: NVSwitch fabric registration has not started (is the fabric manager "
+                            "running?)", Action.REBOOT, ev, NAME)]
+        if state == FABRIC_IN_PROGRESS:
+            return [Finding("fabric.degraded", Severity.WARNING, ent,
+                            f"GPU {i}: NVSwitch fabric registration still in progress", Action.MONITOR, ev, NAME)]
+        mask = rec.get("fabric_health_mask")
+        if is_number(mask) and (int(mask) & 0x3) == _HEALTH_DEGRADED_BW_TRUE:
+            return [Finding("fabric.degraded", Severity.WARNING, ent,
+                            f"GPU {i}: NVSwitch fabric reports degraded bandwidth", Action.DRAIN, ev, NAME)]
+        return []
+
+    def samples(self, obs: Observations, ctx: CollectContext) -> Iterable[Sample]:
+        out: list[Sample] = []
+        for i, rec in sorted(obs.per_gpu.items()):
+            states: dict[int, int] = rec.get("link_states") or {}
+            for link, s in sorted(states.items()):
+                out.append(Sample("gpu_nvlink_state", float(s), "NVLink state: 1 active, 0 inactive.",
+                                  gpu=i, labels=(("link", str(link)),)))
+                for label in COUNTER_FIELDS:
+                    v = rec.get(f"link{link}.{label}")
+                    if is_number(v):
+                        out.append(Sample(
+                            "gpu_nvlink_errors", float(v),
+                            "NVLink data-link errors by counter (crc=flit CRC, replay, recovery).",
+                            MetricKind.COUNTER, i, (("link", str(link)), ("counter", label)),
+                        ))
+            wanted = expected_links(rec, ctx)
+            if wanted is not None:
+                out.append(Sample("gpu_nvlink_links", float(wanted),
+                                  "NVLinks by which=expected|active.", gpu=i, labels=(("which", "expected"),)))
+            if states:
+                out.append(Sample("gpu_nvlink_links", float(sum(1 for s in states.values() if s == 1)),
+                                  "NVLinks by which=expected|active.", gpu=i, labels=(("which", "active"),)))
+            if is_number(rec.get("fabric_state")):
+                out.append(Sample("gpu_fabric_state", float(rec["fabric_state"]),
+                                  "NVSwitch fabric registration state (0 n/a, 1 not started, 2 in progress, "
+                                  "3 completed).", gpu=i))
+            if is_number(rec.get("fabric_status")):
+                out.append(Sample("gpu_fabric_status", float(rec["fabric_status"]),
+                                  "NVSwitch fabric registration result (0 = success, else an NVML error code).",
+                                  gpu=i))
+        return out
+
+
+def create() -> Collector:
+    return NvlinkCollector()

@@ -1,0 +1,147 @@
+"""PCIe link: trained width and generation against the maximum, and the replay counter as a rate.
+
+Width and generation mean different things:
+- **Width** is fixed at link training. A GPU that trained at x8 in an x16 slot (a bad riser, a
+  dirty or unseated connector, a failing retimer) stays at x8 until retrained: half the host↔GPU
+  bandwidth. ``current < max`` width is a real fault → ``pcie.link_degraded`` (critical by default).
+  NVML's ``MaxPcieLinkWidth`` is the most the GPU *and the slot* allow; sysfs ``max_link_width`` is
+  the GPU's own capability. When NVML says current == max but sysfs says the GPU could do more,
+  the slot itself is narrower: reported as a warning (a platform fact, possibly by design).
+- **Generation** is lowered by the GPU itself when idle (link power management) and raised under
+  load, so ``current < max`` at idle is normal. It is judged only while the GPU is busy
+  (utilization ≥ ``gen_check_min_utilization_pct``) → ``pcie.link_degraded`` warning.
+
+Replays (the data-link layer resending a TLP after a CRC error) are counted by the GPU. Their rate
+over the history window is judged against DCGM's budget (8/min on a x16 link at the GPU's
+maximum generation), scaled by lane count → ``pcie.replay_rate`` warning.
+
+Slow lane: ``PcieReplayCounter`` costs 0.17 ms and sysfs reads touch the filesystem.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from gpuhealth.catalog.thresholds import thresholds_from
+from gpuhealth.collectors._shared import counter_delta, fetch, gpu_key, is_number, link_entity, sysfs_of
+from gpuhealth.collectors.base import CollectContext, Collector, History, Lane, Observations
+from gpuhealth.model import Action, Finding, MetricKind, Sample, Severity
+
+NAME = "pcie"
+
+_NVML_KEYS = {
+    "CurrPcieLinkGeneration": "gen_current",
+    "MaxPcieLinkGeneration": "gen_max",
+    "GpuMaxPcieLinkGeneration": "gen_gpu_max",
+    "CurrPcieLinkWidth": "width_current",
+    "MaxPcieLinkWidth": "width_max",
+    "PcieReplayCounter": "replays",
+}
+
+
+class PcieCollector:
+    name = NAME
+    lane = Lane.SLOW
+
+    def supported(self, ctx: CollectContext) -> bool:
+        return True
+
+    def collect(self, ctx: CollectContext) -> Observations:
+        obs = Observations(NAME, ctx.now)
+        try:
+            sysfs: Any = sysfs_of(ctx)
+        except Exception:  # a sysfs that cannot even be built must not cost the NVML readings
+            sysfs = None
+        for g in ctx.gpus:
+            i = g.index
+            rec = obs.gpu(i)
+            for key, name in _NVML_KEYS.items():
+                v = fetch(ctx, obs, i, key)
+                if is_number(v):
+                    rec[name] = int(v)
+            util = fetch(ctx, obs, i, "UtilizationRates")
+            if isinstance(util, dict) and is_number(util.get("gpu")):
+                rec["util_pct"] = util["gpu"]
+            dev = sysfs.pci_device(g.pci_bus_id) if sysfs is not None else None
+            if dev is not None:
+                for name, v in (("sysfs_width_current", dev.current_link_width),
+                                ("sysfs_width_max", dev.max_link_width),
+                                ("sysfs_gen_current", dev.current_link_gen),
+                                ("sysfs_gen_max", dev.max_link_gen)):
+                    if v is not None:
+                        rec[name] = v
+        return obs
+
+    def evaluate(self, obs: Observations, history: History, ctx: CollectContext) -> list[Finding]:
+        th = thresholds_from(ctx).pcie
+        out: list[Finding] = []
+        for i, rec in sorted(obs.per_gpu.items()):
+            ent = link_entity(ctx, i, "pcie", "")
+            cur_w = rec.get("width_current", rec.get("sysfs_width_current"))
+            max_w = rec.get("width_max", rec.get("sysfs_width_max"))
+            gpu_max_w = rec.get("sysfs_width_max")
+            ev: dict[str, Any] = {k: rec[k] for k in sorted(rec) if k != "util_pct" and k != "replays"}
+            width_sev = Severity.parse(th.width_degraded_severity)
+            if is_number(cur_w) and is_number(max_w) and 0 < cur_w < max_w:
+                out.append(Finding(
+                    "pcie.link_degraded", width_sev, ent,
+                    f"GPU {i}: PCIe link trained at x{cur_w}, below its maximum x{max_w}",
+                    Action.DRAIN, {**ev, "kind": "width"}, NAME,
+                ))
+            elif is_number(cur_w) and is_number(gpu_max_w) and 0 < cur_w < gpu_max_w:
+                out.append(Finding(
+                    "pcie.link_degraded", Severity.WARNING, ent,
+                    f"GPU {i}: PCIe link at x{cur_w}; the GPU supports x{gpu_max_w} but the slot allows less",
+                    Action.MONITOR, {**ev, "kind": "slot_width"}, NAME,
+                ))
+            cur_g = rec.get("gen_current", rec.get("sysfs_gen_current"))
+            max_g = rec.get("gen_max", rec.get("sysfs_gen_max"))
+            util = rec.get("util_pct")
+            busy = is_number(util) and util >= th.gen_check_min_utilization_pct
+            if busy and is_number(cur_g) and is_number(max_g) and 0 < cur_g < max_g:
+                out.append(Finding(
+                    "pcie.link_degraded", Severity.WARNING, ent,
+                    f"GPU {i}: PCIe Gen{cur_g} while busy ({util}% utilization), below its maximum Gen{max_g}",
+                    Action.MONITOR, {**ev, "kind": "generation", "utilization_pct": util}, NAME,
+                ))
+            d = counter_delta(history, obs, gpu_key(i, "replays"))
+            if d is not None and d[1] >= th.replay_min_window_s:
+                lanes = cur_w if is_number(cur_w) and cur_w > 0 else 16
+                budget = th.replay_per_minute_x16 * lanes / 16.0
+                per_min = d[0] / d[1] * 60.0
+                if per_min > budget:
+                    out.append(Finding(
+                        "pcie.replay_rate", Severity.WARNING, ent,
+                        f"GPU {i}: {per_min:.1f} PCIe replays/min over {d[1]:.0f} s (budget {budget:g}/min "
+                        f"for x{lanes})",
+                        Action.MONITOR,
+                        {"per_minute": round(per_min, 3), "increase": int(d[0]), "window_s": round(d[1], 1),
+                         "budget_per_minute": budget, "lanes": lanes, "generation": cur_g},
+                        NAME,
+                    ))
+        return out
+
+    def samples(self, obs: Observations, ctx: CollectContext) -> Iterable[Sample]:
+        out: list[Sample] = []
+        for i, rec in sorted(obs.per_gpu.items()):
+            for which in ("current", "max"):
+                g = rec.get(f"gen_{which}", rec.get(f"sysfs_gen_{which}"))
+                if is_number(g):
+                    out.append(Sample("gpu_pcie_link_generation", float(g),
+                                      "PCIe link generation (which=current|max); the GPU lowers it when idle.",
+                                      gpu=i, labels=(("which", which),)))
+                w = rec.get(f"width_{which}", rec.get(f"sysfs_width_{which}"))
+                if is_number(w):
+                    out.append(Sample("gpu_pcie_link_width", float(w),
+                                      "PCIe link width in lanes (which=current|max).",
+                                      gpu=i, labels=(("which", which),)))
+            if is_number(rec.get("replays")):
+                out.append(Sample("gpu_pcie_replay", float(rec["replays"]),
+                                  "PCIe data-link replays (TLP resent after an error) counted by the GPU.",
+                                  MetricKind.COUNTER, i))
+        return out
+
+
+def create() -> Collector:
+    return PcieCollector()
