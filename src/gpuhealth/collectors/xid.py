@@ -1,0 +1,401 @@
+"""XID errors: NVML's event set plus the kernel log, judged against the XID catalog.
+
+XIDs are events, not states, so this collector keeps a ledger (``XidLedger``) of what each GPU
+reported: ``collect`` feeds it (new events, GPU resets it can see) and puts a snapshot of the active
+entries in the observations; ``evaluate`` turns that snapshot into findings without any I/O.
+
+- An XID stays a finding until that GPU is seen reset (the usual remedy) or ``retention_s`` passes
+  (application XIDs: ``app_retention_s``).
+- The same XID again on the same GPU *after a reset* escalates: the first remedy did not help, so
+  the severity becomes critical and the action the catalog's ``repeat_action`` (RMA, drain…).
+- A reset is seen when the GPU answers again after GPU_IS_LOST/RESET_REQUIRED, when it comes back
+  into the enumeration, when its volatile ECC counters go back down (they clear on reset), or when
+  someone calls ``note_reset``.
+- The same XID from NVML and from the kernel log within ``DEDUP_S`` counts once.
+- NVML events are read on a thread of their own (``wait_xid_events``) when ``event_thread`` is on,
+  else polled without waiting at each ``collect``. ``gpuhealth status`` (``ctx.extras["one_shot"]``)
+  never starts the thread.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from gpuhealth.backends.base import NvmlBackend, XidEvent
+from gpuhealth.backends.errors import NvmlError
+from gpuhealth.backends.kmsg import KmsgUnavailable, xid_events
+from gpuhealth.catalog.xid import XidInfo, xid_info
+from gpuhealth.collectors.base import CollectContext, History, Lane, Observations
+from gpuhealth.model import Action, Entity, EntityKind, Finding, MetricKind, Sample, Severity
+
+DEDUP_S = 10.0  # NVML event and kernel-log line of one XID arrive within this of each other
+_RESET_COUNTERS = ("TotalEccErrors_CORRECTED_VOLATILE", "TotalEccErrors_UNCORRECTED_VOLATILE")
+_MAX_EVENTS_PER_POLL = 256
+
+
+@dataclass(slots=True)
+class XidEntry:
+    """What one GPU (by UUID, or ``pci:<addr>`` when no GPU matched) reported for one XID code."""
+
+    gpu_key: str
+    gpu_index: int | None
+    xid: int
+    first_seen: float
+    last_seen: float
+    count: int = 1
+    sources: set[str] = field(default_factory=set)
+    pci: str = ""
+    detail: str = ""
+    active: bool = True
+    cleared_by_reset_at: float | None = None
+    repeats_after_reset: int = 0
+
+    def snapshot(self) -> dict[str, Any]:
+        return {
+            "gpu": self.gpu_key, "gpu_index": self.gpu_index, "xid": self.xid,
+            "first_seen": self.first_seen, "last_seen": self.last_seen, "count": self.count,
+            "sources": sorted(self.sources), "pci": self.pci, "detail": self.detail,
+            "repeats_after_reset": self.repeats_after_reset,
+        }
+
+
+class XidLedger:
+    """Bookkeeping of XID occurrences and GPU resets, with explicit times (testable without clocks)."""
+
+    def __init__(self, retention_s: float = 86400.0, app_retention_s: float = 3600.0) -> None:
+        self.retention_s = retention_s
+        self.app_retention_s = app_retention_s
+        self._entries: dict[tuple[str, int], XidEntry] = {}
+        self.resets: dict[str, float] = {}
+
+    def add(self, event: XidEvent, gpu_key: str) -> XidEntry:
+        key = (gpu_key, event.xid)
+        entry = self._entries.get(key)
+        if entry is None:
+            entry = XidEntry(gpu_key=gpu_key, gpu_index=event.gpu_index, xid=event.xid,
+                             first_seen=event.timestamp, last_seen=event.timestamp, sources={event.source},
+                             pci=event.pci_bus_id, detail=event.detail)
+            self._entries[key] = entry
+            return entry
+        if entry.active and event.source not in entry.sources and abs(event.timestamp - entry.last_seen) <= DEDUP_S:
+            entry.sources.add(event.source)  # the same XID seen through the other channel
+            entry.detail = entry.detail or event.detail
+            return entry
+        if not entry.active and entry.cleared_by_reset_at is not None:
+            if event.timestamp <= entry.cleared_by_reset_at:
+                return entry  # a late copy of an occurrence from before the reset
+            entry.repeats_after_reset += 1  # the reset did not cure it
+        if not entry.active:
+            entry.first_seen = event.timestamp
+        entry.active = True
+        entry.count += 1
+        entry.last_seen = max(entry.last_seen, event.timestamp)
+        entry.sources.add(event.source)
+        entry.gpu_index = event.gpu_index if event.gpu_index is not None else entry.gpu_index
+        entry.pci = event.pci_bus_id or entry.pci
+        entry.detail = event.detail or entry.detail
+        return entry
+
+    def note_reset(self, gpu_key: str, at: float) -> None:
+        """The GPU was reset at ``at``: its XIDs seen before then are resolved (but remembered)."""
+        self.resets[gpu_key] = at
+        for entry in self._entries.values():
+            if entry.gpu_key == gpu_key and entry.active and entry.last_seen <= at:
+                entry.active = False
+                entry.cleared_by_reset_at = at
+
+    def expire(self, now: float, is_application: Callable[[int], bool]) -> None:
+        for entry in self._entries.values():
+            keep = self.app_retention_s if is_application(entry.xid) else self.retention_s
+            if entry.active and now - entry.last_seen > keep:
+                entry.active = False
+
+    def active(self) -> list[XidEntry]:
+        return [e for e in self._entries.values() if e.active]
+
+    def counts(self) -> dict[tuple[str, int], int]:
+        return {k: e.count for k, e in self._entries.items()}
+
+
+class _EventPump:
+    """Blocks in ``wait_xid_events`` on its own thread and queues what arrives."""
+
+    def __init__(self, backend: NvmlBackend, on_event: Callable[[XidEvent], None] | None) -> None:
+        self._backend = backend
+        self._on_event = on_event
+        self._lock = threading.Lock()
+        self._queue: list[XidEvent] = []
+        self._stop = threading.Event()
+        self.error: str | None = None
+        self.unsupported = False
+        self._thread = threading.Thread(target=self._loop, name="gpuhealth-xid-events", daemon=True)
+        self._thread.start()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def drain(self) -> list[XidEvent]:
+        with self._lock:
+            out, self._queue = self._queue, []
+        return out
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                events = self._backend.wait_xid_events(500)
+                self.error = None
+            except NvmlError as exc:
+                if exc.not_supported:
+                    self.unsupported = True
+                    return
+                self.error = exc.message
+                self._stop.wait(5.0)  # driver gone or re-initialising: try again later
+                continue
+            except Exception as exc:  # never let the thread die silently in a loop
+                self.error = f"{type(exc).__name__}: {exc}"
+                self._stop.wait(5.0)
+                continue
+            if events:
+                with self._lock:
+                    self._queue.extend(events)
+                for ev in events:
+                    if self._on_event is not None:
+                        try:
+                            self._on_event(ev)
+                        except Exception:  # a listener's bug must not stop XID collection
+                            pass
+
+
+_RECOVERY = re.compile(r"to 0x[0-9a-fA-F]+ \((?P<to>[^)]*)\)")
+
+
+def recovery_action(detail: str) -> Action | None:
+    """XID 154 names the action the driver now needs ("… to 0x1 (GPU Reset Required)")."""
+    m = _RECOVERY.search(detail)
+    target = (m.group("to") if m else detail).lower()
+    if "reboot" in target:
+        return Action.REBOOT
+    if "drain" in target:
+        return Action.DRAIN
+    if "reset" in target:
+        return Action.RESET_GPU
+    if "none" in target:
+        return Action.NONE
+    return None
+
+
+def judge(entry: Mapping[str, Any], info: XidInfo) -> tuple[Severity, Action, bool]:
+    """Severity, action and whether it escalated, for one active ledger entry."""
+    severity, action = info.severity, info.action
+    if info.code == 154:
+        needed = recovery_action(str(entry.get("detail", "")))
+        if needed is Action.NONE:
+            severity, action = Severity.INFO, Action.NONE
+        elif needed is not None:
+            severity, action = Severity.CRITICAL, needed
+    escalated = bool(entry.get("repeats_after_reset")) and info.hardware
+    if escalated:
+        severity = Severity.CRITICAL
+        action = max(action, info.repeat_action)
+    return severity, action, escalated
+
+
+class XidCollector:
+    name = "xid"
+    lane = Lane.FAST
+
+    def __init__(
+        self,
+        *,
+        event_thread: bool = True,
+        retention_s: float = 86400.0,
+        app_retention_s: float = 3600.0,
+        on_event: Callable[[XidEvent], None] | None = None,
+    ) -> None:
+        self.event_thread = event_thread
+        self.on_event = on_event  # the agent may hook this to sweep at once on an XID
+        self.ledger = XidLedger(retention_s, app_retention_s)
+        self._pump: _EventPump | None = None
+        self._lock = threading.Lock()
+        self._prev_counters: dict[str, dict[str, int]] = {}
+        self._gone: set[str] = set()
+        self._seen_uuids: set[str] = set()
+        self._kmsg_error: str | None = None
+
+    # ------------------------------------------------------------------ protocol
+    def supported(self, ctx: CollectContext) -> bool:
+        return True
+
+    def collect(self, ctx: CollectContext) -> Observations:
+        obs = Observations(collector=self.name, time=ctx.now)
+        with self._lock:
+            self._watch_resets(ctx, obs)
+            events = self._nvml_events(ctx, obs) + self._kmsg_events(ctx, obs)
+            by_index = {g.index: g.uuid for g in ctx.gpus}
+            for ev in sorted(events, key=lambda e: e.timestamp):
+                gpu_key = by_index.get(ev.gpu_index, "") if ev.gpu_index is not None else ""
+                self.ledger.add(ev, gpu_key or f"pci:{ev.pci_bus_id or 'unknown'}")
+            self.ledger.expire(ctx.now, lambda code: not xid_info(code).hardware)
+            obs.node["events"] = [_event_dict(ev) for ev in events]
+            obs.node["active"] = [e.snapshot() for e in self.ledger.active()]
+            obs.node["counts"] = [{"gpu": k[0], "xid": k[1], "count": c} for k, c in self.ledger.counts().items()]
+        return obs
+
+    def evaluate(self, obs: Observations, history: History, ctx: CollectContext) -> list[Finding]:
+        out: list[Finding] = []
+        for entry in obs.node.get("active", []):
+            info = xid_info(int(entry["xid"]))
+            severity, action, escalated = judge(entry, info)
+            out.append(Finding(
+                code=f"xid.{info.code}",
+                severity=severity,
+                entity=_entity(entry, ctx),
+                message=_message(entry, info, escalated),
+                action=action,
+                evidence={
+                    "xid": info.code, "name": info.name, "count": entry["count"],
+                    "first_seen": entry["first_seen"], "last_seen": entry["last_seen"],
+                    "sources": entry["sources"], "pci": entry["pci"], "detail": entry["detail"],
+                    "hardware": info.hardware, "repeats_after_reset": entry["repeats_after_reset"],
+                    "catalog_source": info.source,
+                },
+                source=self.name,
+            ))
+        return out
+
+    def samples(self, obs: Observations, ctx: CollectContext) -> Iterable[Sample]:
+        index_of = {g.uuid: g.index for g in ctx.gpus}
+        last: dict[int, tuple[float, int]] = {}
+        for entry in obs.node.get("active", []):
+            idx = index_of.get(entry["gpu"])
+            if idx is not None and entry["last_seen"] >= last.get(idx, (-1.0, 0))[0]:
+                last[idx] = (entry["last_seen"], int(entry["xid"]))
+        for g in ctx.gpus:
+            yield Sample("gpu_xid_last", float(last.get(g.index, (0.0, 0))[1]),
+                         "Code of the most recent active XID on the GPU (0: none)", gpu=g.index)
+        for row in obs.node.get("counts", []):
+            idx = index_of.get(row["gpu"])
+            if idx is not None:
+                yield Sample("gpu_xid_errors", float(row["count"]), "XID errors seen since the agent started",
+                             MetricKind.COUNTER, gpu=idx, labels=(("xid", str(row["xid"])),))
+
+    # ------------------------------------------------------------------ extra API
+    def note_reset(self, uuid: str, at: float | None = None) -> None:
+        """Tell the collector a GPU was reset (e.g. after ``nvidia-smi -r`` run by the operator)."""
+        with self._lock:
+            self.ledger.note_reset(uuid, time.time() if at is None else at)
+
+    def close(self) -> None:
+        if self._pump is not None:
+            self._pump.stop()
+            self._pump = None
+
+    # ------------------------------------------------------------------ helpers
+    def _nvml_events(self, ctx: CollectContext, obs: Observations) -> list[XidEvent]:
+        if self.event_thread and not ctx.extras.get("one_shot"):
+            if self._pump is None or (not self._pump.alive and not self._pump.unsupported):
+                self._pump = _EventPump(ctx.backend, self.on_event)
+            if self._pump.unsupported:
+                obs.unsupported.add((None, "xid_events"))
+            elif self._pump.error:
+                obs.node["nvml_events_error"] = self._pump.error
+            return self._pump.drain()
+        out: list[XidEvent] = []
+        try:
+            for _ in range(_MAX_EVENTS_PER_POLL):
+                got = ctx.backend.wait_xid_events(0)
+                if not got:
+                    break
+                out.extend(got)
+        except NvmlError as exc:
+            obs.note_error(None, "xid_events", exc)
+        return out
+
+    def _kmsg_events(self, ctx: CollectContext, obs: Observations) -> list[XidEvent]:
+        if ctx.kmsg is None:
+            obs.node["kmsg"] = "none"
+            return []
+        try:
+            records = ctx.kmsg.read_new()
+        except KmsgUnavailable as exc:
+            # Not permitted or absent: XIDs still come from NVML. Say so once, as data, not a failure.
+            obs.node["kmsg"] = f"unavailable: {exc.strerror or exc}"
+            obs.unsupported.add((None, "kmsg"))
+            return []
+        obs.node["kmsg"] = getattr(ctx.kmsg, "description", "kmsg")
+        bus_ids = [(g.index, g.pci_bus_id) for g in ctx.gpus]
+        return xid_events(records, bus_ids, now=ctx.now)
+
+    def _watch_resets(self, ctx: CollectContext, obs: Observations) -> None:
+        present = set()
+        for g in ctx.gpus:
+            values: dict[str, int] = {}
+            gone = False
+            for key in _RESET_COUNTERS:
+                try:
+                    v = ctx.backend.query(g.index, key)
+                except NvmlError as exc:
+                    if exc.gpu_gone:
+                        gone = True
+                        break
+                    continue  # unsupported / other: the ECC collector reports real failures
+                if isinstance(v, int):
+                    values[key] = v
+            if gone:
+                self._gone.add(g.uuid)
+                obs.gpu(g.index)["gone"] = True
+                continue
+            present.add(g.uuid)
+            reset = g.uuid in self._gone  # answered "lost" or left the enumeration, and is back
+            prev = self._prev_counters.get(g.uuid, {})
+            if any(values.get(k, 0) < prev[k] for k in prev if k in values):
+                reset = True
+            if reset:
+                self.ledger.note_reset(g.uuid, ctx.now)
+                obs.gpu(g.index)["reset_seen"] = True
+            self._gone.discard(g.uuid)
+            self._prev_counters[g.uuid] = values
+            obs.gpu(g.index).update(values)
+        # A GPU that left the enumeration and comes back later was re-initialised: count as reset.
+        self._gone |= self._seen_uuids - present - {g.uuid for g in ctx.gpus}
+        self._seen_uuids |= present
+
+
+def _event_dict(ev: XidEvent) -> dict[str, Any]:
+    return {"gpu_index": ev.gpu_index, "xid": ev.xid, "time": ev.timestamp, "source": ev.source,
+            "pci": ev.pci_bus_id, "detail": ev.detail}
+
+
+def _entity(entry: Mapping[str, Any], ctx: CollectContext) -> Entity:
+    key = str(entry["gpu"])
+    if key.startswith("pci:"):
+        return Entity(EntityKind.NODE, ctx.node_name)
+    return Entity.gpu(key, entry.get("gpu_index"))
+
+
+def _message(entry: Mapping[str, Any], info: XidInfo, escalated: bool) -> str:
+    where = f"GPU {entry['gpu_index']}" if entry.get("gpu_index") is not None else f"PCI {entry.get('pci') or '?'}"
+    times = f" ({entry['count']}×)" if entry["count"] > 1 else ""
+    text = f"XID {info.code} on {where}{times}: {info.name}"
+    if not info.hardware:
+        text += " — caused by the application, not the GPU"
+    if escalated:
+        text += f"; came back after a GPU reset ({entry['repeats_after_reset']}×): escalated"
+    if entry.get("detail"):
+        text += f" [{entry['detail']}]"
+    return text
+
+
+def create() -> XidCollector:
+    return XidCollector()
+
+

@@ -1,0 +1,201 @@
+"""One sweep of every collector over one node, and the report users see (``gpuhealth status``).
+
+``open_backend(snapshot)`` picks the GPU backend: a recording or scenario file → ``FakeNvml``
+(simulated), else the live driver (``RealNvml``). ``collect_once(backend, config)`` enumerates the
+GPUs, builds the collect context (sysfs, kernel log, thresholds), runs each collector through the
+isolating ``CollectorRunner`` and returns a ``NodeReport`` whose ``to_dict()`` is the
+``status --json`` document:
+
+``{"node": {...}, "gpus": [{"index", "uuid", "name", "pci_bus_id", "health", "findings": [...]}],
+"findings": [...]}`` — ``gpus[].findings`` are the findings about that GPU (or its links);
+top-level ``findings`` are those about the node as a whole.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from gpuhealth.backends.base import NvmlBackend
+from gpuhealth.backends.kmsg import DEV_KMSG, DevKmsg, KmsgFile, KmsgLines, KmsgSource
+from gpuhealth.backends.nvml_fake import BUNDLED_RECORDINGS, FakeNvml, bundled_recording_path
+from gpuhealth.backends.nvml_real import RealNvml
+from gpuhealth.backends.sysfs import sysfs_for
+from gpuhealth.catalog.thresholds import load_thresholds
+from gpuhealth.collectors.base import CollectContext, Collector, GpuIdentity, History
+from gpuhealth.collectors.registry import all_collectors
+from gpuhealth.collectors.runner import CollectorRun, CollectorRunner, enumerate_gpus
+from gpuhealth.collectors.versions import versions_of
+from gpuhealth.config import Config
+from gpuhealth.model import Action, EntityKind, Finding, Health, health_of, worst_action
+
+
+def open_backend(snapshot: str | Path | None) -> NvmlBackend:
+    """An initialised backend: ``snapshot`` (a recording/scenario path, or a bundled recording's name
+    such as ``nvml_h200x2.json``) → simulated; None → the live driver.
+
+    Raises ``RecordingError`` (bad file), ``BackendUnavailable`` (no driver/library) or ``NvmlError``."""
+    backend: NvmlBackend
+    if snapshot is not None:
+        path = Path(snapshot)
+        if not path.exists() and path.name == str(snapshot) and path.name in BUNDLED_RECORDINGS:
+            path = bundled_recording_path(path.name)
+        backend = FakeNvml.from_file(path)
+    else:
+        backend = RealNvml()
+    backend.init()
+    return backend
+
+
+def default_kmsg(backend: NvmlBackend, config: Config) -> KmsgSource | None:
+    """The kernel log to read: the configured file, else a scenario's lines (simulated), else /dev/kmsg."""
+    if config.collectors.kmsg_path:
+        return KmsgFile(config.collectors.kmsg_path)
+    if backend.simulated:
+        lines = getattr(backend, "kmsg_lines", None)
+        return KmsgLines(lines) if isinstance(lines, list) else None
+    return DevKmsg(DEV_KMSG)
+
+
+@dataclass(slots=True)
+class GpuReport:
+    identity: GpuIdentity
+    findings: list[Finding] = field(default_factory=list)
+
+    @property
+    def health(self) -> Health:
+        return health_of(self.findings)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "index": self.identity.index,
+            "uuid": self.identity.uuid,
+            "name": self.identity.name,
+            "pci_bus_id": self.identity.pci_bus_id,
+            "health": str(self.health),
+            "action": str(worst_action(self.findings)),
+            "findings": [f.to_dict() for f in _ordered(self.findings)],
+        }
+
+
+@dataclass(slots=True)
+class NodeReport:
+    node: str
+    simulated: bool
+    backend: str
+    time: float
+    gpus: list[GpuReport] = field(default_factory=list)
+    findings: list[Finding] = field(default_factory=list)  # node-level
+    versions: dict[str, Any] = field(default_factory=dict)
+    runs: list[CollectorRun] = field(default_factory=list)
+
+    def all_findings(self) -> list[Finding]:
+        return [*self.findings, *(f for g in self.gpus for f in g.findings)]
+
+    @property
+    def health(self) -> Health:
+        """Worst of all findings; UNKNOWN when there was nothing to check (no GPU at all)."""
+        findings = self.all_findings()
+        if not self.gpus and not findings:
+            return Health.UNKNOWN
+        return health_of(findings)
+
+    @property
+    def action(self) -> Action:
+        return worst_action(self.all_findings())
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "node": {
+                "name": self.node,
+                "health": str(self.health),
+                "action": str(self.action),
+                "simulated": self.simulated,
+                "backend": self.backend,
+                "time": self.time,
+                "gpu_count": len(self.gpus),
+                "versions": self.versions,
+                "collectors": [r.summary() for r in self.runs],
+            },
+            "gpus": [g.to_dict() for g in self.gpus],
+            "findings": [f.to_dict() for f in _ordered(self.findings)],
+        }
+
+
+def _ordered(findings: Sequence[Finding]) -> list[Finding]:
+    return sorted(findings, key=lambda f: (-int(f.severity), f.code, f.entity.id))
+
+
+def collect_once(
+    backend: NvmlBackend,
+    config: Config,
+    *,
+    sysfs: Any = None,
+    kmsg: KmsgSource | None = None,
+    collectors: Sequence[Collector] | None = None,
+    runner: CollectorRunner | None = None,
+) -> NodeReport:
+    """Run every collector once and build the report. Raises ``NvmlError`` only when NVML cannot
+    even count the GPUs; ``ThresholdsError`` for a bad ``collectors.thresholds_file``."""
+    now = time.time()
+    gpus = enumerate_gpus(backend)
+    extras: dict[str, Any] = {"one_shot": True}
+    if config.collectors.thresholds_file:
+        extras["thresholds"] = load_thresholds(config.collectors.thresholds_file)
+    ctx = CollectContext(
+        backend=backend,
+        config=config,
+        gpus=gpus,
+        node_name=config.node_name,
+        now=now,
+        sysfs=sysfs if sysfs is not None else sysfs_for(backend, config.collectors.sysfs_root),
+        kmsg=kmsg if kmsg is not None else default_kmsg(backend, config),
+        extras=extras,
+    )
+    own_collectors = collectors is None
+    todo = list(all_collectors(config)) if collectors is None else list(collectors)
+    own_runner = runner is None
+    run_with = runner or CollectorRunner(timeout_s=config.collectors.timeout_s)
+    runs: list[CollectorRun] = []
+    try:
+        for collector in todo:
+            runs.append(run_with.run(collector, ctx, History(config.collectors.history_len)))
+    finally:
+        if own_runner:
+            run_with.close()
+        if own_collectors:
+            for collector in todo:
+                close = getattr(collector, "close", None)
+                if callable(close):
+                    close()
+    return build_report(ctx, runs)
+
+
+def build_report(ctx: CollectContext, runs: Sequence[CollectorRun]) -> NodeReport:
+    """Group the runs' findings by GPU (anything on a GPU: the GPU, its links, its processes) and node."""
+    reports = {g.index: GpuReport(g) for g in ctx.gpus}
+    by_uuid = {g.uuid: g.index for g in ctx.gpus}
+    node_findings: list[Finding] = []
+    for run in runs:
+        for f in run.findings:
+            index = f.entity.gpu_index
+            if index is None and f.entity.kind is EntityKind.GPU:
+                index = by_uuid.get(f.entity.id)
+            if index is not None and index in reports and f.entity.kind is not EntityKind.NODE:
+                reports[index].findings.append(f)
+            else:
+                node_findings.append(f)
+    versions_run = next((r for r in runs if r.name == "versions"), None)
+    return NodeReport(
+        node=ctx.node_name,
+        simulated=ctx.backend.simulated,
+        backend=ctx.backend.description,
+        time=ctx.now,
+        gpus=[reports[i] for i in sorted(reports)],
+        findings=node_findings,
+        versions=versions_of(versions_run.observations if versions_run else None),
+        runs=list(runs),
+    )
