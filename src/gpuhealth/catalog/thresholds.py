@@ -52,17 +52,18 @@ class ThermalThresholds:
 
 @dataclass(frozen=True, slots=True)
 class PcieThresholds:
-    replay_per_minute_x16: float = 8.0
-    replay_min_window_s: float = 60.0
+    replay_bit_error_rate: float = 1.0e-12
+    replay_window_s: float = 60.0
     width_degraded_severity: str = "critical"
     gen_check_min_utilization_pct: float = 50
 
 
 @dataclass(frozen=True, slots=True)
 class NvlinkThresholds:
-    crc_per_second_warning: float = 100.0
-    replay_per_window_warning: int = 1
-    recovery_per_window_warning: int = 1
+    crc_per_window_warning: int = 1
+    crc_per_second_critical: float = 100.0
+    replay_per_window_critical: int = 1
+    recovery_per_window_critical: int = 1
     min_window_s: float = 10.0
 
 

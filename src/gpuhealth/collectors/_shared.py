@@ -6,7 +6,7 @@ Kept private (``_shared``): the public contract is the collector protocol in ``b
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, TypeGuard
 
 from gpuhealth.backends.errors import NvmlError
 from gpuhealth.backends.sysfs import Sysfs, sysfs_for
@@ -33,8 +33,9 @@ def node_entity(ctx: CollectContext) -> Entity:
 
 def sysfs_of(ctx: CollectContext) -> Sysfs:
     """The context's sysfs, or the one matching its backend (recording → recorded sysfs)."""
-    if ctx.sysfs is not None:
-        return ctx.sysfs  # type: ignore[no-any-return]
+    given: Sysfs | None = ctx.sysfs
+    if given is not None:
+        return given
     return sysfs_for(ctx.backend, ctx.config.collectors.sysfs_root)
 
 
@@ -60,7 +61,7 @@ def read_fields(
     return out
 
 
-def is_number(value: Any) -> bool:
+def is_number(value: Any) -> TypeGuard[int | float]:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
@@ -95,6 +96,11 @@ def counter_delta(
 def gpu_key(index: int, key: str) -> Callable[[Observations], Any]:
     """Accessor for ``counter_delta``: ``obs.per_gpu[index][key]``."""
     return lambda o: o.per_gpu.get(index, {}).get(key)
+
+
+def num(value: Any) -> float | None:
+    """A reading as a float, or None when it is not a number."""
+    return float(value) if is_number(value) else None
 
 
 def gpu_indices(ctx: CollectContext) -> list[int]:

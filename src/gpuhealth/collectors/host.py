@@ -69,6 +69,8 @@ class SystemHostReader:
             load: tuple[float, float, float] | None = tuple(os.getloadavg())  # type: ignore[assignment]
         except OSError:
             load = None
+        total: int | None
+        avail: int | None
         try:
             vm = psutil.virtual_memory()
             total, avail = int(vm.total), int(vm.available)

@@ -12,7 +12,8 @@ recording) has no NVLink: no finding. If config expects links but the GPU report
 reported, since the operator said they should be there.
 
 Errors: CRC (flit), replay and recovery counters as growth over the history window →
-``nvlink.errors`` (warning): CRC above DCGM's 100/s, any replay or recovery growth (DCGM's limit 1).
+``nvlink.errors``, judged as DCGM's NVLink health watch does: any CRC growth → warning, CRC at
+≥ 100/s → critical, any replay or recovery growth → critical (action ``drain``).
 
 Fabric (``GpuFabricInfo``; GPUs on NVSwitch): registration finished with an error, or never
 started, → ``fabric.degraded`` critical; still in progress → warning. NOT_SUPPORTED → nothing.
@@ -111,7 +112,6 @@ class NvlinkCollector:
         return obs
 
     def evaluate(self, obs: Observations, history: History, ctx: CollectContext) -> list[Finding]:
-        th = thresholds_from(ctx).nvlink
         out: list[Finding] = []
         for i, rec in sorted(obs.per_gpu.items()):
             states: dict[int, int] = rec.get("link_states") or {}
@@ -136,28 +136,49 @@ class NvlinkCollector:
                             Action.REBOOT, {"link": link, "state": state, "expected": wanted, "up": up}, NAME,
                         ))
             for link in sorted(states):
-                problems: dict[str, Any] = {}
-                window: float | None = None
-                for label in COUNTER_FIELDS:
-                    d = counter_delta(history, obs, gpu_key(i, f"link{link}.{label}"))
-                    if d is None or d[1] < th.min_window_s or d[0] <= 0:
-                        continue
-                    window = d[1]
-                    if label == "crc" and d[0] / d[1] >= th.crc_per_second_warning:
-                        problems["crc_per_second"] = round(d[0] / d[1], 2)
-                    elif label == "replay" and d[0] >= th.replay_per_window_warning:
-                        problems["replay_increase"] = int(d[0])
-                    elif label == "recovery" and d[0] >= th.recovery_per_window_warning:
-                        problems["recovery_increase"] = int(d[0])
-                if problems:
-                    parts = ", ".join(f"{k}={v}" for k, v in problems.items())
-                    out.append(Finding(
-                        "nvlink.errors", Severity.WARNING, link_entity(ctx, i, "nvlink", link),
-                        f"GPU {i}: NVLink {link} errors growing over {window or 0:.0f} s: {parts}",
-                        Action.MONITOR, {"link": link, "window_s": round(window or 0, 1), **problems}, NAME,
-                    ))
+                f = self._error_finding(i, link, obs, history, ctx)
+                if f is not None:
+                    out.append(f)
             out.extend(self._fabric_findings(i, rec, ctx))
         return out
+
+    @staticmethod
+    def _error_finding(
+        i: int, link: int, obs: Observations, history: History, ctx: CollectContext
+    ) -> Finding | None:
+        """DCGM's NVLink watch: CRC growth → warning, ≥ 100/s → critical; replay or recovery
+        growth → critical."""
+        th = thresholds_from(ctx).nvlink
+        grown: dict[str, Any] = {}
+        window = 0.0
+        severity = Severity.WARNING
+        for label in COUNTER_FIELDS:
+            d = counter_delta(history, obs, gpu_key(i, f"link{link}.{label}"))
+            if d is None or d[1] < th.min_window_s or d[0] <= 0:
+                continue
+            window = max(window, d[1])
+            if label == "crc":
+                if d[0] < th.crc_per_window_warning:
+                    continue
+                grown["crc_increase"] = int(d[0])
+                grown["crc_per_second"] = round(d[0] / d[1], 2)
+                if d[0] / d[1] >= th.crc_per_second_critical:
+                    severity = Severity.CRITICAL
+            else:
+                limit = th.replay_per_window_critical if label == "replay" else th.recovery_per_window_critical
+                if d[0] < limit:
+                    continue
+                grown[f"{label}_increase"] = int(d[0])
+                severity = Severity.CRITICAL
+        if not grown:
+            return None
+        parts = ", ".join(f"{k}={v}" for k, v in grown.items())
+        return Finding(
+            "nvlink.errors", severity, link_entity(ctx, i, "nvlink", link),
+            f"GPU {i}: NVLink {link} errors growing over {window:.0f} s: {parts}",
+            Action.DRAIN if severity is Severity.CRITICAL else Action.MONITOR,
+            {"link": link, "window_s": round(window, 1), **grown}, NAME,
+        )
 
     @staticmethod
     def _fabric_findings(i: int, rec: dict[str, Any], ctx: CollectContext) -> list[Finding]:

@@ -12,14 +12,16 @@ Width and generation mean different things:
   (utilization ≥ ``gen_check_min_utilization_pct``) → ``pcie.link_degraded`` warning.
 
 Replays (the data-link layer resending a TLP after a CRC error) are counted by the GPU. Their rate
-over the history window is judged against DCGM's budget (8/min on a x16 link at the GPU's
-maximum generation), scaled by lane count → ``pcie.replay_rate`` warning.
+over about a minute of history is judged as DCGM's PCIe health watch does: more than
+ceil(BER 1e-12 × GT/s per lane × 60 × lanes) per minute at the *current* generation and width
+(Gen5 x16 → 31/min) → ``pcie.replay_rate`` warning.
 
 Slow lane: ``PcieReplayCounter`` costs 0.17 ms and sysfs reads touch the filesystem.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from typing import Any
 
@@ -30,6 +32,9 @@ from gpuhealth.model import Action, Finding, MetricKind, Sample, Severity
 
 NAME = "pcie"
 
+# Transfer rate per lane by PCIe generation (GT/s); DCGM's replay budget scales with it.
+GEN_GT_PER_S = {1: 2.5, 2: 5.0, 3: 8.0, 4: 16.0, 5: 32.0, 6: 64.0}
+
 _NVML_KEYS = {
     "CurrPcieLinkGeneration": "gen_current",
     "MaxPcieLinkGeneration": "gen_max",
@@ -38,6 +43,15 @@ _NVML_KEYS = {
     "MaxPcieLinkWidth": "width_max",
     "PcieReplayCounter": "replays",
 }
+
+
+def replay_budget_per_minute(gen: Any, lanes: Any, bit_error_rate: float) -> int | None:
+    """DCGM's expected replays per minute: ceil(BER × GT/s per lane × 60 s × lanes).
+    Gen5 x16 at BER 1e-12 → 31. None when generation or width is unknown."""
+    if not is_number(gen) or not is_number(lanes) or gen < 1 or lanes < 1:
+        return None
+    gts = GEN_GT_PER_S[min(int(gen), max(GEN_GT_PER_S))]
+    return math.ceil(round(bit_error_rate * gts * 1e9 * 60 * lanes, 9))
 
 
 class PcieCollector:
@@ -105,22 +119,32 @@ class PcieCollector:
                     f"GPU {i}: PCIe Gen{cur_g} while busy ({util}% utilization), below its maximum Gen{max_g}",
                     Action.MONITOR, {**ev, "kind": "generation", "utilization_pct": util}, NAME,
                 ))
-            d = counter_delta(history, obs, gpu_key(i, "replays"))
-            if d is not None and d[1] >= th.replay_min_window_s:
-                lanes = cur_w if is_number(cur_w) and cur_w > 0 else 16
-                budget = th.replay_per_minute_x16 * lanes / 16.0
-                per_min = d[0] / d[1] * 60.0
-                if per_min > budget:
-                    out.append(Finding(
-                        "pcie.replay_rate", Severity.WARNING, ent,
-                        f"GPU {i}: {per_min:.1f} PCIe replays/min over {d[1]:.0f} s (budget {budget:g}/min "
-                        f"for x{lanes})",
-                        Action.MONITOR,
-                        {"per_minute": round(per_min, 3), "increase": int(d[0]), "window_s": round(d[1], 1),
-                         "budget_per_minute": budget, "lanes": lanes, "generation": cur_g},
-                        NAME,
-                    ))
+            out.extend(self._replay_findings(i, rec, obs, history, ctx))
         return out
+
+    @staticmethod
+    def _replay_findings(
+        i: int, rec: dict[str, Any], obs: Observations, history: History, ctx: CollectContext
+    ) -> list[Finding]:
+        th = thresholds_from(ctx).pcie
+        d = counter_delta(history, obs, gpu_key(i, "replays"), window_s=2 * th.replay_window_s)
+        if d is None or d[1] < th.replay_window_s / 2:
+            return []
+        gen = rec.get("gen_current", rec.get("sysfs_gen_current"))
+        lanes = rec.get("width_current", rec.get("sysfs_width_current"))
+        budget = replay_budget_per_minute(gen, lanes, th.replay_bit_error_rate)
+        per_min = d[0] / d[1] * 60.0
+        if budget is None or per_min <= budget:
+            return []
+        return [Finding(
+            "pcie.replay_rate", Severity.WARNING, link_entity(ctx, i, "pcie", ""),
+            f"GPU {i}: {per_min:.1f} PCIe replays/min over {d[1]:.0f} s, above the budget of {budget}/min "
+            f"for Gen{gen} x{lanes}",
+            Action.MONITOR,
+            {"per_minute": round(per_min, 3), "increase": int(d[0]), "window_s": round(d[1], 1),
+             "budget_per_minute": budget, "generation": gen, "lanes": lanes},
+            NAME,
+        )]
 
     def samples(self, obs: Observations, ctx: CollectContext) -> Iterable[Sample]:
         out: list[Sample] = []

@@ -116,13 +116,15 @@ class ThrottleCollector:
             mask = rec.get("reasons")
             active = problem_reasons(int(mask)) if is_number(mask) else []
             seen = {r.bit for r in active}
-            # Throttling between polls: a problem counter grew though the bit is clear now.
+            # Throttling between polls: a problem counter grew though the bit is clear now (DCGM's
+            # thermal/power watches warn on any growth of the violation time).
             for label, bit in _COUNTER_REASON.items():
-                if bit not in seen and shares.get(label, 0.0) >= th.sustained_violation_share:
+                if bit not in seen and shares.get(label, 0.0) > 0.0:
                     active.append(next(r for r in REASONS if r.bit == bit))
                     seen.add(bit)
             for r in active:
-                assert r.code is not None
+                if r.code is None:
+                    continue
                 share = shares.get(r.name)
                 sustained = share is not None and share >= th.sustained_violation_share
                 action = r.action
