@@ -1,0 +1,138 @@
+"""``gpuhealth status``: every GPU's health and every problem found, with a suggested action.
+
+Thin edge: parse flags, call ``node.collect_once``, render (rich table or ``--json``), exit with the
+chosen profile's code. Anything that stops the check (no driver, a malformed recording or config)
+is one line on stderr and the profile's "could not check" code — never a traceback.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any
+
+import click
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+from gpuhealth.backends.errors import BackendUnavailable, NvmlError, RecordingError
+from gpuhealth.catalog.thresholds import ThresholdsError
+from gpuhealth.catalog.xid import CatalogError
+from gpuhealth.cli.exitcodes import PROFILE_NAMES, exit_code
+from gpuhealth.collectors.registry import UnknownCollector
+from gpuhealth.config import ConfigError, load_config
+from gpuhealth.model import Finding, Health, Severity
+from gpuhealth.node import NodeReport, collect_once, open_backend
+
+_HEALTH_STYLE = {Health.HEALTHY: "bold green", Health.DEGRADED: "bold yellow", Health.UNHEALTHY: "bold red",
+                 Health.UNKNOWN: "bold magenta"}
+_SEVERITY_STYLE = {Severity.INFO: "cyan", Severity.WARNING: "yellow", Severity.CRITICAL: "red"}
+
+
+def _fail(message: str, profile: str) -> None:
+    click.echo(f"gpuhealth status: {message}", err=True)
+    sys.exit(exit_code(Health.UNKNOWN, profile))
+
+
+@click.command(name="status")
+@click.option("--nvml-snapshot", "snapshot", metavar="FILE", default=None,
+              help="Check a recording or scenario file instead of the live driver (simulated).")
+@click.option("--kmsg", "kmsg_path", metavar="FILE", default=None,
+              help="Read XIDs from this kernel-log file instead of /dev/kmsg.")
+@click.option("--expected-gpus", type=click.IntRange(min=0), default=None,
+              help="GPUs this node must have; fewer is gpu.missing.")
+@click.option("--config", "config_path", metavar="FILE", default=None, help="gpuhealth YAML config file.")
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+@click.option("--exit-codes", "profile", type=click.Choice(PROFILE_NAMES), default="default", show_default=True,
+              help="Exit-code dialect: default (0/1/2/3), slurm, npd, nagios.")
+def command(snapshot: str | None, kmsg_path: str | None, expected_gpus: int | None, config_path: str | None,
+            as_json: bool, profile: str) -> None:
+    """Node health per GPU, from NVML or a recording."""
+    try:
+        config = load_config(config_path, overrides={
+            "collectors": {"expected_gpus": expected_gpus, "kmsg_path": kmsg_path},
+            "agent": {"nvml_snapshot": snapshot},
+        })
+    except ConfigError as exc:
+        _fail(str(exc), profile)
+        return
+    try:
+        backend = open_backend(config.agent.nvml_snapshot)
+    except RecordingError as exc:
+        _fail(f"bad recording: {exc}", profile)
+        return
+    except BackendUnavailable as exc:
+        _fail(f"{exc} — cannot check GPUs here (try --nvml-snapshot FILE for a recording)", profile)
+        return
+    except NvmlError as exc:
+        _fail(f"NVML failed to start: {exc.message} (code {exc.code})", profile)
+        return
+    try:
+        report = collect_once(backend, config)
+    except NvmlError as exc:
+        _fail(f"NVML cannot list the GPUs: {exc.message} (code {exc.code})", profile)
+        return
+    except (ThresholdsError, CatalogError, UnknownCollector, RecordingError) as exc:
+        _fail(str(exc), profile)
+        return
+    finally:
+        backend.shutdown()
+    if as_json:
+        click.echo(json.dumps(report.to_dict(), indent=2, sort_keys=False, default=str))
+    else:
+        render(report, Console(highlight=False, soft_wrap=False))
+    sys.exit(exit_code(report.health, profile))
+
+
+def _finding_text(f: Finding) -> Text:
+    text = Text()
+    text.append(f"{f.severity}", style=_SEVERITY_STYLE[f.severity])
+    text.append(f" {f.code}: {f.message}")
+    if int(f.action):
+        text.append(f" → {f.action}", style="bold")
+    return text
+
+
+def render(report: NodeReport, console: Console) -> None:
+    """The human view: banner, one row per GPU, then node-level findings."""
+    if report.simulated:
+        source = report.backend.removeprefix("simulated from ")
+        console.print(Text(f"SIMULATED (recording {source}) — not this machine's GPUs", style="bold black on yellow"))
+    versions = report.versions
+    about = ", ".join(x for x in (
+        f"driver {versions['driver']}" if versions.get("driver") else "",
+        f"CUDA {versions['cuda']}" if versions.get("cuda") else "",
+    ) if x)
+    head = Text(f"Node {report.node}: ")
+    head.append(str(report.health).upper(), style=_HEALTH_STYLE[report.health])
+    head.append(f"  ({len(report.gpus)} GPU{'s' if len(report.gpus) != 1 else ''}{', ' + about if about else ''})")
+    if int(report.action):
+        head.append(f"  action: {report.action}", style="bold")
+    console.print(head)
+    table = Table(show_lines=False, expand=False)
+    table.add_column("GPU", justify="right")
+    table.add_column("Name")
+    table.add_column("Bus")
+    table.add_column("Health")
+    table.add_column("Findings")
+    for g in report.gpus:
+        findings = sorted(g.findings, key=lambda f: -int(f.severity))
+        cell = Text("\n").join(_finding_text(f) for f in findings) if findings else Text("—", style="dim")
+        table.add_row(str(g.identity.index), g.identity.name, g.identity.pci_bus_id,
+                      Text(str(g.health), style=_HEALTH_STYLE[g.health]), cell)
+    console.print(table)
+    if report.findings:
+        console.print(Text("Node findings:", style="bold"))
+        for f in sorted(report.findings, key=lambda f: -int(f.severity)):
+            console.print(Text("  ").append_text(_finding_text(f)))
+    failed = [r for r in report.runs if not r.success]
+    if failed:
+        names = ", ".join(r.name for r in failed)
+        console.print(Text(f"Collectors that failed: {names} (see collector.failed findings)", style="yellow"))
+
+
+def summary(report: NodeReport) -> dict[str, Any]:
+    """A one-line-able digest (used by other commands that embed node health)."""
+    return {"node": report.node, "health": str(report.health), "action": str(report.action),
+            "gpus": len(report.gpus), "findings": len(report.all_findings())}
