@@ -1,0 +1,178 @@
+"""XIDs from NVML events and the kernel log, judged by the catalog, escalated when they survive a reset."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+from gpuhealth.backends.base import XidEvent
+from gpuhealth.backends.kmsg import KmsgLines
+from gpuhealth.backends.nvml_fake import FakeNvml
+from gpuhealth.catalog.xid import CatalogError, load_xid_catalog, xid_info
+from gpuhealth.collectors.base import CollectContext, History
+from gpuhealth.collectors.runner import CollectorRunner, enumerate_gpus
+from gpuhealth.collectors.xid import XidCollector, XidLedger, recovery_action
+from gpuhealth.config import Config
+from gpuhealth.model import Action, EntityKind, Severity, health_of
+
+
+class Harness:
+    def __init__(self, tmp_path: Path, clock, collector: XidCollector | None = None, **scenario) -> None:  # type: ignore[no-untyped-def]
+        scenario.setdefault("recording", "nvml_h200x2.json")
+        path = tmp_path / "s.json"
+        path.write_text(json.dumps(scenario))
+        self.fake = FakeNvml.from_file(path, clock=clock)
+        self.fake.init()
+        self.kmsg = KmsgLines(self.fake.kmsg_lines)
+        self.collector = collector or XidCollector(event_thread=False)
+        self.history = History()
+        self.runner = CollectorRunner(timeout_s=None)
+        self.gpus = enumerate_gpus(self.fake)
+
+    def run(self, **extras):  # type: ignore[no-untyped-def]
+        self.gpus = enumerate_gpus(self.fake, self.gpus)
+        ctx = CollectContext(backend=self.fake, config=Config(), gpus=self.gpus, node_name="n1", now=time.time(),
+                             kmsg=self.kmsg, extras=extras)
+        run = self.runner.run(self.collector, ctx, self.history)
+        assert run.success, run.error
+        return run
+
+
+def test_nvml_event_xid79_is_critical_reboot_on_that_gpu(tmp_path: Path, clock) -> None:  # type: ignore[no-untyped-def]
+    h = Harness(tmp_path, clock, events=[{"at": 1, "type": "xid", "gpu": 1, "xid": 79}])
+    assert h.run().findings == []
+    clock.advance(2)
+    run = h.run()
+    [f] = run.findings
+    assert (f.code, f.severity, f.action) == ("xid.79", Severity.CRITICAL, Action.REBOOT)
+    assert f.entity.kind is EntityKind.GPU and f.entity.id == h.gpus[1].uuid and f.entity.gpu_index == 1
+    assert f.evidence["sources"] == ["nvml"] and f.evidence["hardware"] is True
+    assert "fallen off the bus" in f.message
+    # It stays a finding on the next sweep (an XID is an event; the GPU is still suspect).
+    assert [x.code for x in h.run().findings] == ["xid.79"]
+    last = {s.gpu: s.value for s in run.samples if s.name == "gpu_xid_last"}
+    assert last == {0: 0.0, 1: 79.0}
+
+
+def test_kernel_log_xid_maps_bus_id_to_gpu_and_merges_with_nvml_event(tmp_path: Path, clock) -> None:  # type: ignore[no-untyped-def]
+    usec = int(time.clock_gettime(time.CLOCK_BOOTTIME) * 1e6)  # logged by the kernel just now
+    h = Harness(tmp_path, clock, events=[{"at": 0, "type": "xid", "gpu": 0, "xid": 48}],
+                kmsg=[f"6,100,{usec},-;NVRM: Xid (PCI:0000:00:06): 48, pid=4242, name=python3, "
+                      "An uncorrectable double bit error (DBE) has been detected on GPU in the framebuffer."])
+    [f] = h.run().findings
+    assert (f.code, f.severity, f.action, f.entity.gpu_index) == ("xid.48", Severity.CRITICAL, Action.RESET_GPU, 0)
+    assert f.evidence["count"] == 1 and f.evidence["sources"] == ["kmsg", "nvml"]
+    assert "pid=4242 name=python3" in f.evidence["detail"]
+
+
+def test_application_xid_is_info_and_gpu_stays_healthy(tmp_path: Path, clock) -> None:  # type: ignore[no-untyped-def]
+    h = Harness(tmp_path, clock, kmsg=["NVRM: Xid (PCI:0000:00:07): 13, pid=77, name=train.py, "
+                                       "Graphics SM Warp Exception on (GPC 0, TPC 1, SM 0): Out Of Range Address"])
+    [f] = h.run().findings
+    assert (f.code, f.severity, f.action) == ("xid.13", Severity.INFO, Action.CHECK_JOB)
+    assert f.evidence["hardware"] is False and "application" in f.message
+    assert str(health_of([f])) == "healthy"
+
+
+def test_same_xid_after_gpu_reset_escalates(tmp_path: Path, clock) -> None:  # type: ignore[no-untyped-def]
+    h = Harness(tmp_path, clock, events=[
+        {"at": 1, "type": "xid", "gpu": 0, "xid": 48},
+        {"at": 2, "type": "lost", "gpu": 0},
+        {"at": 3, "type": "restore", "gpu": 0},  # the operator reset the GPU
+        {"at": 4, "type": "xid", "gpu": 0, "xid": 48},
+    ])
+    clock.advance(1.5)
+    [first] = h.run().findings
+    assert (first.severity, first.action) == (Severity.CRITICAL, Action.RESET_GPU)
+    clock.advance(1)
+    assert [f.code for f in h.run().findings] == ["xid.48"]  # lost: still reported
+    clock.advance(1)
+    assert h.run().findings == []  # back after the reset: the old XID is resolved
+    clock.advance(1)
+    [again] = h.run().findings
+    assert (again.code, again.severity, again.action) == ("xid.48", Severity.CRITICAL, Action.RMA)
+    assert again.evidence["repeats_after_reset"] == 1 and "escalated" in again.message
+
+
+def test_reset_seen_through_volatile_counters_and_note_reset(tmp_path: Path, clock) -> None:  # type: ignore[no-untyped-def]
+    h = Harness(tmp_path, clock,
+                overrides={"1": {"TotalEccErrors_CORRECTED_VOLATILE": 12}},
+                events=[{"at": 1, "type": "xid", "gpu": 1, "xid": 92},
+                        {"at": 2, "type": "set", "gpu": 1, "key": "TotalEccErrors_CORRECTED_VOLATILE", "value": 0},
+                        {"at": 3, "type": "xid", "gpu": 1, "xid": 92}])
+    clock.advance(1.5)
+    [f] = h.run().findings
+    assert (f.severity, f.action) == (Severity.WARNING, Action.MONITOR)
+    clock.advance(1)
+    assert h.run().findings == []  # counters went back to zero: the GPU was reset
+    clock.advance(1)
+    [f2] = h.run().findings
+    assert (f2.severity, f2.action) == (Severity.CRITICAL, Action.RESET_GPU)
+    h.collector.note_reset(h.gpus[1].uuid)
+    assert h.run().findings == []
+
+
+def test_unknown_xid_gets_default_and_unknown_bus_goes_to_node(tmp_path: Path, clock) -> None:  # type: ignore[no-untyped-def]
+    h = Harness(tmp_path, clock, kmsg=["NVRM: Xid (PCI:0000:00:06): 250, something new",
+                                       "NVRM: Xid (PCI:0000:9a:00): 79, pid=0, GPU has fallen off the bus."])
+    findings = {f.code: f for f in h.run().findings}
+    assert (findings["xid.250"].severity, findings["xid.250"].action) == (Severity.WARNING, Action.MONITOR)
+    assert findings["xid.250"].entity.gpu_index == 0
+    node = findings["xid.79"]
+    assert node.entity.kind is EntityKind.NODE and node.evidence["pci"] == "0000:9a:00"
+
+
+def test_xid154_takes_the_action_the_driver_names() -> None:
+    assert recovery_action("GPU recovery action changed from 0x0 (None) to 0x1 (GPU Reset Required)") \
+        is Action.RESET_GPU
+    assert recovery_action("GPU recovery action changed from 0x0 (None) to 0x2 (Node Reboot Required)") \
+        is Action.REBOOT
+    assert recovery_action("GPU recovery action changed from 0x1 (Reset) to 0x0 (None)") is Action.NONE
+
+
+def test_event_thread_delivers_nvml_events(tmp_path: Path) -> None:
+    h = Harness(tmp_path, time.monotonic, collector=XidCollector(event_thread=True),
+                events=[{"at": 0.1, "type": "xid", "gpu": 0, "xid": 74}])
+    try:
+        deadline = time.time() + 5
+        codes: list[str] = []
+        while time.time() < deadline and not codes:
+            codes = [f.code for f in h.run().findings]
+            time.sleep(0.05)
+        assert codes == ["xid.74"]
+        # One-shot mode (gpuhealth status) polls instead of starting a thread.
+        one_shot = XidCollector()
+        h.collector = one_shot
+        h.run(one_shot=True)
+        assert one_shot._pump is None
+    finally:
+        h.collector.close()
+
+
+def test_application_xids_expire_hardware_ones_wait_for_reset() -> None:
+    ledger = XidLedger(retention_s=1000, app_retention_s=10)
+    ledger.add(XidEvent(0, 13, 100.0, "kmsg"), "GPU-a")
+    ledger.add(XidEvent(0, 79, 100.0, "kmsg"), "GPU-a")
+    ledger.expire(200.0, lambda code: not xid_info(code).hardware)
+    assert [e.xid for e in ledger.active()] == [79]
+    ledger.add(XidEvent(0, 79, 150.0, "nvml"), "GPU-a")  # late copy of an old event from another source
+    ledger.note_reset("GPU-a", 300.0)
+    ledger.add(XidEvent(0, 79, 250.0, "kmsg"), "GPU-a")  # older than the reset: not a repeat
+    assert ledger.active() == []
+
+
+def test_catalog_covers_fatal_and_application_xids(tmp_path: Path) -> None:
+    cat = load_xid_catalog()
+    for code in (48, 63, 64, 74, 79, 92, 94, 95, 119, 120, 140):
+        assert cat[code].hardware and cat[code].source
+    for code in (48, 64, 74, 79, 95, 119, 120, 140):
+        assert cat[code].severity is Severity.CRITICAL
+    for code in (13, 31, 43, 45):
+        assert not cat[code].hardware and cat[code].severity is Severity.INFO
+    bad = tmp_path / "xid.csv"
+    bad.write_text("code,name,severity,action,repeat_action,hardware,source\n79,x,fatal,reboot,drain,yes,me\n")
+    with pytest.raises(CatalogError, match=r"xid\.csv: data row 1"):
+        load_xid_catalog(bad)
