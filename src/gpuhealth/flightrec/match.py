@@ -1,0 +1,487 @@
+"""Cross-rank matching of flight-recorder entries (pure: dumps in, findings out).
+
+Per process group (keyed by its *name*, the one id that is the same on every rank — ``pg_id`` is a
+per-process counter and differs between ranks of one subgroup):
+
+* membership: the job's description when given, else ``pg_config`` when it names real ranks
+  (NCCL), else "every rank" for the default group, else the ranks that have entries in the group
+  (Gloo records a useless ``{"": …}`` pg_config);
+* progress per rank: last enqueued / completed sequence id from ``pg_status`` and the entries
+  (Gloo: state is always "scheduled", progress shows only in ``retired`` and ``pg_status``);
+* signatures per sequence id (op, sizes, dtypes): the first disagreement in a group is a
+  mismatch, the culprit decided by majority — and on a tie by which side repeats what the group
+  did before — never by whichever file came first; later sequence ids of that group are not
+  compared (alignment after a mismatch is unreliable: that is where torchfrtrace gets noisy);
+* stuck groups: ranks that never enqueued the oldest pending collective (host-side stuck,
+  ``collective.missing_rank``) or, when all enqueued it, the ranks that did not finish it
+  (``collective.gpu_stall``); pending sends/recvs without a partner (``collective.p2p_unmatched``).
+
+Several stuck groups are usually one fault seen from several places. :func:`find_roots` picks
+the root: a blocking rank that is not itself waiting in any collective; failing that, a rank that
+is behind in one group while *ahead* of everyone in another (it skipped a collective); failing
+that, a circular wait.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, defaultdict
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from gpuhealth.flightrec.load import Entry, RankDump
+
+# Ops whose sizes legitimately differ across ranks (uneven splits, root-only buffers).
+_SIZE_FREE_OPS = {"all_to_all", "alltoall", "alltoall_base", "all_to_all_single", "gather", "scatter",
+                  "_allgather_base_uneven", "reduce_scatter_v", "all_gather_v"}
+DEFAULT_GROUP_NAMES = {"0", "default_pg"}
+
+
+@dataclass(frozen=True, slots=True)
+class Signature:
+    op: str
+    in_sizes: tuple[tuple[int, ...], ...]
+    in_dtypes: tuple[str, ...]
+    out_sizes: tuple[tuple[int, ...], ...]
+    out_dtypes: tuple[str, ...]
+
+    @classmethod
+    def of(cls, e: Entry) -> Signature:
+        if e.op in _SIZE_FREE_OPS:
+            return cls(e.op, (), e.in_dtypes, (), e.out_dtypes)
+        return cls(e.op, e.in_sizes, e.in_dtypes, e.out_sizes, e.out_dtypes)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"op": self.op, "input_sizes": [list(s) for s in self.in_sizes], "input_dtypes": list(self.in_dtypes),
+                "output_sizes": [list(s) for s in self.out_sizes], "output_dtypes": list(self.out_dtypes)}
+
+
+@dataclass(slots=True)
+class GroupView:
+    """One process group across all ranks that dumped."""
+
+    name: str
+    desc: str
+    members: tuple[int, ...]
+    membership_source: str  # "job" | "pg_config" | "world" | "entries"
+    dumped: tuple[int, ...]
+    missing_dumps: tuple[int, ...]
+    enqueued: dict[int, int] = field(default_factory=dict)
+    completed: dict[int, int] = field(default_factory=dict)
+    by_seq: dict[int, dict[int, Entry]] = field(default_factory=dict)  # rank -> seq -> entry
+    oldest_seq: dict[int, int] = field(default_factory=dict)  # oldest loaded seq per rank (ring buffer)
+    p2p_pending: dict[int, list[Entry]] = field(default_factory=dict)
+
+    def pending(self, rank: int) -> bool:
+        return self.enqueued.get(rank, 0) > self.completed.get(rank, 0)
+
+    def entry(self, rank: int, seq: int) -> Entry | None:
+        return self.by_seq.get(rank, {}).get(seq)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name, "desc": self.desc, "members": list(self.members),
+            "membership_source": self.membership_source, "ranks_dumped": list(self.dumped),
+            "ranks_missing": list(self.missing_dumps),
+            "last_enqueued": {str(r): v for r, v in sorted(self.enqueued.items())},
+            "last_completed": {str(r): v for r, v in sorted(self.completed.items())},
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class Mismatch:
+    group: str
+    seq: int
+    kind: str  # "type" | "size" | "dtype"
+    culprits: tuple[int, ...]
+    expected: Signature
+    by_rank: Mapping[int, Signature]
+    decided_by: str  # "majority" | "history" | "undecided"
+    completed: bool  # the collective finished anyway (silent corruption) vs stuck
+    later_suppressed: int  # later mismatching sequence ids in this group not reported
+
+
+@dataclass(frozen=True, slots=True)
+class Blocker:
+    """``rank`` has not enqueued collective ``seq`` of ``group`` that ``waiting`` ranks wait in."""
+
+    group: str
+    seq: int
+    rank: int
+    waiting: tuple[int, ...]
+    dumped: bool  # False: the blocker left no dump, we only know it is absent
+
+
+@dataclass(frozen=True, slots=True)
+class Stall:
+    """Every member enqueued ``seq`` of ``group``; ``not_done`` ranks did not finish it."""
+
+    group: str
+    seq: int
+    not_done: tuple[int, ...]
+    suspects: tuple[int, ...]  # ranks that did not even start it (NCCL), when that narrows it
+
+
+@dataclass(frozen=True, slots=True)
+class P2PUnmatched:
+    group: str
+    rank: int  # the rank that has NOT posted the matching op
+    peer: int  # the rank waiting with a pending send/recv
+    op: str  # the waiting op ("send"/"recv")
+    entry: Entry
+
+
+@dataclass(slots=True)
+class MatchResult:
+    groups: dict[str, GroupView]
+    mismatches: list[Mismatch]
+    blockers: list[Blocker]
+    stalls: list[Stall]
+    p2p: list[P2PUnmatched]
+    world_size: int
+    notes: list[str] = field(default_factory=list)
+
+
+# -------------------------------------------------------------------------------------- groups
+
+
+def build_groups(
+    dumps: Mapping[int, RankDump], job: Mapping[str, Any] | None = None
+) -> tuple[dict[str, GroupView], int]:
+    """Group views and the world size. ``job`` may give ``world_size`` and ``groups`` {name: [ranks]}."""
+    job = job or {}
+    job_groups = {str(k): tuple(int(r) for r in v) for k, v in (job.get("groups") or {}).items()}
+    per_group: dict[str, dict[int, list[Entry]]] = defaultdict(lambda: defaultdict(list))
+    desc: dict[str, str] = {}
+    for rank, d in dumps.items():
+        for e in d.entries:
+            per_group[e.group][rank].append(e)
+            desc.setdefault(e.group, e.group_desc)
+    cfg_members: dict[str, set[int]] = defaultdict(set)
+    for d in dumps.values():
+        for key, cfg in d.pg_config.items():
+            if key and cfg.ranks:
+                cfg_members[key].update(cfg.ranks)
+    world = int(job.get("world_size") or 0)
+    for name, ranks in cfg_members.items():
+        if name in DEFAULT_GROUP_NAMES or desc.get(name) == "default_pg":
+            world = max(world, len(ranks))
+    if dumps:
+        world = max(world, max(dumps) + 1)
+    groups: dict[str, GroupView] = {}
+    for name in sorted(set(per_group) | set(job_groups), key=_group_sort_key):
+        if name in job_groups:
+            members, source = job_groups[name], "job"
+        elif name in cfg_members:
+            members, source = tuple(sorted(cfg_members[name])), "pg_config"
+        elif name in DEFAULT_GROUP_NAMES or desc.get(name) == "default_pg":
+            members, source = tuple(range(world)), "world"
+        else:
+            members, source = tuple(sorted(per_group[name])), "entries"
+        dumped = tuple(r for r in members if r in dumps)
+        view = GroupView(name=name, desc=desc.get(name, ""), members=members, membership_source=source,
+                         dumped=dumped, missing_dumps=tuple(r for r in members if r not in dumps))
+        for rank in dumped:
+            _fill_progress(view, rank, dumps[rank], per_group[name].get(rank, []))
+        groups[name] = view
+    return groups, world
+
+
+def _group_sort_key(name: str) -> tuple[int, int | str]:
+    return (0, int(name)) if name.isdigit() else (1, name)
+
+
+def _fill_progress(view: GroupView, rank: int, dump: RankDump, entries: Sequence[Entry]) -> None:
+    status = dump.group_status().get(view.name)
+    enq = status.enqueued if status and status.enqueued is not None else 0
+    done = status.completed if status and status.completed is not None else 0
+    seqs: dict[int, Entry] = {}
+    pending_p2p = []
+    for e in entries:
+        if e.is_p2p or e.p2p_src is not None:
+            if e.state != "completed" and not e.retired:
+                pending_p2p.append(e)
+            continue
+        if e.seq <= 0:
+            continue
+        seqs[e.seq] = e
+        enq = max(enq, e.seq)
+        if e.state == "completed" or e.retired:
+            done = max(done, e.seq)
+    view.by_seq[rank] = seqs
+    view.enqueued[rank] = enq
+    view.completed[rank] = min(done, enq) if enq else done
+    if seqs:
+        view.oldest_seq[rank] = min(seqs)
+    if pending_p2p:
+        view.p2p_pending[rank] = pending_p2p
+
+
+# ------------------------------------------------------------------------------------ mismatches
+
+
+def find_mismatches(view: GroupView) -> Mismatch | None:
+    """The first sequence id where ranks disagree on op/size/dtype, with the culprit by vote."""
+    ranks = [r for r in view.dumped if view.by_seq.get(r)]
+    if len(ranks) < 2:
+        return None
+    all_seqs = sorted({s for r in ranks for s in view.by_seq[r]})
+    seen: Counter[Signature] = Counter()
+    first: Mismatch | None = None
+    later = 0
+    for seq in all_seqs:
+        sigs = {r: Signature.of(e) for r in ranks if (e := view.by_seq[r].get(seq)) is not None}
+        if len(sigs) < 2:
+            seen.update(sigs.values())
+            continue
+        counts = Counter(sigs.values())
+        if len(counts) == 1:
+            seen.update(counts)
+            continue
+        if first is not None:
+            later += 1
+            continue
+        expected, decided_by = _vote(counts, seen)
+        if expected is None:
+            culprits = tuple(sorted(sigs))
+            expected = counts.most_common(1)[0][0]
+        else:
+            culprits = tuple(sorted(r for r, s in sigs.items() if s != expected))
+        odd = sigs[culprits[0]] if culprits else expected
+        kind = _kind(expected, odd if odd != expected else next(s for s in counts if s != expected))
+        done = all(view.completed.get(r, 0) >= seq for r in sigs)
+        first = Mismatch(view.name, seq, kind, culprits, expected, dict(sigs), decided_by, done, 0)
+    if first is None:
+        return None
+    return Mismatch(first.group, first.seq, first.kind, first.culprits, first.expected, first.by_rank,
+                    first.decided_by, first.completed, later)
+
+
+def _vote(counts: Counter[Signature], seen: Counter[Signature]) -> tuple[Signature | None, str]:
+    ranked = counts.most_common()
+    if len(ranked) == 1 or ranked[0][1] > ranked[1][1]:
+        return ranked[0][0], "majority"
+    # A tie (two ranks, or 2 vs 2): the side that repeats what this group ran before is the
+    # expected one; a signature never seen before is the odd one out.
+    top = [s for s, c in ranked if c == ranked[0][1]]
+    familiar = [s for s in top if seen[s] > 0]
+    if len(familiar) == 1:
+        return familiar[0], "history"
+    return None, "undecided"
+
+
+def _kind(expected: Signature, odd: Signature) -> str:
+    if expected.op != odd.op:
+        return "type"
+    if expected.in_dtypes != odd.in_dtypes or expected.out_dtypes != odd.out_dtypes:
+        return "dtype"
+    return "size"
+
+
+# ------------------------------------------------------------------------------------ hangs
+
+
+def find_blockers(view: GroupView) -> tuple[list[Blocker], Stall | None]:
+    """Who keeps this group's oldest pending collective from running."""
+    waiting = [r for r in view.dumped if view.pending(r)]
+    if not waiting:
+        return [], None
+    frontier = min(view.completed.get(r, 0) + 1 for r in waiting)
+    waiters = tuple(sorted(r for r in waiting if view.completed.get(r, 0) + 1 == frontier))
+    absent = [r for r in view.dumped if view.enqueued.get(r, 0) < frontier]
+    blockers = [Blocker(view.name, frontier, r, waiters, True) for r in absent]
+    blockers += [Blocker(view.name, frontier, r, waiters, False) for r in view.missing_dumps]
+    if blockers:
+        return blockers, None
+    not_done = tuple(sorted(r for r in view.dumped if view.completed.get(r, 0) < frontier))
+    states = {r: e.state for r in not_done if (e := view.entry(r, frontier)) is not None}
+    started = {r for r, s in states.items() if s == "started"}
+    suspects = tuple(sorted(r for r, s in states.items() if s == "scheduled")) if started else ()
+    return [], Stall(view.name, frontier, not_done, suspects)
+
+
+def find_p2p_unmatched(view: GroupView) -> list[P2PUnmatched]:
+    out = []
+    members = sorted(view.members)
+    for rank, pend in sorted(view.p2p_pending.items()):
+        for e in pend:
+            if e.p2p_src is None or e.p2p_dst is None:
+                continue
+            try:
+                src, dst = members[e.p2p_src], members[e.p2p_dst]
+            except IndexError:
+                continue
+            peer = dst if e.op == "send" else src
+            if peer not in view.dumped:
+                continue
+            want = "recv" if e.op == "send" else "send"
+            if not any(p.op == want and p.p2p_src == e.p2p_src and p.p2p_dst == e.p2p_dst
+                       for p in view.p2p_pending.get(peer, [])):
+                out.append(P2PUnmatched(view.name, peer, rank, e.op, e))
+    return out
+
+
+def match(dumps: Mapping[int, RankDump], job: Mapping[str, Any] | None = None) -> MatchResult:
+    groups, world = build_groups(dumps, job)
+    result = MatchResult(groups=groups, mismatches=[], blockers=[], stalls=[], p2p=[], world_size=world)
+    for view in groups.values():
+        mm = find_mismatches(view)
+        if mm is not None:
+            result.mismatches.append(mm)
+        blockers, stall = find_blockers(view)
+        result.blockers += blockers
+        if stall is not None:
+            result.stalls.append(stall)
+        result.p2p += find_p2p_unmatched(view)
+        if view.membership_source == "entries" and len(view.members) < 2:
+            result.notes.append(f"group {view.name}: only rank(s) {list(view.members)} have entries; "
+                                "membership may be incomplete (Gloo dumps do not record it)")
+    return result
+
+
+# ------------------------------------------------------------------------------------ roots
+
+
+@dataclass(frozen=True, slots=True)
+class Root:
+    """The fault the other stuck groups follow from."""
+
+    kind: str  # "host_stuck" | "skipped" | "circular" | "stall" | "dump_missing" | "mismatch" | "p2p"
+    ranks: tuple[int, ...]
+    group: str
+    seq: int
+    why: str
+    consequences: tuple[str, ...] = ()  # other stuck groups explained by this root
+
+
+def waiting_in(groups: Mapping[str, GroupView]) -> dict[int, list[tuple[str, int]]]:
+    """rank -> [(group, oldest pending seq)] for every group the rank waits in."""
+    out: dict[int, list[tuple[str, int]]] = defaultdict(list)
+    for g in groups.values():
+        for r in g.dumped:
+            if g.pending(r):
+                out[r].append((g.name, g.completed.get(r, 0) + 1))
+        for r, pend in g.p2p_pending.items():
+            if pend:
+                out[r].append((g.name, -1))
+    return out
+
+
+def find_roots(result: MatchResult) -> list[Root]:
+    groups = result.groups
+    waits = waiting_in(groups)
+    roots: list[Root] = []
+    # A collective that all ranks entered with different arguments is its own root.
+    for mm in result.mismatches:
+        if not mm.completed:
+            roots.append(Root("mismatch", mm.culprits, mm.group, mm.seq,
+                              f"ranks disagree on the {mm.kind} of collective #{mm.seq} in group {mm.group}"))
+    blocked_by: dict[int, list[Blocker]] = defaultdict(list)
+    for b in result.blockers:
+        blocked_by[b.rank].append(b)
+    free = sorted(r for r, bs in blocked_by.items() if bs[0].dumped and not waits.get(r))
+    explained: set[str] = {r.group for r in roots}
+    for rank in free:
+        primary = _earliest(blocked_by[rank], groups)
+        roots.append(Root(
+            "host_stuck", (rank,), primary.group, primary.seq,
+            f"rank {rank} never enqueued collective #{primary.seq} of group {primary.group} that ranks "
+            f"{_fmt(primary.waiting)} wait in, and it is not waiting in any collective itself: it is stuck on "
+            "the host (Python code, data loading, a sleep, a deadlock outside torch.distributed) or took "
+            "another code path",
+            tuple(sorted({b.group for b in blocked_by[rank]} - {primary.group})),
+        ))
+        explained.update(b.group for b in blocked_by[rank])
+    if not free:
+        for rank in sorted(blocked_by):
+            bs = [b for b in blocked_by[rank] if b.dumped]
+            if not bs:
+                continue
+            ahead = _ahead_in(rank, groups, waits)
+            if ahead is None:
+                continue
+            b = _earliest(bs, groups)
+            roots.append(Root(
+                "skipped", (rank,), b.group, b.seq,
+                f"rank {rank} never enqueued collective #{b.seq} of group {b.group} (ranks {_fmt(b.waiting)} wait "
+                f"in it) but went on to collective #{ahead[1]} of group {ahead[0]} that no other member has "
+                "reached: it skipped a collective (a code path that differs on this rank)",
+                tuple(sorted({x.group for x in blocked_by[rank]} - {b.group})),
+            ))
+            explained.update(x.group for x in blocked_by[rank])
+            explained.add(ahead[0])
+    # Groups held only by ranks that left no dump.
+    missing_only: dict[str, list[Blocker]] = defaultdict(list)
+    for b in result.blockers:
+        if b.group not in explained:
+            missing_only[b.group].append(b)
+    for gname, bs in sorted(missing_only.items(), key=lambda kv: _group_sort_key(kv[0])):
+        if all(not b.dumped for b in bs):
+            ranks = tuple(sorted({b.rank for b in bs}))
+            roots.append(Root("dump_missing", ranks, gname, bs[0].seq,
+                              f"ranks {_fmt(bs[0].waiting)} wait in collective #{bs[0].seq} of group {gname}; "
+                              f"rank(s) {_fmt(ranks)} left no dump, so whether they reached it is unknown"))
+            explained.add(gname)
+    leftover = [b for b in result.blockers if b.group not in explained and b.dumped]
+    if leftover:
+        b = min(leftover, key=lambda x: _created(groups[x.group], x))
+        cyc = tuple(sorted({x.rank for x in leftover}))
+        roots.append(Root("circular", cyc, b.group, b.seq,
+                          f"circular wait: every blocking rank ({_fmt(cyc)}) is itself waiting in another group; "
+                          f"the oldest wait is collective #{b.seq} of group {b.group}",
+                          tuple(sorted({x.group for x in leftover} - {b.group}))))
+        explained.update(x.group for x in leftover)
+    for st in result.stalls:
+        if st.group in explained or any(m.group == st.group and m.seq == st.seq for m in result.mismatches):
+            continue
+        ranks = st.suspects or st.not_done
+        why = (f"every member enqueued collective #{st.seq} of group {st.group} but rank(s) {_fmt(st.not_done)} "
+               "did not complete it: the GPU or network side is stuck")
+        if st.suspects:
+            why += f"; rank(s) {_fmt(st.suspects)} never even started it (their GPU is busy or hung)"
+        roots.append(Root("stall", ranks, st.group, st.seq, why))
+    for p in result.p2p:
+        if p.group in explained:
+            continue
+        roots.append(Root("p2p", (p.rank,), p.group, p.entry.p2p_seq,
+                          f"rank {p.peer} waits in a {p.op} with rank {p.rank}, which has no matching "
+                          f"{'recv' if p.op == 'send' else 'send'} pending"))
+    return roots
+
+
+def _ahead_in(rank: int, groups: Mapping[str, GroupView], waits: Mapping[int, list[tuple[str, int]]]
+              ) -> tuple[str, int] | None:
+    for gname, seq in waits.get(rank, []):
+        g = groups[gname]
+        others = [g.enqueued.get(r, 0) for r in g.dumped if r != rank]
+        if seq > 0 and others and g.enqueued.get(rank, 0) > max(others):
+            return gname, g.enqueued[rank]
+    return None
+
+
+def _created(view: GroupView, b: Blocker) -> int:
+    times = [e.created_ns for r in b.waiting if (e := view.entry(r, b.seq)) is not None and e.created_ns]
+    return min(times) if times else 1 << 62
+
+
+def _earliest(blockers: Iterable[Blocker], groups: Mapping[str, GroupView]) -> Blocker:
+    # The collective the others started waiting in first is the one this rank was due to run next.
+    return min(blockers, key=lambda b: (_created(groups[b.group], b), _group_sort_key(b.group)))
+
+
+def _fmt(ranks: Iterable[int]) -> str:
+    return format_ranks(ranks)
+
+
+def format_ranks(ranks: Iterable[int]) -> str:
+    """Compact rank list: 0-3,7,9-12."""
+    rs = sorted(set(ranks))
+    parts = []
+    i = 0
+    while i < len(rs):
+        j = i
+        while j + 1 < len(rs) and rs[j + 1] == rs[j] + 1:
+            j += 1
+        parts.append(str(rs[i]) if i == j else f"{rs[i]}-{rs[j]}")
+        i = j + 1
+    return ",".join(parts)
