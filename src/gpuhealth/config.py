@@ -72,6 +72,16 @@ class CoordinatorConfig:
     tls_cert: str | None = None
     tls_key: str | None = None
     tls_ca: str | None = None
+    # Client side (agent link, CLI queries) under mutual TLS: this node's certificate; CA = tls_ca.
+    client_tls_cert: str | None = None
+    client_tls_key: str | None = None
+    evidence_dir: str = ""  # hang evidence (FR dumps, stacks); "" = "evidence" beside db_path
+    evidence_timeout_s: float = 20.0  # how long a hang investigation waits for every rank's answer
+    tick_s: float = 0.5  # detection period (stragglers, hangs)
+    heartbeat_interval_s: float = 10.0  # asked of agents; also how fast a finished job is noticed
+    step_retention_hours: float = 24.0  # raw step batches; verdicts/jobs keep retention_days
+    straggler_budget_records_s: float = 50_000.0  # per job; above it, detection samples steps
+    spool_max_records: int = 200_000  # agent side: records kept while the coordinator is away
 
 
 @dataclass(slots=True)

@@ -201,19 +201,29 @@ class GpuHealth(_message.Message):
     health: str
     def __init__(self, index: _Optional[int] = ..., uuid: _Optional[str] = ..., health: _Optional[str] = ...) -> None: ...
 
+class LiveRanks(_message.Message):
+    __slots__ = ("job_id", "ranks")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    RANKS_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    ranks: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, job_id: _Optional[str] = ..., ranks: _Optional[_Iterable[int]] = ...) -> None: ...
+
 class HealthSummary(_message.Message):
-    __slots__ = ("at", "health", "gpus", "spool_depth", "spool_dropped")
+    __slots__ = ("at", "health", "gpus", "spool_depth", "spool_dropped", "live")
     AT_FIELD_NUMBER: _ClassVar[int]
     HEALTH_FIELD_NUMBER: _ClassVar[int]
     GPUS_FIELD_NUMBER: _ClassVar[int]
     SPOOL_DEPTH_FIELD_NUMBER: _ClassVar[int]
     SPOOL_DROPPED_FIELD_NUMBER: _ClassVar[int]
+    LIVE_FIELD_NUMBER: _ClassVar[int]
     at: float
     health: str
     gpus: _containers.RepeatedCompositeFieldContainer[GpuHealth]
     spool_depth: int
     spool_dropped: int
-    def __init__(self, at: _Optional[float] = ..., health: _Optional[str] = ..., gpus: _Optional[_Iterable[_Union[GpuHealth, _Mapping]]] = ..., spool_depth: _Optional[int] = ..., spool_dropped: _Optional[int] = ...) -> None: ...
+    live: _containers.RepeatedCompositeFieldContainer[LiveRanks]
+    def __init__(self, at: _Optional[float] = ..., health: _Optional[str] = ..., gpus: _Optional[_Iterable[_Union[GpuHealth, _Mapping]]] = ..., spool_depth: _Optional[int] = ..., spool_dropped: _Optional[int] = ..., live: _Optional[_Iterable[_Union[LiveRanks, _Mapping]]] = ...) -> None: ...
 
 class AgentRequest(_message.Message):
     __slots__ = ("request_id", "kind", "job_id", "rank", "timeout_s", "diagnostic", "params")

@@ -1,0 +1,536 @@
+"""The agent's link to the coordinator (an agent extension).
+
+Up: rank identities and step records (from the ``RankHub`` listener) and findings snapshots (from
+the agent's findings listener) go into the disk-backed ``Spool`` first, then over ONE gRPC stream;
+a record leaves the spool only when the coordinator acknowledges its seq. Heartbeats carry node and
+GPU health and which ranks are alive here. While the coordinator is unreachable records accumulate
+(bounded) and the link reconnects with exponential backoff and jitter, then resends from the first
+unacknowledged seq (the coordinator ignores the ones it already has).
+
+Down: requests the link executes through the RankHub on worker threads — flight-recorder dumps
+(the JSON files are read and sent up as they are), Python stacks (``py-spy dump --json`` on the
+rank's PID when py-spy is installed and permitted, plus the hook's own stacks), and diagnostics
+(``gpuhealth diag NAME --json`` in a child process: the agent never imports torch).
+
+Everything runs on the link's own thread and event loop; ``start`` returns at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import json
+import logging
+import os
+import random
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from gpuhealth import __version__
+from gpuhealth.agent.spool import Spool
+from gpuhealth.coordinator.security import TlsFiles, channel_credentials, token_metadata
+from gpuhealth.model import EntityKind, Finding, RankIdentity, StepRecord, health_of
+from gpuhealth.proto import gpuhealth_v1_pb2 as pb
+from gpuhealth.proto.convert import finding_to_pb, identity_to_pb, steps_to_pb
+from gpuhealth.proto.options import API_VERSION, NODE_METADATA, SESSION_METADATA, UNARY_DEADLINE_S, client_options
+
+log = logging.getLogger("gpuhealth.agent.coordinator")
+
+MAX_DUMP_BYTES = 48 * 1024 * 1024  # under the gRPC message limit with room for the envelope
+CONNECT_METHOD = "/gpuhealth.v1.Coordinator/Connect"
+REGISTER_METHOD = "/gpuhealth.v1.Coordinator/Register"
+
+
+@dataclass(slots=True)
+class LinkSettings:
+    address: str
+    spool_path: str
+    token: str | None = None
+    tls: TlsFiles | None = None
+    batch_interval_s: float = 0.25  # step records are packed into one batch per job this often
+    heartbeat_s: float | None = None  # None: what the coordinator asks for
+    backoff_initial_s: float = 0.5
+    backoff_max_s: float = 30.0
+    max_inflight: int = 256
+    pyspy: bool = True
+    pyspy_path: str | None = None
+    work_dir: str | None = None  # where requested FR dumps are written (default: a temp dir)
+    wait_ready_s: float = 15.0  # wait this long for the agent's first sweep before registering
+
+
+class CoordinatorLink:
+    name = "coordinator_link"
+
+    def __init__(self, settings: LinkSettings, *, rank_hub: Any = None) -> None:
+        self.settings = settings
+        self.hub = rank_hub
+        self.agent: Any = None
+        self.spool = Spool(settings.spool_path)
+        self._steps: list[StepRecord] = []
+        self._idents: list[RankIdentity] = []
+        self._findings: list[Finding] | None = None
+        self._buf_lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stop_event: asyncio.Event | None = None
+        self._wake: asyncio.Event | None = None
+        self._results: asyncio.Queue[pb.RequestResult] | None = None
+        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="gpuhealth-req")
+        self.connected = threading.Event()
+        self.stats: dict[str, int] = defaultdict(int)
+        self._heartbeat_s = settings.heartbeat_s or 10.0
+
+    # -- extension protocol ----------------------------------------------------------------------
+
+    def start(self, agent: object) -> None:
+        self.agent = agent
+        if self.hub is None:
+            self.hub = _find_rank_hub(agent)
+        if self.hub is not None:
+            self.hub.add_listener(on_identity=self._on_identity, on_steps=self._on_steps)
+        add = getattr(agent, "add_findings_listener", None)
+        if callable(add):
+            add(self._on_findings)
+        self._thread = threading.Thread(target=self._run, name="gpuhealth-coordinator-link", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        loop, stop = self._loop, self._stop_event
+        if loop is not None and stop is not None:
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(stop.set)
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        with contextlib.suppress(Exception):
+            self._flush()
+        self.spool.close()
+
+    # -- listeners (other threads): hand off, never block -----------------------------------------
+
+    def _on_identity(self, identity: RankIdentity) -> None:
+        with self._buf_lock:
+            self._idents.append(identity)
+
+    def _on_steps(self, identity: RankIdentity | None, records: Sequence[StepRecord]) -> None:
+        with self._buf_lock:
+            self._steps.extend(records)
+
+    def _on_findings(self, findings: list[Finding]) -> None:
+        with self._buf_lock:
+            self._findings = list(findings)
+        self._poke()
+
+    def _poke(self) -> None:
+        loop, wake = self._loop, self._wake
+        if loop is not None and wake is not None:
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(wake.set)
+
+    # -- spooling --------------------------------------------------------------------------------
+
+    def _flush(self) -> int:
+        """Move buffered identities/steps/findings into the spool. Returns records spooled."""
+        with self._buf_lock:
+            steps, self._steps = self._steps, []
+            idents, self._idents = self._idents, []
+            findings, self._findings = self._findings, None
+        now = time.time()
+        n = 0
+        if idents:
+            msg = pb.RankIdentities(ranks=[identity_to_pb(i) for i in idents])
+            self.spool.append("ranks", now, lambda seq: _record(seq, now, ranks=msg))
+            n += 1
+        by_job: dict[str, list[StepRecord]] = defaultdict(list)
+        for r in steps:
+            by_job[r.job_id].append(r)
+        for job_id, recs in by_job.items():
+            batch = steps_to_pb(job_id, recs)
+
+            def build(seq: int, b: pb.StepBatch = batch) -> bytes:
+                return _record(seq, now, steps=b)
+
+            self.spool.append("steps", now, build)
+            n += 1
+        if findings is not None:
+            snap = pb.FindingsSnapshot(at=now, findings=[finding_to_pb(f) for f in findings])
+            self.spool.append("findings", now, lambda seq: _record(seq, now, findings=snap))
+            n += 1
+        return n
+
+    # -- the link's thread -----------------------------------------------------------------------
+
+    def _run(self) -> None:
+        loop = asyncio.new_event_loop()
+        self._loop = loop
+        try:
+            loop.run_until_complete(self._main())
+        except Exception:
+            log.exception("coordinator link stopped on an error")
+        finally:
+            loop.close()
+
+    async def _main(self) -> None:
+        self._stop_event = asyncio.Event()
+        self._wake = asyncio.Event()
+        self._results = asyncio.Queue()
+        if self.agent is not None and self.hub is not None and getattr(self.agent, "current_findings", None):
+            self._on_findings(self.agent.current_findings())
+        flusher = asyncio.create_task(self._flush_loop())
+        try:
+            await self._connect_loop()
+        finally:
+            flusher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await flusher
+
+    async def _flush_loop(self) -> None:
+        assert self._wake is not None
+        while True:
+            await asyncio.sleep(self.settings.batch_interval_s)
+            try:
+                if self._flush():
+                    self._wake.set()
+            except Exception:
+                log.exception("cannot spool records for the coordinator")
+
+    async def _connect_loop(self) -> None:
+        assert self._stop_event is not None
+        await self._wait_agent_ready()
+        backoff = self.settings.backoff_initial_s
+        while not self._stop_event.is_set():
+            started = time.monotonic()
+            try:
+                await self._session()
+            except asyncio.CancelledError:
+                raise
+            except grpc.aio.AioRpcError as exc:
+                self.stats["disconnects"] += 1
+                log.warning("coordinator %s: %s: %s", self.settings.address, exc.code().name, exc.details())
+            except Exception as exc:
+                self.stats["disconnects"] += 1
+                log.warning("coordinator %s: %s", self.settings.address, exc)
+            finally:
+                self.connected.clear()
+            if self._stop_event.is_set():
+                return
+            if time.monotonic() - started > 30:
+                backoff = self.settings.backoff_initial_s  # the last session was healthy
+            delay = backoff * random.uniform(0.5, 1.5)  # jitter: agents of a restarted coordinator spread out
+            backoff = min(backoff * 2, self.settings.backoff_max_s)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._stop_event.wait(), delay)
+
+    async def _wait_agent_ready(self) -> None:
+        assert self._stop_event is not None
+        deadline = time.monotonic() + self.settings.wait_ready_s
+        while time.monotonic() < deadline and not self._stop_event.is_set():
+            if self.agent is None or getattr(self.agent, "gpus", None):
+                return
+            await asyncio.sleep(0.2)
+
+    def _channel(self) -> grpc.aio.Channel:
+        if self.settings.tls is not None:
+            return grpc.aio.secure_channel(self.settings.address, channel_credentials(self.settings.tls),
+                                           options=client_options())
+        return grpc.aio.insecure_channel(self.settings.address, options=client_options())
+
+    def register_request(self) -> pb.RegisterRequest:
+        return build_register_request(self.agent, self.spool.incarnation)
+
+    async def _session(self) -> None:
+        assert self._stop_event is not None and self._wake is not None and self._results is not None
+        md = token_metadata(self.settings.token)
+        async with self._channel() as channel:
+            register = channel.unary_unary(REGISTER_METHOD, request_serializer=pb.RegisterRequest.SerializeToString,
+                                           response_deserializer=pb.RegisterResponse.FromString)
+            req = self.register_request()
+            resp: pb.RegisterResponse = await register(req, timeout=UNARY_DEADLINE_S, metadata=md)
+            self.spool.ack(resp.acked_seq)
+            if self.settings.heartbeat_s is None and resp.heartbeat_interval_s > 0:
+                self._heartbeat_s = resp.heartbeat_interval_s
+            window = max(1, min(self.settings.max_inflight, resp.max_inflight or self.settings.max_inflight))
+            connect = channel.stream_stream(CONNECT_METHOD, request_serializer=None,
+                                            response_deserializer=pb.CoordinatorMessage.FromString)
+            call = connect(metadata=(*md, (SESSION_METADATA, resp.session_id), (NODE_METADATA, req.node_name)))
+            self.connected.set()
+            self.stats["connects"] += 1
+            log.info("connected to coordinator %s as %s (resuming after seq %d)", self.settings.address,
+                     req.node_name, resp.acked_seq)
+            reader = asyncio.create_task(self._read(call))
+            try:
+                await self._write(call, window, reader)
+            finally:
+                reader.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await reader
+                call.cancel()
+            if reader.done() and not reader.cancelled() and reader.exception() is not None:
+                raise reader.exception()  # type: ignore[misc]
+
+    async def _read(self, call: Any) -> None:
+        assert self._wake is not None
+        async for msg in call:
+            body = msg.WhichOneof("body")
+            if body == "ack":
+                self.spool.ack(msg.ack.up_to_seq)
+                self.stats["acks"] += 1
+                self._wake.set()
+            elif body == "request":
+                self._start_request(msg.request)
+
+    async def _write(self, call: Any, window: int, reader: asyncio.Task[None]) -> None:
+        assert self._stop_event is not None and self._wake is not None and self._results is not None
+        sent_upto = self.spool.acked
+        next_beat = 0.0
+        while not self._stop_event.is_set() and not reader.done():
+            while not self._results.empty():
+                await call.write(pb.AgentMessage(result=self._results.get_nowait()).SerializeToString())
+            if time.monotonic() >= next_beat:
+                await call.write(pb.AgentMessage(health=self.health_summary()).SerializeToString())
+                next_beat = time.monotonic() + self._heartbeat_s
+            sent_upto = max(sent_upto, self.spool.acked)
+            room = window - (sent_upto - self.spool.acked)
+            if room > 0:
+                for seq, payload in self.spool.pending(sent_upto, room):
+                    await call.write(payload)
+                    sent_upto = seq
+                    self.stats["sent"] += 1
+            self._wake.clear()
+            timeout = max(0.05, next_beat - time.monotonic())
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), timeout)
+        if reader.done():
+            return
+        with contextlib.suppress(Exception):
+            await call.done_writing()
+
+    # -- heartbeat -------------------------------------------------------------------------------
+
+    def health_summary(self) -> pb.HealthSummary:
+        st = self.spool.stats()
+        msg = pb.HealthSummary(at=time.time(), spool_depth=st.depth, spool_dropped=st.dropped, health="unknown")
+        agent = self.agent
+        if agent is not None:
+            try:
+                findings = list(agent.current_findings())
+                msg.health = str(health_of(findings))
+                for g in agent.gpus:
+                    fs = [f for f in findings if f.entity.kind is EntityKind.GPU and f.entity.id == g.uuid]
+                    msg.gpus.append(pb.GpuHealth(index=g.index, uuid=g.uuid, health=str(health_of(fs))))
+            except Exception:
+                log.debug("cannot summarise agent health", exc_info=True)
+        if self.hub is not None:
+            live: dict[str, list[int]] = defaultdict(list)
+            for ident in self.hub.ranks():
+                live[ident.job_id].append(ident.rank)
+            for job_id, ranks in sorted(live.items()):
+                msg.live.append(pb.LiveRanks(job_id=job_id, ranks=sorted(ranks)))
+        return msg
+
+    # -- requests from the coordinator ----------------------------------------------------------
+
+    def _start_request(self, req: pb.AgentRequest) -> None:
+        loop = self._loop
+        assert loop is not None
+        self.stats["requests"] += 1
+
+        def emit(result: pb.RequestResult) -> None:
+            assert self._results is not None and self._wake is not None
+            loop.call_soon_threadsafe(self._results.put_nowait, result)
+            loop.call_soon_threadsafe(self._wake.set)
+
+        self._pool.submit(self._execute, req, emit)
+
+    def _execute(self, req: pb.AgentRequest, emit: Callable[[pb.RequestResult], None]) -> None:
+        rid = req.request_id
+        try:
+            if req.kind == pb.DUMP_FLIGHT_RECORDER:
+                self._do_dump(req, emit)
+            elif req.kind == pb.CAPTURE_STACKS:
+                self._do_stacks(req, emit)
+            elif req.kind == pb.RUN_DIAGNOSTIC:
+                self._do_diag(req, emit)
+            else:
+                emit(pb.RequestResult(request_id=rid, rank=-1, ok=False, error=f"unknown request kind {req.kind}"))
+        except Exception as exc:  # a request must always end with a final answer
+            log.exception("request %d failed", rid)
+            emit(pb.RequestResult(request_id=rid, rank=-1, ok=False, error=f"{type(exc).__name__}: {exc}"))
+        emit(pb.RequestResult(request_id=rid, rank=-1, ok=True, final=True))
+
+    def _no_hub(self, req: pb.AgentRequest, emit: Callable[[pb.RequestResult], None]) -> bool:
+        if self.hub is None:
+            emit(pb.RequestResult(request_id=req.request_id, rank=-1, ok=False, error="no rank hub on this agent"))
+            return True
+        return False
+
+    def _do_dump(self, req: pb.AgentRequest, emit: Callable[[pb.RequestResult], None]) -> None:
+        if self._no_hub(req, emit):
+            return
+        base = self.settings.work_dir or tempfile.gettempdir()
+        out_dir = Path(base) / "gpuhealth-fr" / f"{_safe(req.job_id)}-{req.request_id}-{os.getpid()}"
+        out_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        results = self.hub.request_dump(req.job_id, None if req.rank < 0 else req.rank, str(out_dir),
+                                        timeout_s=req.timeout_s or 20.0)
+        for rank, res in sorted(results.items()):
+            if isinstance(res, Exception):
+                emit(pb.RequestResult(request_id=req.request_id, rank=rank, ok=False,
+                                      error=f"{type(res).__name__}: {res}", format="fr_json"))
+                continue
+            try:
+                data = _read_json_file(Path(res))
+                emit(pb.RequestResult(request_id=req.request_id, rank=rank, ok=True, payload=data, format="fr_json"))
+            except (OSError, ValueError) as exc:
+                emit(pb.RequestResult(request_id=req.request_id, rank=rank, ok=False, error=str(exc),
+                                      format="fr_json"))
+        shutil.rmtree(out_dir, ignore_errors=True)
+
+    def _do_stacks(self, req: pb.AgentRequest, emit: Callable[[pb.RequestResult], None]) -> None:
+        if self._no_hub(req, emit):
+            return
+        rank = None if req.rank < 0 else req.rank
+        timeout = req.timeout_s or 10.0
+        hook = self.hub.request_stacks(req.job_id, rank, timeout_s=timeout)
+        pids = {i.rank: i.pid for i in self.hub.ranks(req.job_id)}
+        for r in sorted(set(hook) | set(pids if rank is None else {})):
+            answer: dict[str, Any] = {}
+            hook_res = hook.get(r)
+            if isinstance(hook_res, dict):
+                answer["hook"] = hook_res
+            elif hook_res is not None:
+                answer["hook_error"] = f"{type(hook_res).__name__}: {hook_res}"
+            pid = pids.get(r)
+            if pid and self.settings.pyspy:
+                spy = pyspy_dump(pid, timeout_s=min(timeout, 15.0), exe=self.settings.pyspy_path)
+                answer.update(spy)
+            answer["source"] = "py-spy" if "py_spy" in answer else ("hook" if "hook" in answer else "none")
+            ok = "hook" in answer or "py_spy" in answer
+            emit(pb.RequestResult(request_id=req.request_id, rank=r, ok=ok, format="stacks_json",
+                                  payload=json.dumps(answer, default=str).encode() if ok else b"",
+                                  error="" if ok else str(answer.get("hook_error") or answer.get("py_spy_error"))))
+
+    def _do_diag(self, req: pb.AgentRequest, emit: Callable[[pb.RequestResult], None]) -> None:
+        name = req.diagnostic
+        if not name.isidentifier():
+            emit(pb.RequestResult(request_id=req.request_id, rank=-1, ok=False, error=f"bad diagnostic {name!r}"))
+            return
+        cmd = [sys.executable, "-m", "gpuhealth.cli.main", "diag", name, "--json"]
+        try:
+            proc = subprocess.run(cmd, capture_output=True, timeout=req.timeout_s or 300.0, check=False)
+        except subprocess.TimeoutExpired:
+            emit(pb.RequestResult(request_id=req.request_id, rank=-1, ok=False, error="diagnostic timed out"))
+            return
+        try:
+            json.loads(proc.stdout)
+        except ValueError:
+            emit(pb.RequestResult(request_id=req.request_id, rank=-1, ok=False, format="diag_json",
+                                  error=f"exit {proc.returncode}: {proc.stderr.decode(errors='replace')[-2000:]}"))
+            return
+        emit(pb.RequestResult(request_id=req.request_id, rank=-1, ok=True, payload=proc.stdout, format="diag_json"))
+
+
+# -- helpers --------------------------------------------------------------------------------------
+
+
+def _record(seq: int, now: float, **payload: Any) -> bytes:
+    return pb.AgentMessage(record=pb.Record(seq=seq, created_at=now, **payload)).SerializeToString()
+
+
+def _safe(text: str) -> str:
+    return "".join(c if c.isalnum() or c in "._-" else "_" for c in text)[:80] or "_"
+
+
+def _read_json_file(path: Path) -> bytes:
+    size = path.stat().st_size
+    if size > MAX_DUMP_BYTES:
+        raise ValueError(f"{path}: {size} bytes is over the {MAX_DUMP_BYTES} limit")
+    data = path.read_bytes()
+    json.loads(data)  # only JSON travels: a pickle or garbage is refused here already
+    return data
+
+
+def pyspy_dump(pid: int, *, timeout_s: float = 10.0, exe: str | None = None) -> dict[str, Any]:
+    """``py-spy dump --json`` of one process: ``{"py_spy": [...threads]}`` or ``{"py_spy_error": ...}``.
+    Needs ptrace permission on the process (same user with ptrace_scope 0/1 as parent, or
+    CAP_SYS_PTRACE, which the DaemonSet/systemd unit grants)."""
+    exe = exe or shutil.which("py-spy") or _venv_pyspy()
+    if exe is None:
+        return {"py_spy_error": "py-spy is not installed"}
+    try:
+        proc = subprocess.run([exe, "dump", "--pid", str(pid), "--json"], capture_output=True, timeout=timeout_s,
+                              check=False)
+    except subprocess.TimeoutExpired:
+        return {"py_spy_error": f"py-spy did not finish within {timeout_s:g} s"}
+    except OSError as exc:
+        return {"py_spy_error": f"cannot run py-spy: {exc}"}
+    if proc.returncode != 0:
+        return {"py_spy_error": proc.stderr.decode(errors="replace").strip()[-500:] or f"exit {proc.returncode}"}
+    try:
+        return {"py_spy": json.loads(proc.stdout)}
+    except ValueError as exc:
+        return {"py_spy_error": f"py-spy output is not JSON: {exc}"}
+
+
+def _venv_pyspy() -> str | None:
+    candidate = Path(sys.executable).parent / "py-spy"
+    return str(candidate) if candidate.exists() else None
+
+
+def _find_rank_hub(agent: object) -> Any:
+    hub = getattr(agent, "rank_hub", None)
+    if hub is not None:
+        return hub
+    for ext in getattr(agent, "extensions", ()) or ():
+        if getattr(ext, "name", "") in ("rank_hub", "ranks") or type(ext).__name__ == "RankHub":
+            return ext
+    return None
+
+
+def _dist_version(*names: str) -> str:
+    for name in names:
+        with contextlib.suppress(metadata.PackageNotFoundError):
+            return metadata.version(name)
+    return ""
+
+
+def build_register_request(agent: Any, incarnation: str) -> pb.RegisterRequest:
+    """Node identity, GPU inventory and software versions (torch/NCCL from package metadata: the
+    agent never imports torch)."""
+    node = str(getattr(agent, "node_name", "") or os.uname().nodename)
+    req = pb.RegisterRequest(node_name=node, incarnation=incarnation, agent_version=__version__,
+                             api_version=API_VERSION)
+    versions = {"torch": _dist_version("torch"),
+                "nccl": _dist_version("nvidia-nccl-cu13", "nvidia-nccl-cu12", "nvidia-nccl-cu11"),
+                "kernel": os.uname().release, "gpuhealth": __version__}
+    backend = getattr(agent, "backend", None)
+    if agent is not None:
+        try:
+            node_info = agent.node_report().get("node", {})
+            versions["driver"] = str(node_info.get("driver_version") or "")
+            versions["cuda_driver"] = str(node_info.get("cuda_driver_version") or "")
+        except Exception:
+            log.debug("no node report for registration", exc_info=True)
+        for g in getattr(agent, "gpus", []) or []:
+            vbios = ""
+            if backend is not None:
+                with contextlib.suppress(Exception):
+                    vbios = str(backend.query(g.index, "VbiosVersion"))
+            req.gpus.append(pb.GpuInfo(index=g.index, uuid=g.uuid, pci_bus_id=g.pci_bus_id, name=g.name,
+                                       vbios=vbios))
+    for k, v in versions.items():
+        if v:
+            req.versions[k] = v
+    return req

@@ -1,0 +1,61 @@
+"""``gpuhealth coordinator``: run the cluster coordinator (gRPC ingest, stragglers, hangs)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import sys
+from pathlib import Path
+
+import click
+
+from gpuhealth.config import ConfigError, load_config
+
+
+@click.command(name="coordinator")
+@click.option("--config", "config_path", type=click.Path(dir_okay=False), help="YAML config file.")
+@click.option("--listen", help="gRPC address (default 0.0.0.0:9500).")
+@click.option("--metrics-listen", help="/metrics address (default 0.0.0.0:9501; 'off' to disable).")
+@click.option("--db", "db_path", help="SQLite database (WAL).")
+@click.option("--tls-cert", help="Server certificate (PEM); with --tls-key and --tls-ca: mutual TLS.")
+@click.option("--tls-key", help="Server private key (PEM).")
+@click.option("--tls-ca", help="CA that signs agent certificates (PEM).")
+@click.option("--token", help="Shared bearer token agents must present (labs without a PKI).")
+@click.option("--hang-k", type=float, help="Hang when no rank progressed for max(k x typical step, floor).")
+@click.option("--hang-floor", "hang_floor_s", type=float, help="Hang floor in seconds.")
+@click.option("--evidence-dir", help="Where hang evidence (FR dumps, stacks) is kept.")
+@click.option("--ready-file", type=click.Path(dir_okay=False), help="Write the bound ports here as JSON.")
+@click.option("--log-level", default="info", show_default=True)
+def command(config_path: str | None, listen: str | None, metrics_listen: str | None, db_path: str | None,
+            tls_cert: str | None, tls_key: str | None, tls_ca: str | None, token: str | None,
+            hang_k: float | None, hang_floor_s: float | None, evidence_dir: str | None, ready_file: str | None,
+            log_level: str) -> None:
+    """Run the cluster coordinator."""
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        cfg = load_config(config_path, overrides={"coordinator": {
+            "listen": listen, "metrics_listen": metrics_listen, "db_path": db_path, "tls_cert": tls_cert,
+            "tls_key": tls_key, "tls_ca": tls_ca, "token": token, "hang_k": hang_k, "hang_floor_s": hang_floor_s,
+            "evidence_dir": evidence_dir,
+        }})
+    except ConfigError as exc:
+        click.echo(f"gpuhealth coordinator: {exc}", err=True)
+        sys.exit(3)
+    from gpuhealth.coordinator.run import CoordinatorStartError, run_coordinator
+
+    try:
+        asyncio.run(run_coordinator(cfg.coordinator, ready_file=ready_file, install_signals=_install))
+    except CoordinatorStartError as exc:
+        click.echo(f"gpuhealth coordinator: {exc}", err=True)
+        sys.exit(3)
+    except KeyboardInterrupt:
+        pass
+
+
+def _install(loop: asyncio.AbstractEventLoop, stop: asyncio.Event) -> None:
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+
+
+__all__ = ["Path", "command"]

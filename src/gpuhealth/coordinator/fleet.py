@@ -1,0 +1,167 @@
+"""The fleet view: node inventory, each node's current findings, version drift across nodes, SDC
+digests voted across nodes with the same golden key, and the unhealthy-GPU list. Pure judgement
+over plain data (the service keeps the data current; ``store`` persists it)."""
+
+from __future__ import annotations
+
+from collections import Counter, defaultdict
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from gpuhealth.model import Action, Entity, EntityKind, Finding, Health, Severity, health_of
+
+# Versions compared across nodes. Per-GPU VBIOS is compared among GPUs of the same model.
+DRIFT_KEYS = ("driver", "cuda_driver", "nccl", "torch")
+SDC_MIN_VOTERS = 3  # a majority needs at least three GPUs with the same key
+
+
+@dataclass(slots=True)
+class NodeView:
+    name: str
+    versions: dict[str, str] = field(default_factory=dict)
+    gpus: list[dict[str, Any]] = field(default_factory=list)  # GpuInfo as dicts
+    findings: list[Finding] = field(default_factory=list)
+    findings_at: float = 0.0
+    connected: bool = False
+    last_seen: float = 0.0
+    health: str = "unknown"
+
+    def gpu(self, *, uuid: str | None = None, index: int | None = None) -> dict[str, Any] | None:
+        for g in self.gpus:
+            if (uuid and g.get("uuid") == uuid) or (uuid is None and index is not None and g.get("index") == index):
+                return g
+        return None
+
+
+@dataclass(frozen=True, slots=True)
+class SdcVote:
+    gpu_uuid: str
+    node: str
+    key: str
+    digest: str
+
+
+def gpu_findings(node: NodeView, gpu_uuid: str | None) -> list[Finding]:
+    """Findings about one GPU (or its links) from the node's current snapshot."""
+    if not gpu_uuid:
+        return []
+    return [f for f in node.findings
+            if (f.entity.kind is EntityKind.GPU and f.entity.id == gpu_uuid)
+            or (f.entity.kind is EntityKind.LINK and gpu_uuid in f.entity.id)]
+
+
+def culprit_line(rank: int, node: str, gpu_index: int | None, findings: Sequence[Finding]) -> str:
+    """"rank 3, node n2 GPU 1: HW slowdown active" — what an on-call engineer reads first."""
+    where = f"rank {rank}, node {node}" + (f" GPU {gpu_index}" if gpu_index is not None else "")
+    if not findings:
+        return f"{where}: no health findings on this GPU"
+    worst = sorted(findings, key=lambda f: (-int(f.severity), f.code))
+    return f"{where}: " + "; ".join(f.message or f.code for f in worst)
+
+
+def version_drift(nodes: Iterable[NodeView]) -> list[Finding]:
+    """``version.drift`` for every node whose version of a key differs from the fleet majority
+    (node-level keys), and for VBIOS among GPUs of the same model."""
+    nodes = list(nodes)
+    findings: list[Finding] = []
+    for key in DRIFT_KEYS:
+        values = {n.name: n.versions[key] for n in nodes if n.versions.get(key)}
+        findings += _minority(values, key, lambda name: Entity.node(name))
+    by_model: dict[str, dict[str, str]] = defaultdict(dict)
+    gpu_node: dict[str, tuple[str, int | None]] = {}
+    for n in nodes:
+        for g in n.gpus:
+            if g.get("vbios") and g.get("uuid"):
+                by_model[str(g.get("name", ""))][g["uuid"]] = g["vbios"]
+                gpu_node[g["uuid"]] = (n.name, g.get("index"))
+    for model, values in sorted(by_model.items()):
+        for f in _minority(values, "vbios", lambda uuid: Entity.gpu(uuid, gpu_node[uuid][1])):
+            node_name = gpu_node[f.entity.id][0]
+            findings.append(Finding(
+                f.code, f.severity, f.entity, f"{model} on {node_name}: {f.message}", f.action,
+                {**f.evidence, "node": node_name, "model": model}, f.source))
+    return findings
+
+
+def _minority(values: Mapping[str, str], key: str, entity: Any) -> list[Finding]:
+    counts = Counter(values.values())
+    if len(counts) < 2:
+        return []
+    majority, majority_n = counts.most_common(1)[0]
+    tied = [v for v, c in counts.items() if c == majority_n]
+    out = []
+    for who, value in sorted(values.items()):
+        if value == majority and len(tied) == 1:
+            continue
+        out.append(Finding(
+            code="version.drift", severity=Severity.WARNING, entity=entity(who),
+            message=f"{key} {value} differs from the fleet's {majority} ({majority_n} of {len(values)})"
+            if len(tied) == 1 else f"{key} {value}: no fleet majority ({dict(counts)})",
+            action=Action.MONITOR,
+            evidence={"key": key, "value": value, "majority": majority if len(tied) == 1 else None,
+                      "counts": dict(counts)},
+            source="coordinator.fleet"))
+    return out
+
+
+def sdc_votes(votes: Iterable[SdcVote]) -> list[Finding]:
+    """GPUs whose digest disagrees with the majority of GPUs that computed the same key.
+    Needs a strict majority of at least ``SDC_MIN_VOTERS`` voters; otherwise nothing is claimed."""
+    by_key: dict[str, list[SdcVote]] = defaultdict(list)
+    for v in votes:
+        by_key[v.key].append(v)
+    out: list[Finding] = []
+    for key, vs in sorted(by_key.items()):
+        if len(vs) < SDC_MIN_VOTERS:
+            continue
+        counts = Counter(v.digest for v in vs)
+        majority, n = counts.most_common(1)[0]
+        if n * 2 <= len(vs):
+            continue
+        for v in vs:
+            if v.digest == majority:
+                continue
+            out.append(Finding(
+                code="sdc.mismatch", severity=Severity.CRITICAL, entity=Entity.gpu(v.gpu_uuid),
+                message=f"node {v.node}: result digest differs from {n} of {len(vs)} GPUs with the same key",
+                action=Action.DRAIN,
+                evidence={"node": v.node, "key": key, "digest": v.digest, "majority_digest": majority,
+                          "voters": len(vs), "agree": n},
+                source="coordinator.fleet"))
+    return out
+
+
+def sdc_votes_from_findings(node: NodeView) -> list[SdcVote]:
+    """Digests an agent reported inside findings: any GPU finding whose evidence has a digest and
+    a golden key (``digest``/``sdc_digest`` and ``key``/``golden_key``/``sdc_key``)."""
+    out = []
+    for f in node.findings:
+        ev = f.evidence
+        digest = ev.get("digest") or ev.get("sdc_digest")
+        key = ev.get("key") or ev.get("golden_key") or ev.get("sdc_key")
+        if f.entity.kind is EntityKind.GPU and isinstance(digest, str) and isinstance(key, str) and digest and key:
+            out.append(SdcVote(f.entity.id, node.name, key, digest))
+    return out
+
+
+def unhealthy_gpus(nodes: Iterable[NodeView]) -> list[dict[str, Any]]:
+    """GPUs whose current findings make them degraded or unhealthy, worst first."""
+    rows = []
+    for n in nodes:
+        per_gpu: dict[str, list[Finding]] = defaultdict(list)
+        for f in n.findings:
+            if f.entity.kind is EntityKind.GPU:
+                per_gpu[f.entity.id].append(f)
+        for uuid, fs in per_gpu.items():
+            health = health_of(fs)
+            if health in (Health.HEALTHY, Health.UNKNOWN):
+                continue
+            g = n.gpu(uuid=uuid) or {}
+            rows.append({
+                "node": n.name, "gpu": g.get("index"), "uuid": uuid, "pci_bus_id": g.get("pci_bus_id"),
+                "model": g.get("name"), "health": str(health),
+                "codes": sorted({f.code for f in fs}),
+                "action": str(max((f.action for f in fs), default=Action.NONE)),
+            })
+    return sorted(rows, key=lambda r: (r["health"] != "unhealthy", r["node"], r["gpu"] if r["gpu"] is not None else -1))

@@ -1,0 +1,199 @@
+"""Jobs as the coordinator sees them: rank placement, progress, typical step time, liveness and
+the per-job online straggler detector. Pure state, no I/O: the service feeds it and asks it
+questions; the clock comes in as an argument.
+
+Ingest is columnar (``StepColumns``) and touches each record once in a tight loop, so one core
+keeps up with hundreds of thousands of rank-steps per second.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import deque
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from gpuhealth.model import Finding, RankIdentity
+from gpuhealth.proto.convert import StepColumns
+
+
+class OnlineStragglerDetector(Protocol):
+    """What the coordinator needs from the straggler analyzer (``gpuhealth.stragglers``)."""
+
+    def feed(self, columns: StepColumns, now: float | None = None) -> None: ...
+
+    def set_world_size(self, world_size: int) -> None: ...
+
+    def evaluate(self) -> list[Finding]:
+        """Current ``rank.straggler`` findings (empty on a healthy job)."""
+        ...
+
+    def scores(self) -> dict[int, float]:
+        """Per-rank slowness score (≈ compute time / cross-rank median; 1.0 is typical)."""
+        ...
+
+
+@dataclass(slots=True)
+class Placement:
+    """Where a rank runs: the node whose agent reported it, and its GPU there."""
+
+    node: str
+    identity: RankIdentity
+
+
+@dataclass(frozen=True, slots=True)
+class HangCheck:
+    stalled_s: float
+    threshold_s: float
+    typical_step_s: float | None
+    last_step: int
+
+
+@dataclass(slots=True)
+class JobState:
+    job_id: str
+    world_size: int = 0
+    first_seen: float = 0.0
+    last_record_at: float = 0.0  # monotonic
+    progress_at: float = 0.0  # monotonic time when some rank last finished a new step
+    placements: dict[int, Placement] = field(default_factory=dict)
+    last_step: dict[int, int] = field(default_factory=dict)
+    records: int = 0
+    # mean wall step time of each recent batch: cheap to keep, enough for "typical step time"
+    wall_means: deque[float] = field(default_factory=lambda: deque(maxlen=256))
+    step_samples: deque[float] = field(default_factory=lambda: deque(maxlen=4096))
+    live_ranks: dict[str, set[int]] = field(default_factory=dict)  # node → live ranks of this job
+    hang_open: bool = False  # a hang verdict was issued and no progress since
+    hangs: int = 0
+    stragglers: dict[int, Finding] = field(default_factory=dict)
+    detector: OnlineStragglerDetector | None = None
+
+    # -- ingest ----------------------------------------------------------------------------------
+
+    def add_identity(self, node: str, identity: RankIdentity, now: float) -> None:
+        if identity.world_size > self.world_size:
+            self.world_size = identity.world_size
+            if self.detector is not None:
+                self.detector.set_world_size(identity.world_size)
+        self.placements[identity.rank] = Placement(node, identity)
+        self.live_ranks.setdefault(node, set()).add(identity.rank)
+        if not self.first_seen:
+            self.first_seen = now
+        if not self.progress_at:
+            self.progress_at = now
+
+    def add_steps(self, cols: StepColumns, now: float) -> None:
+        last = self.last_step
+        progressed = False
+        get = last.get
+        for rank, step in zip(cols.rank, cols.step, strict=True):
+            if step > get(rank, -1):
+                last[rank] = step
+                progressed = True
+        n = len(cols)
+        self.records += n
+        self.last_record_at = now
+        if not self.first_seen:
+            self.first_seen = now
+        if progressed:
+            self.progress_at = now
+            self.hang_open = False
+        if n:
+            self.wall_means.append(sum(cols.wall_s) / n)
+            # A bounded sample of step times for quantiles (strided, so big batches cost little).
+            stride = max(1, n // 64)
+            self.step_samples.extend(cols.wall_s[::stride])
+        if self.detector is not None:
+            self.detector.feed(cols, now)
+
+    def set_live(self, node: str, ranks: Iterable[int]) -> None:
+        self.live_ranks[node] = set(ranks)
+
+    def node_gone(self, node: str) -> None:
+        """The node's agent disconnected: we no longer know its ranks are alive (nor dead)."""
+        self.live_ranks.pop(node, None)
+
+    # -- questions -------------------------------------------------------------------------------
+
+    @property
+    def finished(self) -> bool:
+        """No agent reports any rank of this job alive (and we have heard from some)."""
+        return bool(self.placements) and not any(self.live_ranks.values())
+
+    def typical_step_s(self) -> float | None:
+        if not self.wall_means:
+            return None
+        return statistics.median(self.wall_means)
+
+    def hang_check(self, now: float, k: float, floor_s: float) -> HangCheck | None:
+        """A new hang: no rank progressed for max(k × typical step, floor). Once per episode."""
+        if self.hang_open or self.finished or not self.progress_at:
+            return None
+        typical = self.typical_step_s()
+        threshold = max(k * typical, floor_s) if typical is not None else floor_s
+        stalled = now - self.progress_at
+        if stalled < threshold:
+            return None
+        return HangCheck(stalled, threshold, typical, max(self.last_step.values(), default=-1))
+
+    def step_quantiles(self, qs: Sequence[float] = (0.5, 0.9, 0.99)) -> dict[float, float]:
+        data = sorted(self.step_samples)
+        if not data:
+            return {}
+        return {q: data[min(len(data) - 1, int(q * len(data)))] for q in qs}
+
+    def slowest_ranks(self) -> list[int]:
+        """Ranks whose last finished step is the lowest (those holding the others back)."""
+        if not self.last_step:
+            return []
+        low = min(self.last_step.values())
+        return sorted(r for r, s in self.last_step.items() if s == low)
+
+    def summary(self, now: float) -> dict[str, Any]:
+        typical = self.typical_step_s()
+        return {
+            "job_id": self.job_id,
+            "world_size": self.world_size,
+            "ranks_seen": len(self.placements) or len(self.last_step),
+            "nodes": sorted({p.node for p in self.placements.values()}),
+            "records": self.records,
+            "last_step": max(self.last_step.values(), default=None),
+            "typical_step_s": typical,
+            "seconds_since_progress": round(now - self.progress_at, 3) if self.progress_at else None,
+            "state": "finished" if self.finished else ("hung" if self.hang_open else "running"),
+            "hangs": self.hangs,
+            "stragglers": sorted(self.stragglers),
+        }
+
+
+class JobTable:
+    """All jobs, with a factory for each job's straggler detector."""
+
+    def __init__(self, detector_factory: Callable[[str], OnlineStragglerDetector] | None = None) -> None:
+        self.jobs: dict[str, JobState] = {}
+        self._factory = detector_factory
+
+    def get(self, job_id: str, now: float) -> JobState:
+        job = self.jobs.get(job_id)
+        if job is None:
+            job = JobState(job_id, first_seen=now, progress_at=now)
+            if self._factory is not None:
+                job.detector = self._factory(job_id)
+            self.jobs[job_id] = job
+        return job
+
+    def placement(self, job_id: str, rank: int) -> Placement | None:
+        job = self.jobs.get(job_id)
+        return None if job is None else job.placements.get(rank)
+
+    def set_live(self, node: str, live: dict[str, list[int]]) -> None:
+        for job_id, job in self.jobs.items():
+            if job_id in live:
+                job.set_live(node, live[job_id])
+            elif node in job.live_ranks:
+                job.set_live(node, ())
+
+    def node_gone(self, node: str) -> None:
+        for job in self.jobs.values():
+            job.node_gone(node)

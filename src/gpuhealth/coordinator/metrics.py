@@ -1,0 +1,82 @@
+"""The coordinator's ``/metrics``: a custom collector over a snapshot the event loop refreshes, in
+a private registry, served on its own port (prometheus-client's threaded HTTP server)."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric, SummaryMetricFamily
+from prometheus_client.registry import Collector
+
+SnapshotFn = Callable[[], dict[str, Any]]
+
+
+class CoordinatorCollector(Collector):
+    """Reads the latest snapshot only; a scrape never touches live coordinator state."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._snapshot: dict[str, Any] = {"jobs": []}
+
+    def update(self, snapshot: dict[str, Any]) -> None:
+        with self._lock:
+            self._snapshot = snapshot
+
+    def collect(self) -> Iterator[Metric]:
+        with self._lock:
+            s = self._snapshot
+        p = "gpuhealth_coordinator_"
+        yield _gauge(p + "connected_agents", "Agents with an open stream.", s.get("connected", 0))
+        yield _gauge(p + "nodes", "Nodes known (registered at least once).", s.get("nodes", 0))
+        yield _counter(p + "records", "Records committed (acknowledged to agents).", s.get("records", 0))
+        yield _counter(p + "step_records", "Rank-step records ingested.", s.get("step_records", 0))
+        yield _counter(p + "duplicate_records", "Resent records ignored (seq already committed).",
+                       s.get("duplicates", 0))
+        yield _counter(p + "rejected_records", "Records rejected as malformed.", s.get("rejected", 0))
+        verdicts = CounterMetricFamily(p + "verdicts", "Verdicts stored, by kind.", labels=["kind"])
+        for kind, n in sorted(s.get("verdicts", {}).items()):
+            verdicts.add_metric([kind], n)
+        yield verdicts
+        step = SummaryMetricFamily(p + "job_step_seconds", "Recent wall step time per job (sampled).",
+                                   labels=["job"])
+        quant = GaugeMetricFamily(p + "job_step_seconds_quantile", "Recent wall step time quantiles per job.",
+                                  labels=["job", "quantile"])
+        scores = GaugeMetricFamily(p + "straggler_score",
+                                   "Rank slowness score (compute time / job median; top ranks only).",
+                                   labels=["job", "rank"])
+        stragglers = GaugeMetricFamily(p + "job_stragglers", "Ranks currently flagged as stragglers.",
+                                       labels=["job"])
+        hangs = CounterMetricFamily(p + "job_hangs", "Hangs detected per job.", labels=["job"])
+        stalled = GaugeMetricFamily(p + "job_seconds_since_progress", "Seconds since any rank finished a step.",
+                                    labels=["job"])
+        for job in s.get("jobs", []):
+            jid = job["job_id"]
+            step.add_metric([jid], count_value=job["records"], sum_value=0.0)
+            for q, v in sorted(job["quantiles"].items()):
+                quant.add_metric([jid, str(q)], v)
+            for rank, score in job["scores"]:
+                scores.add_metric([jid, str(rank)], score)
+            stragglers.add_metric([jid], job["stragglers"])
+            hangs.add_metric([jid], job["hangs"])
+            stalled.add_metric([jid], job["stalled_s"])
+        yield from (quant, scores, stragglers, hangs, stalled)
+        hangs_total = CounterMetricFamily(p + "hangs", "Hangs detected, all jobs.")
+        hangs_total.add_metric([], s.get("hangs", 0))
+        yield hangs_total
+
+
+def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+    return GaugeMetricFamily(name, doc, value=value)
+
+
+def _counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+    return CounterMetricFamily(name, doc, value=value)
+
+
+def make_registry(collector: CoordinatorCollector) -> CollectorRegistry:
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(collector)
+    return registry

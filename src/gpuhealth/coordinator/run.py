@@ -1,0 +1,75 @@
+"""Build and run a coordinator from its config section (the CLI's body; tests call it too)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from pathlib import Path
+
+from gpuhealth.config import CoordinatorConfig
+from gpuhealth.coordinator.security import AuthPolicy, SecurityConfigError, tls_files
+from gpuhealth.coordinator.server import CoordinatorServer, Endpoints, write_ready_file
+from gpuhealth.coordinator.service import Coordinator, Settings
+from gpuhealth.coordinator.store import Store, StoreError
+from gpuhealth.coordinator.straggler_feed import BudgetedStragglerFeed
+
+log = logging.getLogger("gpuhealth.coordinator")
+
+
+class CoordinatorStartError(RuntimeError):
+    """Bad TLS files, an unusable database or an address that cannot be bound."""
+
+
+def settings_from(cfg: CoordinatorConfig) -> Settings:
+    evidence = cfg.evidence_dir or str(Path(cfg.db_path).resolve().parent / "evidence")
+    return Settings(hang_k=cfg.hang_k, hang_floor_s=cfg.hang_floor_s, tick_s=cfg.tick_s,
+                    evidence_timeout_s=cfg.evidence_timeout_s, evidence_dir=evidence,
+                    heartbeat_interval_s=cfg.heartbeat_interval_s, retention_days=cfg.retention_days,
+                    step_retention_hours=cfg.step_retention_hours)
+
+
+def build(cfg: CoordinatorConfig) -> CoordinatorServer:
+    try:
+        tls = tls_files(cfg.tls_cert, cfg.tls_key, cfg.tls_ca)
+        if tls is not None:
+            tls.read()  # fail now with a clear message, not on the first connection
+        store = Store(cfg.db_path)
+    except (SecurityConfigError, StoreError) as exc:
+        raise CoordinatorStartError(str(exc)) from exc
+    budget = cfg.straggler_budget_records_s
+
+    def factory(job_id: str) -> BudgetedStragglerFeed:
+        return BudgetedStragglerFeed(job_id, budget_records_s=budget)
+
+    coord = Coordinator(store, settings_from(cfg), detector_factory=factory)
+    metrics = None if cfg.metrics_listen in ("", "off", "none") else cfg.metrics_listen
+    return CoordinatorServer(coord, listen=cfg.listen, metrics_listen=metrics,
+                             policy=AuthPolicy(token=cfg.token, mtls=tls is not None), tls=tls)
+
+
+async def run_coordinator(
+    cfg: CoordinatorConfig,
+    *,
+    ready_file: str | None = None,
+    install_signals: Callable[[asyncio.AbstractEventLoop, asyncio.Event], None] | None = None,
+    on_ready: Callable[[Endpoints], None] | None = None,
+) -> None:
+    server = build(cfg)
+    stop = asyncio.Event()
+    try:
+        endpoints = await server.start()
+    except (OSError, RuntimeError, SecurityConfigError) as exc:
+        raise CoordinatorStartError(f"cannot start: {exc}") from exc
+    if install_signals is not None:
+        install_signals(asyncio.get_running_loop(), stop)
+    if ready_file:
+        write_ready_file(ready_file, endpoints)
+    if on_ready is not None:
+        on_ready(endpoints)
+    try:
+        await stop.wait()
+    finally:
+        log.info("coordinator stopping")
+        await server.stop()
+        server.coord.store.close()

@@ -1,0 +1,96 @@
+"""Who may talk to the coordinator, and as which node.
+
+Two modes (both may be on): mutual TLS, where an agent's certificate CN or a DNS SAN must equal
+the node name it registers (so a node cannot report for another), and a shared bearer token for
+labs without a PKI, where a Connect stream is bound to the session its node obtained at Register
+(a stream cannot switch node). Without either, the coordinator runs open (loopback/tests) and says
+so in its log.
+"""
+
+from __future__ import annotations
+
+import hmac
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from gpuhealth.proto.options import TOKEN_METADATA
+
+
+class SecurityConfigError(ValueError):
+    """TLS files missing or unreadable, or half a TLS configuration."""
+
+
+@dataclass(frozen=True, slots=True)
+class TlsFiles:
+    cert: str
+    key: str
+    ca: str
+
+    def read(self) -> tuple[bytes, bytes, bytes]:
+        out = []
+        for what, path in (("certificate", self.cert), ("key", self.key), ("CA", self.ca)):
+            try:
+                out.append(Path(path).read_bytes())
+            except OSError as exc:
+                raise SecurityConfigError(f"cannot read TLS {what} {path}: {exc.strerror or exc}") from exc
+        return out[0], out[1], out[2]
+
+
+def tls_files(cert: str | None, key: str | None, ca: str | None) -> TlsFiles | None:
+    given = [x for x in (cert, key, ca) if x]
+    if not given:
+        return None
+    if len(given) != 3:
+        raise SecurityConfigError("mutual TLS needs all of --tls-cert, --tls-key and --tls-ca")
+    assert cert and key and ca
+    return TlsFiles(cert, key, ca)
+
+
+def server_credentials(tls: TlsFiles) -> grpc.ServerCredentials:
+    cert, key, ca = tls.read()
+    return grpc.ssl_server_credentials([(key, cert)], root_certificates=ca, require_client_auth=True)
+
+
+def channel_credentials(tls: TlsFiles) -> grpc.ChannelCredentials:
+    cert, key, ca = tls.read()
+    return grpc.ssl_channel_credentials(root_certificates=ca, private_key=key, certificate_chain=cert)
+
+
+def token_metadata(token: str | None) -> tuple[tuple[str, str], ...]:
+    return ((TOKEN_METADATA, f"Bearer {token}"),) if token else ()
+
+
+@dataclass(frozen=True, slots=True)
+class AuthPolicy:
+    token: str | None = None
+    mtls: bool = False
+
+    @property
+    def open(self) -> bool:
+        return not self.token and not self.mtls
+
+    def token_ok(self, metadata: Any) -> bool:
+        """Constant-time comparison of the bearer token (always true without a token)."""
+        if not self.token:
+            return True
+        for key, value in metadata or ():
+            if key == TOKEN_METADATA and isinstance(value, str) and value.startswith("Bearer "):
+                return hmac.compare_digest(value[7:].encode(), self.token.encode())
+        return False
+
+    def node_allowed(self, auth_context: dict[str, list[bytes]], node: str) -> bool:
+        """With mTLS, the peer certificate must name the node (CN or a SAN)."""
+        if not self.mtls:
+            return True
+        return node in peer_names(auth_context)
+
+
+def peer_names(auth_context: dict[str, list[bytes]]) -> set[str]:
+    names: set[str] = set()
+    for key in ("x509_common_name", "x509_subject_alternative_name"):
+        for value in auth_context.get(key, []):
+            names.add(value.decode(errors="replace"))
+    return names

@@ -1,0 +1,250 @@
+"""The gRPC edge and the process around it: the servicer (parse, authorise, call, reply), gRPC
+health checking and reflection, the ``/metrics`` HTTP port, and ``CoordinatorServer`` which starts
+and stops all of it on the current event loop.
+
+Handlers receive raw bytes (no deserializer registered) so that a message that is not valid
+protobuf is answered with ``INVALID_ARGUMENT`` naming what was wrong, instead of a bare
+``INTERNAL``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+import grpc
+from google.protobuf.message import DecodeError, Message
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from prometheus_client.exposition import start_http_server
+
+from gpuhealth.coordinator.metrics import CoordinatorCollector, make_registry
+from gpuhealth.coordinator.security import AuthPolicy, TlsFiles, peer_names, server_credentials
+from gpuhealth.coordinator.service import Coordinator, StreamRejected, json_reply
+from gpuhealth.proto import gpuhealth_v1_pb2 as pb
+from gpuhealth.proto.convert import WireError
+from gpuhealth.proto.options import server_options
+
+log = logging.getLogger("gpuhealth.coordinator")
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Coordinator"].full_name
+M = TypeVar("M", bound=Message)
+
+
+async def _parse(raw: bytes, cls: type[M], context: grpc.aio.ServicerContext) -> M:
+    try:
+        return cls.FromString(raw)
+    except (DecodeError, RuntimeError, ValueError) as exc:
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"not a valid {cls.__name__}: {exc}")
+        raise  # unreachable: abort raises
+
+
+class CoordinatorServicer:
+    def __init__(self, coord: Coordinator, policy: AuthPolicy) -> None:
+        self.coord = coord
+        self.policy = policy
+
+    async def _authorise(self, context: grpc.aio.ServicerContext) -> None:
+        if not self.policy.token_ok(context.invocation_metadata()):
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token")
+
+    async def register(self, raw: bytes, context: grpc.aio.ServicerContext) -> pb.RegisterResponse:
+        await self._authorise(context)
+        req = await _parse(raw, pb.RegisterRequest, context)
+        if not self.policy.node_allowed(context.auth_context(), req.node_name):
+            names = sorted(peer_names(context.auth_context()))
+            log.warning("refused Register for node %r from a certificate for %s", req.node_name, names)
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED,
+                                f"certificate names {names}, not node {req.node_name!r}")
+        try:
+            return self.coord.register(req)
+        except WireError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            raise
+
+    async def connect(self, requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> None:
+        await self._authorise(context)
+        try:
+            session = self.coord.session_for(context.invocation_metadata())
+        except StreamRejected as exc:
+            await context.abort(exc.code, exc.details)
+            return
+        if not self.policy.node_allowed(context.auth_context(), session.node):
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, f"certificate does not name node {session.node!r}")
+        self.coord.stream_opened(session)
+
+        async def writer() -> None:
+            async for out in self.coord.outgoing(session):
+                await context.write(out)
+
+        write_task = asyncio.create_task(writer())
+        rejected: StreamRejected | None = None
+        try:
+            async for raw in requests:
+                if session.closed:
+                    break
+                try:
+                    msg = pb.AgentMessage.FromString(raw)
+                except (DecodeError, RuntimeError, ValueError) as exc:
+                    rejected = StreamRejected(grpc.StatusCode.INVALID_ARGUMENT, f"not a valid AgentMessage: {exc}")
+                    break
+                body = msg.WhichOneof("body")
+                try:
+                    if body == "record":
+                        self.coord.handle_record(session, raw, msg.record)
+                    elif body == "health":
+                        self.coord.handle_health(session, msg.health)
+                    elif body == "result":
+                        self.coord.handle_result(session, msg.result)
+                    else:
+                        raise StreamRejected(grpc.StatusCode.INVALID_ARGUMENT, "empty AgentMessage")
+                except StreamRejected as exc:
+                    rejected = exc
+                    break
+                except WireError as exc:
+                    rejected = StreamRejected(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+                    break
+            if rejected is None and not session.closed:
+                # The agent half-closed: flush the last ack before ending the call.
+                session.wake.set()
+                await asyncio.sleep(0)
+        finally:
+            self.coord.stream_closed(session)
+            if rejected is not None:
+                # Let the writer push the ack of the rejected seq, then end the call with the status.
+                session.wake.set()
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(asyncio.shield(asyncio.sleep(0.05)), 1)
+            write_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await write_task
+        if rejected is not None:
+            log.warning("node %s: stream rejected: %s", session.node, rejected.details)
+            await context.abort(rejected.code, rejected.details)
+
+    async def list_jobs(self, raw: bytes, context: grpc.aio.ServicerContext) -> pb.JsonReply:
+        await self._authorise(context)
+        req = await _parse(raw, pb.ListJobsRequest, context)
+        return json_reply(self.coord.jobs_doc(req.job_id, req.include_finished or not req.job_id))
+
+    async def get_fleet(self, raw: bytes, context: grpc.aio.ServicerContext) -> pb.JsonReply:
+        await self._authorise(context)
+        await _parse(raw, pb.FleetRequest, context)
+        return json_reply(self.coord.fleet_doc())
+
+    async def live_triage(self, raw: bytes, context: grpc.aio.ServicerContext) -> pb.JsonReply:
+        await self._authorise(context)
+        req = await _parse(raw, pb.LiveTriageRequest, context)
+        remaining = context.time_remaining()
+        budget = req.timeout_s or 30.0
+        if remaining is not None:
+            budget = min(budget, max(0.5, remaining - 1.0))  # answer before the caller's deadline
+        try:
+            doc = await self.coord.live_triage(req.job_id, budget)
+        except KeyError:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"no job {req.job_id!r} is known to this coordinator")
+            raise
+        return json_reply(doc)
+
+    def generic_handler(self) -> grpc.GenericRpcHandler:
+        ser: Callable[[Any], bytes] = lambda m: m.SerializeToString()  # noqa: E731
+        return grpc.method_handlers_generic_handler(SERVICE_NAME, {
+            "Register": grpc.unary_unary_rpc_method_handler(self.register, response_serializer=ser),
+            "Connect": grpc.stream_stream_rpc_method_handler(self.connect, response_serializer=ser),
+            "ListJobs": grpc.unary_unary_rpc_method_handler(self.list_jobs, response_serializer=ser),
+            "GetFleet": grpc.unary_unary_rpc_method_handler(self.get_fleet, response_serializer=ser),
+            "LiveTriage": grpc.unary_unary_rpc_method_handler(self.live_triage, response_serializer=ser),
+        })
+
+
+@dataclass(slots=True)
+class Endpoints:
+    grpc_port: int
+    metrics_port: int | None
+
+
+class CoordinatorServer:
+    """gRPC server + health + reflection + metrics around one ``Coordinator``."""
+
+    def __init__(self, coord: Coordinator, *, listen: str, metrics_listen: str | None,
+                 policy: AuthPolicy, tls: TlsFiles | None = None, metrics_interval_s: float = 1.0) -> None:
+        self.coord = coord
+        self.listen = listen
+        self.metrics_listen = metrics_listen
+        self.policy = policy
+        self.tls = tls
+        self.metrics_interval_s = metrics_interval_s
+        self.collector = CoordinatorCollector()
+        self._server: grpc.aio.Server | None = None
+        self._health: Any = None
+        self._metrics_http: Any = None
+        self._metrics_task: asyncio.Task[None] | None = None
+        self.endpoints: Endpoints | None = None
+
+    async def start(self) -> Endpoints:
+        server = grpc.aio.server(options=server_options())
+        server.add_generic_rpc_handlers((CoordinatorServicer(self.coord, self.policy).generic_handler(),))
+        self._health = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
+        reflection.enable_server_reflection(
+            (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
+            server)
+        if self.tls is not None:
+            port = server.add_secure_port(self.listen, server_credentials(self.tls))
+        else:
+            port = server.add_insecure_port(self.listen)
+        if port == 0:
+            raise OSError(f"cannot listen on {self.listen}")
+        await server.start()
+        await self._health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
+        await self._health.set("", health_pb2.HealthCheckResponse.SERVING)
+        self._server = server
+        await self.coord.start()
+        metrics_port = None
+        if self.metrics_listen:
+            host, _, mport = self.metrics_listen.rpartition(":")
+            self.collector.update(self.coord.metrics_snapshot())
+            self._metrics_http, _thread = start_http_server(int(mport), addr=host or "0.0.0.0",
+                                                            registry=make_registry(self.collector))
+            metrics_port = int(self._metrics_http.server_port)
+            self._metrics_task = asyncio.create_task(self._refresh_metrics())
+        self.endpoints = Endpoints(port, metrics_port)
+        if self.policy.open:
+            log.warning("coordinator is running WITHOUT authentication (no token, no mTLS): loopback/tests only")
+        log.info("coordinator serving gRPC on port %d, metrics on %s", port, metrics_port)
+        return self.endpoints
+
+    async def _refresh_metrics(self) -> None:
+        while True:
+            with contextlib.suppress(Exception):
+                self.collector.update(self.coord.metrics_snapshot())
+            await asyncio.sleep(self.metrics_interval_s)
+
+    async def stop(self, grace_s: float = 2.0) -> None:
+        if self._health is not None:
+            with contextlib.suppress(Exception):
+                await self._health.enter_graceful_shutdown()
+        if self._metrics_task is not None:
+            self._metrics_task.cancel()
+        await self.coord.stop()
+        if self._server is not None:
+            await self._server.stop(grace_s)
+        if self._metrics_http is not None:
+            self._metrics_http.shutdown()
+            self._metrics_http.server_close()
+
+    async def wait(self) -> None:
+        if self._server is not None:
+            await self._server.wait_for_termination()
+
+
+def write_ready_file(path: str, endpoints: Endpoints) -> None:
+    """For supervisors and tests that start the coordinator on port 0."""
+    tmp = Path(path + ".tmp")
+    tmp.write_text(json.dumps({"grpc_port": endpoints.grpc_port, "metrics_port": endpoints.metrics_port}))
+    tmp.replace(path)

@@ -1,0 +1,480 @@
+"""The coordinator's core: sessions with agents, record ingest with seq-based dedup, the periodic
+detection tick (stragglers, hangs), requests down to agents, and the query documents.
+
+``Coordinator`` holds the state and runs on one asyncio loop; ``CoordinatorServicer`` is the thin
+gRPC edge (parse, authorise, call, reply). Everything an agent sends is validated
+(``proto.convert``) before it touches the store; a bad message ends that stream with
+``INVALID_ARGUMENT`` and the record's seq is marked rejected so a resend cannot loop forever.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import json
+import logging
+import secrets
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from gpuhealth.coordinator import hangs
+from gpuhealth.coordinator.fleet import (
+    NodeView,
+    SdcVote,
+    culprit_line,
+    gpu_findings,
+    sdc_votes,
+    sdc_votes_from_findings,
+    unhealthy_gpus,
+    version_drift,
+)
+from gpuhealth.coordinator.jobs import JobState, JobTable, OnlineStragglerDetector
+from gpuhealth.coordinator.store import Store
+from gpuhealth.model import Finding
+from gpuhealth.proto import gpuhealth_v1_pb2 as pb
+from gpuhealth.proto.convert import (
+    WireError,
+    check_name,
+    findings_from_pb,
+    identity_from_pb,
+    steps_from_pb,
+)
+from gpuhealth.proto.options import API_VERSION, NODE_METADATA, SESSION_METADATA
+
+log = logging.getLogger("gpuhealth.coordinator")
+
+
+@dataclass(slots=True)
+class Settings:
+    hang_k: float = 10.0
+    hang_floor_s: float = 60.0
+    tick_s: float = 0.5
+    evidence_timeout_s: float = 20.0
+    evidence_dir: str = "/var/lib/gpuhealth/evidence"
+    heartbeat_interval_s: float = 10.0
+    max_inflight: int = 256
+    retention_days: float = 30.0
+    step_retention_hours: float = 24.0
+    warm_start_s: float = 600.0  # step batches replayed into job state after a restart
+
+
+@dataclass(eq=False)
+class Session:
+    """One registered agent. The Connect stream attaches to it; a newer Register replaces it."""
+
+    node: str
+    incarnation: str
+    session_id: str
+    acked: int
+    connected: bool = False
+    ack_sent: int = -1
+    wake: asyncio.Event = field(default_factory=asyncio.Event)
+    outbox: list[pb.AgentRequest] = field(default_factory=list)
+    closed: bool = False
+
+    def push(self, request: pb.AgentRequest) -> None:
+        self.outbox.append(request)
+        self.wake.set()
+
+
+@dataclass(slots=True)
+class Counters:
+    records: int = 0
+    step_records: int = 0
+    duplicates: int = 0
+    rejected: int = 0
+    hangs: int = 0
+    verdicts: dict[str, int] = field(default_factory=dict)
+
+
+class StreamRejected(Exception):
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(details)
+        self.code = code
+        self.details = details
+
+
+class Coordinator:
+    def __init__(
+        self,
+        store: Store,
+        settings: Settings | None = None,
+        *,
+        detector_factory: Callable[[str], OnlineStragglerDetector] | None = None,
+        clock: Callable[[], float] = time.time,
+        monotonic: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.store = store
+        self.settings = settings or Settings()
+        self.clock = clock
+        self.mono = monotonic
+        self.jobs = JobTable(detector_factory)
+        self.nodes: dict[str, NodeView] = {}
+        self.sessions: dict[str, Session] = {}  # session_id → session
+        self.by_node: dict[str, Session] = {}
+        self.counters = Counters()
+        self.requests: dict[int, hangs.PendingRequest] = {}
+        self._request_ids = itertools.count(1)
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._tick_task: asyncio.Task[None] | None = None
+        self.investigating: set[str] = set()
+        self._load()
+
+    # -- lifecycle -------------------------------------------------------------------------------
+
+    def _load(self) -> None:
+        """Rebuild memory from the store after a restart: nodes, findings, jobs and recent steps."""
+        now, mono = self.clock(), self.mono()
+        for row in self.store.nodes():
+            self.nodes[row.name] = NodeView(row.name, row.versions, row.gpus, last_seen=row.last_seen)
+        for node, (at, findings) in self.store.node_findings().items():
+            self.nodes.setdefault(node, NodeView(node)).findings = findings
+            self.nodes[node].findings_at = at
+        for job_id, world, _first, _last in self.store.jobs():
+            self.jobs.get(job_id, mono).world_size = world
+        for rank_row in self.store.ranks():
+            job = self.jobs.get(rank_row.identity.job_id, mono)
+            job.add_identity(rank_row.node, rank_row.identity, mono)
+            job.live_ranks.clear()  # unknown until an agent says so
+        since = now - self.settings.warm_start_s
+        for _node, _seq, raw in self.store.step_batches(since=since):
+            with contextlib.suppress(Exception):  # stored data was validated on the way in
+                rec = pb.AgentMessage.FromString(raw).record
+                cols = steps_from_pb(rec.steps)
+                self.jobs.get(cols.job_id, mono).add_steps(cols, mono)
+
+    async def start(self) -> None:
+        self._tick_task = asyncio.create_task(self._tick_loop(), name="coordinator-tick")
+
+    async def stop(self) -> None:
+        tasks = [t for t in (self._tick_task, *self._tasks) if t is not None]
+        for t in tasks:
+            t.cancel()
+        for t in tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await t
+        for s in list(self.sessions.values()):
+            s.closed = True
+            s.wake.set()
+
+    def _spawn(self, coro: Any, name: str) -> asyncio.Task[Any]:
+        task = asyncio.create_task(coro, name=name)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    # -- registration ----------------------------------------------------------------------------
+
+    def register(self, req: pb.RegisterRequest) -> pb.RegisterResponse:
+        node = check_name(req.node_name, "node_name")
+        incarnation = check_name(req.incarnation, "incarnation", 128)
+        now = self.clock()
+        gpus = [{"index": g.index, "uuid": g.uuid, "pci_bus_id": g.pci_bus_id, "name": g.name, "vbios": g.vbios,
+                 "serial": g.serial} for g in req.gpus]
+        versions = dict(req.versions)
+        with self.store.transaction():
+            self.store.upsert_node(node, incarnation, now, req.agent_version, versions, gpus, req.topology_json)
+        view = self.nodes.setdefault(node, NodeView(node))
+        view.versions, view.gpus, view.last_seen = versions, gpus, now
+        old = self.by_node.get(node)
+        if old is not None:  # the agent reconnected: its old stream (if any) must go
+            old.closed = True
+            old.wake.set()
+            self.sessions.pop(old.session_id, None)
+        session = Session(node, incarnation, secrets.token_hex(16), self.store.acked_seq(node, incarnation))
+        self.sessions[session.session_id] = session
+        self.by_node[node] = session
+        log.info("node %s registered (incarnation %s, %d GPUs, acked seq %d)", node, incarnation, len(gpus),
+                 session.acked)
+        return pb.RegisterResponse(
+            session_id=session.session_id, acked_seq=session.acked, api_version=API_VERSION,
+            heartbeat_interval_s=self.settings.heartbeat_interval_s, max_inflight=self.settings.max_inflight)
+
+    def session_for(self, metadata: Any) -> Session:
+        md = {k: v for k, v in (metadata or ())}
+        session = self.sessions.get(str(md.get(SESSION_METADATA, "")))
+        if session is None or session.closed:
+            raise StreamRejected(grpc.StatusCode.UNAUTHENTICATED, "unknown or expired session: call Register first")
+        if md.get(NODE_METADATA) != session.node:
+            raise StreamRejected(grpc.StatusCode.PERMISSION_DENIED,
+                                 f"session belongs to node {session.node!r}, not {md.get(NODE_METADATA)!r}")
+        return session
+
+    # -- ingest ----------------------------------------------------------------------------------
+
+    def handle_record(self, session: Session, raw: bytes, rec: pb.Record) -> None:
+        """Commit one record (idempotent by seq) and advance the session's ack."""
+        seq = rec.seq
+        if seq == 0:
+            raise StreamRejected(grpc.StatusCode.INVALID_ARGUMENT, "record without a seq (seqs start at 1)")
+        if seq <= session.acked:
+            self.counters.duplicates += 1
+            session.wake.set()  # re-acknowledge
+            return
+        now, mono = self.clock(), self.mono()
+        kind = rec.WhichOneof("payload")
+        try:
+            if kind == "steps":
+                cols = steps_from_pb(rec.steps)
+                with self.store.transaction():
+                    self.store.add_step_batch(session.node, seq, cols.job_id, len(cols), raw, now)
+                    self.store.set_acked(session.node, session.incarnation, seq, now)
+                self.jobs.get(cols.job_id, mono).add_steps(cols, mono)
+                self.counters.step_records += len(cols)
+            elif kind == "ranks":
+                idents = [identity_from_pb(m) for m in rec.ranks.ranks]
+                with self.store.transaction():
+                    self.store.upsert_ranks(session.node, idents, now)
+                    self.store.set_acked(session.node, session.incarnation, seq, now)
+                for ident in idents:
+                    self.jobs.get(ident.job_id, mono).add_identity(session.node, ident, mono)
+            elif kind == "findings":
+                findings = findings_from_pb(rec.findings.findings)
+                with self.store.transaction():
+                    self.store.set_node_findings(session.node, findings, now)
+                    self.store.set_acked(session.node, session.incarnation, seq, now)
+                view = self.nodes.setdefault(session.node, NodeView(session.node))
+                view.findings, view.findings_at = findings, rec.findings.at or now
+            elif kind == "sdc":
+                digests = list(rec.sdc.digests)
+                for d in digests:
+                    check_name(d.gpu_uuid, "sdc.gpu_uuid")
+                    check_name(d.key, "sdc.key", 1024)
+                    check_name(d.digest, "sdc.digest", 256)
+                with self.store.transaction():
+                    for d in digests:
+                        self.store.add_sdc_digest(session.node, d.gpu_uuid, d.key, d.digest, d.at or now)
+                    self.store.set_acked(session.node, session.incarnation, seq, now)
+            else:
+                raise WireError("record has no payload (or one this coordinator does not know)")
+        except WireError as exc:
+            # Mark the seq consumed so the agent drops it instead of resending it forever.
+            with self.store.transaction():
+                self.store.set_acked(session.node, session.incarnation, seq, now)
+            session.acked = seq
+            self.counters.rejected += 1
+            raise StreamRejected(grpc.StatusCode.INVALID_ARGUMENT, f"record seq {seq}: {exc}") from exc
+        session.acked = seq
+        self.counters.records += 1
+        session.wake.set()
+
+    def handle_health(self, session: Session, msg: pb.HealthSummary) -> None:
+        view = self.nodes.setdefault(session.node, NodeView(session.node))
+        view.health = msg.health or "unknown"
+        view.last_seen = self.clock()
+        live: dict[str, list[int]] = {}
+        for lr in msg.live:
+            live[lr.job_id] = list(lr.ranks)
+        self.jobs.set_live(session.node, live)
+
+    def handle_result(self, session: Session, msg: pb.RequestResult) -> None:
+        pending = self.requests.get(msg.request_id)
+        if pending is None:
+            return  # late answer to a request whose deadline passed
+        pending.add(session.node, msg)
+
+    def stream_opened(self, session: Session) -> None:
+        session.connected = True
+        session.ack_sent = -1
+        self.nodes.setdefault(session.node, NodeView(session.node)).connected = True
+        session.wake.set()
+
+    def stream_closed(self, session: Session) -> None:
+        session.connected = False
+        if self.by_node.get(session.node) is session:
+            self.nodes[session.node].connected = False
+            self.jobs.node_gone(session.node)
+        for pending in self.requests.values():
+            pending.node_lost(session.node)
+
+    async def outgoing(self, session: Session) -> AsyncIterator[pb.CoordinatorMessage]:
+        """Acks (coalesced: only the newest) and requests for one session's stream."""
+        while not session.closed:
+            await session.wake.wait()
+            session.wake.clear()
+            if session.closed:
+                return
+            while session.outbox:
+                yield pb.CoordinatorMessage(request=session.outbox.pop(0))
+            if session.acked != session.ack_sent:
+                session.ack_sent = session.acked
+                yield pb.CoordinatorMessage(ack=pb.Ack(up_to_seq=session.acked))
+
+    # -- requests to agents ----------------------------------------------------------------------
+
+    def send_request(self, job_id: str, kind: Any, timeout_s: float, nodes: set[str],
+                     rank: int = -1) -> hangs.PendingRequest:
+        rid = next(self._request_ids)
+        targets = {n for n in nodes if (s := self.by_node.get(n)) is not None and s.connected}
+        pending = hangs.PendingRequest(rid, kind, job_id, targets)
+        self.requests[rid] = pending
+        for n in targets:
+            self.by_node[n].push(pb.AgentRequest(request_id=rid, kind=kind, job_id=job_id, rank=rank,
+                                                 timeout_s=timeout_s))
+        return pending
+
+    def forget_request(self, rid: int) -> None:
+        self.requests.pop(rid, None)
+
+    def job_nodes(self, job: JobState) -> set[str]:
+        nodes = {p.node for p in job.placements.values()} | {n for n, r in job.live_ranks.items() if r}
+        return nodes or {n for n, s in self.by_node.items() if s.connected}
+
+    # -- detection tick --------------------------------------------------------------------------
+
+    async def _tick_loop(self) -> None:
+        last_prune = 0.0
+        while True:
+            await asyncio.sleep(self.settings.tick_s)
+            try:
+                self.tick()
+                if self.clock() - last_prune > 3600:
+                    last_prune = self.clock()
+                    self.store.prune(last_prune, keep_days=self.settings.retention_days,
+                                     keep_steps_hours=self.settings.step_retention_hours)
+            except Exception:  # the tick must survive anything a job's data does to it
+                log.exception("detection tick failed")
+
+    def tick(self) -> None:
+        mono = self.mono()
+        for job in list(self.jobs.jobs.values()):
+            if job.detector is not None:
+                self._update_stragglers(job)
+            check = job.hang_check(mono, self.settings.hang_k, self.settings.hang_floor_s)
+            if check is not None and job.job_id not in self.investigating:
+                job.hang_open = True
+                job.hangs += 1
+                self.counters.hangs += 1
+                self.investigating.add(job.job_id)
+                log.warning("job %s: no rank progressed for %.1f s (threshold %.1f s): collecting evidence",
+                            job.job_id, check.stalled_s, check.threshold_s)
+                self._spawn(self._investigate_hang(job, check), f"hang-{job.job_id}")
+
+    def _update_stragglers(self, job: JobState) -> None:
+        assert job.detector is not None
+        current = {int(f.evidence.get("rank", f.entity.id)): f for f in job.detector.evaluate()}
+        for rank, finding in current.items():
+            if rank not in job.stragglers:
+                doc = self.straggler_verdict(job, rank, finding)
+                self.record_verdict(job.job_id, "straggler", doc)
+                log.warning("job %s: %s", job.job_id, doc["summary"])
+        job.stragglers = current
+
+    def culprit(self, job: JobState, rank: int) -> dict[str, Any]:
+        """Rank → node/GPU and that GPU's current findings."""
+        placement = job.placements.get(rank)
+        out: dict[str, Any] = {"rank": rank}
+        if placement is None:
+            out.update(node=None, line=f"rank {rank}: placement unknown (no identity received)", gpu_findings=[])
+            return out
+        ident = placement.identity
+        view = self.nodes.get(placement.node) or NodeView(placement.node)
+        gpu_index = ident.gpu_index
+        inferred = False
+        if ident.gpu_uuid is None and gpu_index is None and ident.local_rank is not None:
+            gpu_index, inferred = ident.local_rank, True  # the launcher convention: cuda:local_rank
+        gpu = view.gpu(uuid=ident.gpu_uuid) if ident.gpu_uuid else view.gpu(index=gpu_index)
+        uuid = ident.gpu_uuid or (gpu or {}).get("uuid")
+        if gpu is not None and gpu_index is None:
+            gpu_index = gpu.get("index")
+        findings = gpu_findings(view, uuid)
+        out.update(
+            node=placement.node, host=ident.host, pid=ident.pid, local_rank=ident.local_rank, gpu_index=gpu_index,
+            gpu_uuid=uuid, gpu_inferred_from_local_rank=inferred,
+            gpu_findings=[f.to_dict() for f in findings], line=culprit_line(rank, placement.node, gpu_index, findings))
+        return out
+
+    def straggler_verdict(self, job: JobState, rank: int, finding: Finding) -> dict[str, Any]:
+        culprit = self.culprit(job, rank)
+        return {
+            "verdict": "straggler", "job_id": job.job_id, "culprits": [culprit],
+            "summary": f"straggler: {culprit['line']} ({finding.message})",
+            "findings": [finding.to_dict()], "created_at": self.clock(),
+        }
+
+    def record_verdict(self, job_id: str, kind: str, doc: dict[str, Any]) -> int:
+        self.counters.verdicts[kind] = self.counters.verdicts.get(kind, 0) + 1
+        return self.store.add_verdict(job_id, kind, doc, self.clock())
+
+    async def _investigate_hang(self, job: JobState, check: Any) -> None:
+        try:
+            doc = await hangs.investigate(self, job, reason="hang", hang=check)
+            self.record_verdict(job.job_id, "hang", doc)
+            log.warning("job %s: %s", job.job_id, doc["summary"])
+        except Exception:
+            log.exception("job %s: hang investigation failed", job.job_id)
+        finally:
+            self.investigating.discard(job.job_id)
+
+    async def live_triage(self, job_id: str, timeout_s: float) -> dict[str, Any]:
+        job = self.jobs.jobs.get(job_id)
+        if job is None:
+            raise KeyError(job_id)
+        return await hangs.investigate(self, job, reason="on_demand", timeout_s=timeout_s)
+
+    # -- query documents -------------------------------------------------------------------------
+
+    def jobs_doc(self, job_id: str = "", include_finished: bool = True) -> dict[str, Any]:
+        mono = self.mono()
+        jobs = []
+        for job in self.jobs.jobs.values():
+            if job_id and job.job_id != job_id:
+                continue
+            if not include_finished and job.finished:
+                continue
+            summary = job.summary(mono)
+            summary["step_time_quantiles"] = {str(q): v for q, v in job.step_quantiles().items()}
+            summary["straggler_culprits"] = [self.culprit(job, r) for r in sorted(job.stragglers)]
+            summary["verdicts"] = self.store.verdicts(job.job_id, limit=5)
+            jobs.append(summary)
+        return {"jobs": jobs, "generated_at": self.clock()}
+
+    def fleet_doc(self) -> dict[str, Any]:
+        nodes = list(self.nodes.values())
+        votes = [SdcVote(gpu, node, key, digest) for node, gpu, key, digest, _ in self.store.sdc_digests()]
+        for n in nodes:
+            votes += sdc_votes_from_findings(n)
+        unique = {(v.gpu_uuid, v.key): v for v in votes}
+        return {
+            "nodes": [{
+                "name": n.name, "connected": n.connected, "health": n.health, "last_seen": n.last_seen,
+                "versions": n.versions, "gpus": len(n.gpus), "findings": len(n.findings),
+            } for n in sorted(nodes, key=lambda n: n.name)],
+            "version_drift": [f.to_dict() for f in version_drift(nodes)],
+            "sdc": [f.to_dict() for f in sdc_votes(unique.values())],
+            "unhealthy_gpus": unhealthy_gpus(nodes),
+            "generated_at": self.clock(),
+        }
+
+    def metrics_snapshot(self) -> dict[str, Any]:
+        """Plain data for the /metrics thread (never iterates live structures from another thread)."""
+        mono = self.mono()
+        jobs = []
+        for job in list(self.jobs.jobs.values()):
+            scores = job.detector.scores() if job.detector is not None else {}
+            top = sorted(scores.items(), key=lambda kv: -kv[1])[:16]  # bounded cardinality
+            jobs.append({
+                "job_id": job.job_id, "quantiles": job.step_quantiles(), "scores": top,
+                "stragglers": len(job.stragglers), "hangs": job.hangs, "records": job.records,
+                "stalled_s": mono - job.progress_at if job.progress_at else 0.0,
+            })
+        c = self.counters
+        return {
+            "jobs": jobs, "connected": sum(1 for s in self.by_node.values() if s.connected),
+            "nodes": len(self.nodes), "records": c.records, "step_records": c.step_records,
+            "duplicates": c.duplicates, "rejected": c.rejected, "hangs": c.hangs, "verdicts": dict(c.verdicts),
+        }
+
+
+def json_reply(doc: dict[str, Any]) -> pb.JsonReply:
+    return pb.JsonReply(json=json.dumps(doc, default=str, sort_keys=True))
+
+
+def evidence_root(settings: Settings) -> Path:
+    return Path(settings.evidence_dir)

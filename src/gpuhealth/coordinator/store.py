@@ -1,0 +1,304 @@
+"""The coordinator's SQLite store (WAL): node inventory, acknowledged seqs, step batches, jobs and
+rank placement, current findings per node, SDC digests and verdicts.
+
+Durability contract: a record is acknowledged to an agent only after the transaction that wrote it
+*and* moved that agent's acked seq has committed, so a coordinator killed at any point loses no
+acknowledged record and re-ingests nothing twice. ``synchronous=NORMAL`` in WAL mode survives a
+killed process (the case we promise); after a power loss the last commits may be gone although
+acknowledged. ``durable=True`` (``synchronous=FULL``) closes that gap at some ingest cost.
+
+The schema is versioned with ``PRAGMA user_version``; ``MIGRATIONS[i]`` moves version i → i+1.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import threading
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from gpuhealth.model import Finding, RankIdentity
+
+MIGRATIONS: tuple[str, ...] = (
+    # 0 → 1
+    """
+    CREATE TABLE nodes (
+        name TEXT PRIMARY KEY, incarnation TEXT NOT NULL, registered_at REAL NOT NULL,
+        last_seen REAL NOT NULL, agent_version TEXT NOT NULL DEFAULT '',
+        versions_json TEXT NOT NULL DEFAULT '{}', gpus_json TEXT NOT NULL DEFAULT '[]',
+        topology_json TEXT NOT NULL DEFAULT ''
+    );
+    CREATE TABLE acks (
+        node TEXT NOT NULL, incarnation TEXT NOT NULL, acked_seq INTEGER NOT NULL,
+        updated_at REAL NOT NULL, PRIMARY KEY (node, incarnation)
+    );
+    CREATE TABLE step_batches (
+        id INTEGER PRIMARY KEY, node TEXT NOT NULL, seq INTEGER NOT NULL, job_id TEXT NOT NULL,
+        n INTEGER NOT NULL, received_at REAL NOT NULL, payload BLOB NOT NULL
+    );
+    CREATE INDEX step_batches_job ON step_batches (job_id, id);
+    CREATE INDEX step_batches_time ON step_batches (received_at);
+    CREATE TABLE jobs (
+        job_id TEXT PRIMARY KEY, world_size INTEGER NOT NULL, first_seen REAL NOT NULL,
+        last_seen REAL NOT NULL
+    );
+    CREATE TABLE ranks (
+        job_id TEXT NOT NULL, rank INTEGER NOT NULL, node TEXT NOT NULL, host TEXT NOT NULL,
+        pid INTEGER NOT NULL, local_rank INTEGER, gpu_uuid TEXT, gpu_index INTEGER,
+        seen_at REAL NOT NULL, PRIMARY KEY (job_id, rank)
+    );
+    CREATE TABLE node_findings (
+        node TEXT PRIMARY KEY, at REAL NOT NULL, findings_json TEXT NOT NULL
+    );
+    CREATE TABLE sdc_digests (
+        gpu_uuid TEXT NOT NULL, key TEXT NOT NULL, node TEXT NOT NULL, digest TEXT NOT NULL,
+        at REAL NOT NULL, PRIMARY KEY (gpu_uuid, key)
+    );
+    CREATE TABLE verdicts (
+        id INTEGER PRIMARY KEY, job_id TEXT NOT NULL, kind TEXT NOT NULL, created_at REAL NOT NULL,
+        json TEXT NOT NULL
+    );
+    CREATE INDEX verdicts_job ON verdicts (job_id, id);
+    CREATE INDEX verdicts_time ON verdicts (created_at);
+    """,
+)
+SCHEMA_VERSION = len(MIGRATIONS)
+
+
+class StoreError(RuntimeError):
+    """The database cannot be opened or has a schema this version does not understand."""
+
+
+@dataclass(frozen=True, slots=True)
+class NodeRow:
+    name: str
+    incarnation: str
+    registered_at: float
+    last_seen: float
+    agent_version: str
+    versions: dict[str, str]
+    gpus: list[dict[str, Any]]
+    topology_json: str
+
+
+@dataclass(frozen=True, slots=True)
+class RankRow:
+    identity: RankIdentity
+    node: str
+
+
+class Store:
+    """One connection, used from one thread at a time (the coordinator's event loop); a lock
+    guards the rare reads from other threads (CLI queries run on the loop too)."""
+
+    def __init__(self, path: str | Path, *, durable: bool = False) -> None:
+        self.path = str(path)
+        if self.path != ":memory:":
+            Path(self.path).parent.mkdir(parents=True, exist_ok=True)
+        try:
+            self._db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
+            self._db.execute("PRAGMA journal_mode=WAL")
+            self._db.execute(f"PRAGMA synchronous={'FULL' if durable else 'NORMAL'}")
+            self._db.execute("PRAGMA busy_timeout=5000")
+            self._migrate()
+        except sqlite3.Error as exc:
+            raise StoreError(f"{self.path}: cannot open the coordinator database: {exc}") from exc
+        self._lock = threading.RLock()
+        self._in_tx = False
+
+    # -- schema --------------------------------------------------------------------------------
+
+    def _migrate(self) -> None:
+        version = int(self._db.execute("PRAGMA user_version").fetchone()[0])
+        if version > SCHEMA_VERSION:
+            raise StoreError(
+                f"{self.path}: schema version {version} is newer than this gpuhealth understands "
+                f"({SCHEMA_VERSION}); upgrade gpuhealth or point --db at another file")
+        for target in range(version, SCHEMA_VERSION):
+            self._db.execute("BEGIN IMMEDIATE")
+            for statement in _split_sql(MIGRATIONS[target]):
+                self._db.execute(statement)
+            self._db.execute(f"PRAGMA user_version={target + 1}")
+            self._db.execute("COMMIT")
+
+    @property
+    def schema_version(self) -> int:
+        return int(self._db.execute("PRAGMA user_version").fetchone()[0])
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
+
+    @contextmanager
+    def transaction(self) -> Iterator[None]:
+        """Everything inside commits together or not at all."""
+        with self._lock:
+            self._db.execute("BEGIN")
+            self._in_tx = True
+            try:
+                yield
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+            else:
+                self._db.execute("COMMIT")
+            finally:
+                self._in_tx = False
+
+    # -- nodes and acks --------------------------------------------------------------------------
+
+    def upsert_node(self, name: str, incarnation: str, now: float, agent_version: str,
+                    versions: dict[str, str], gpus: list[dict[str, Any]], topology_json: str) -> None:
+        with self._lock:
+            self._db.execute(
+                "INSERT INTO nodes (name, incarnation, registered_at, last_seen, agent_version, versions_json,"
+                " gpus_json, topology_json) VALUES (?,?,?,?,?,?,?,?) ON CONFLICT(name) DO UPDATE SET"
+                " incarnation=excluded.incarnation, registered_at=excluded.registered_at,"
+                " last_seen=excluded.last_seen, agent_version=excluded.agent_version,"
+                " versions_json=excluded.versions_json, gpus_json=excluded.gpus_json,"
+                " topology_json=excluded.topology_json",
+                (name, incarnation, now, now, agent_version, json.dumps(versions), json.dumps(gpus), topology_json))
+
+    def touch_node(self, name: str, now: float) -> None:
+        with self._lock:
+            self._db.execute("UPDATE nodes SET last_seen=? WHERE name=?", (now, name))
+
+    def nodes(self) -> list[NodeRow]:
+        with self._lock:
+            rows = self._db.execute(
+                "SELECT name, incarnation, registered_at, last_seen, agent_version, versions_json, gpus_json,"
+                " topology_json FROM nodes ORDER BY name").fetchall()
+        return [NodeRow(r[0], r[1], r[2], r[3], r[4], json.loads(r[5]), json.loads(r[6]), r[7]) for r in rows]
+
+    def acked_seq(self, node: str, incarnation: str) -> int:
+        with self._lock:
+            row = self._db.execute("SELECT acked_seq FROM acks WHERE node=? AND incarnation=?",
+                                   (node, incarnation)).fetchone()
+        return int(row[0]) if row else 0
+
+    def set_acked(self, node: str, incarnation: str, seq: int, now: float) -> None:
+        self._db.execute(
+            "INSERT INTO acks (node, incarnation, acked_seq, updated_at) VALUES (?,?,?,?)"
+            " ON CONFLICT(node, incarnation) DO UPDATE SET acked_seq=MAX(acked_seq, excluded.acked_seq),"
+            " updated_at=excluded.updated_at", (node, incarnation, seq, now))
+
+    # -- records ---------------------------------------------------------------------------------
+
+    def add_step_batch(self, node: str, seq: int, job_id: str, n: int, payload: bytes, now: float) -> None:
+        self._db.execute("INSERT INTO step_batches (node, seq, job_id, n, received_at, payload) VALUES (?,?,?,?,?,?)",
+                         (node, seq, job_id, n, now, payload))
+        self._db.execute(
+            "INSERT INTO jobs (job_id, world_size, first_seen, last_seen) VALUES (?, 0, ?, ?)"
+            " ON CONFLICT(job_id) DO UPDATE SET last_seen=excluded.last_seen", (job_id, now, now))
+
+    def step_batches(self, job_id: str | None = None, since: float = 0.0) -> Iterator[tuple[str, int, bytes]]:
+        """(node, seq, payload) of stored batches, oldest first."""
+        with self._lock:
+            if job_id is None:
+                rows = self._db.execute("SELECT node, seq, payload FROM step_batches WHERE received_at>=? ORDER BY id",
+                                        (since,)).fetchall()
+            else:
+                rows = self._db.execute("SELECT node, seq, payload FROM step_batches WHERE job_id=? AND "
+                                        "received_at>=? ORDER BY id", (job_id, since)).fetchall()
+        yield from ((r[0], int(r[1]), bytes(r[2])) for r in rows)
+
+    def step_record_count(self, job_id: str | None = None) -> int:
+        with self._lock:
+            if job_id is None:
+                row = self._db.execute("SELECT COALESCE(SUM(n), 0) FROM step_batches").fetchone()
+            else:
+                row = self._db.execute("SELECT COALESCE(SUM(n), 0) FROM step_batches WHERE job_id=?",
+                                       (job_id,)).fetchone()
+        return int(row[0])
+
+    def upsert_ranks(self, node: str, identities: Sequence[RankIdentity], now: float) -> None:
+        for i in identities:
+            self._db.execute(
+                "INSERT INTO jobs (job_id, world_size, first_seen, last_seen) VALUES (?,?,?,?) ON CONFLICT(job_id)"
+                " DO UPDATE SET world_size=MAX(world_size, excluded.world_size), last_seen=excluded.last_seen",
+                (i.job_id, i.world_size, now, now))
+            self._db.execute(
+                "INSERT OR REPLACE INTO ranks (job_id, rank, node, host, pid, local_rank, gpu_uuid, gpu_index, seen_at)"
+                " VALUES (?,?,?,?,?,?,?,?,?)",
+                (i.job_id, i.rank, node, i.host, i.pid, i.local_rank, i.gpu_uuid, i.gpu_index, now))
+
+    def jobs(self) -> list[tuple[str, int, float, float]]:
+        with self._lock:
+            rows = self._db.execute("SELECT job_id, world_size, first_seen, last_seen FROM jobs ORDER BY first_seen")
+            return [(r[0], int(r[1]), float(r[2]), float(r[3])) for r in rows.fetchall()]
+
+    def ranks(self, job_id: str | None = None) -> list[RankRow]:
+        with self._lock:
+            sql = "SELECT job_id, rank, node, host, pid, local_rank, gpu_uuid, gpu_index FROM ranks"
+            rows = (self._db.execute(sql + " ORDER BY job_id, rank") if job_id is None
+                    else self._db.execute(sql + " WHERE job_id=? ORDER BY rank", (job_id,))).fetchall()
+        out = []
+        for r in rows:
+            ident = RankIdentity(job_id=r[0], rank=int(r[1]), world_size=0, host=r[3], pid=int(r[4]),
+                                 local_rank=r[5], gpu_uuid=r[6], gpu_index=r[7])
+            out.append(RankRow(ident, r[2]))
+        return out
+
+    def set_node_findings(self, node: str, findings: Sequence[Finding], now: float) -> None:
+        self._db.execute("INSERT OR REPLACE INTO node_findings (node, at, findings_json) VALUES (?,?,?)",
+                         (node, now, json.dumps([f.to_dict() for f in findings], default=str)))
+
+    def node_findings(self) -> dict[str, tuple[float, list[Finding]]]:
+        with self._lock:
+            rows = self._db.execute("SELECT node, at, findings_json FROM node_findings").fetchall()
+        return {r[0]: (float(r[1]), [Finding.from_dict(d) for d in json.loads(r[2])]) for r in rows}
+
+    def add_sdc_digest(self, node: str, gpu_uuid: str, key: str, digest: str, at: float) -> None:
+        self._db.execute("INSERT OR REPLACE INTO sdc_digests (gpu_uuid, key, node, digest, at) VALUES (?,?,?,?,?)",
+                         (gpu_uuid, key, node, digest, at))
+
+    def sdc_digests(self) -> list[tuple[str, str, str, str, float]]:
+        """(node, gpu_uuid, key, digest, at)."""
+        with self._lock:
+            rows = self._db.execute("SELECT node, gpu_uuid, key, digest, at FROM sdc_digests").fetchall()
+        return [(r[0], r[1], r[2], r[3], float(r[4])) for r in rows]
+
+    # -- verdicts --------------------------------------------------------------------------------
+
+    def add_verdict(self, job_id: str, kind: str, doc: dict[str, Any], now: float) -> int:
+        with self._lock:
+            cur = self._db.execute("INSERT INTO verdicts (job_id, kind, created_at, json) VALUES (?,?,?,?)",
+                                   (job_id, kind, now, json.dumps(doc, default=str)))
+            return int(cur.lastrowid or 0)
+
+    def verdicts(self, job_id: str | None = None, limit: int = 100) -> list[dict[str, Any]]:
+        with self._lock:
+            if job_id is None:
+                rows = self._db.execute("SELECT id, job_id, kind, created_at, json FROM verdicts ORDER BY id DESC"
+                                        " LIMIT ?", (limit,)).fetchall()
+            else:
+                rows = self._db.execute("SELECT id, job_id, kind, created_at, json FROM verdicts WHERE job_id=?"
+                                        " ORDER BY id DESC LIMIT ?", (job_id, limit)).fetchall()
+        return [{"id": r[0], "job_id": r[1], "kind": r[2], "created_at": r[3], **json.loads(r[4])} for r in rows]
+
+    # -- retention -------------------------------------------------------------------------------
+
+    def prune(self, now: float, *, keep_days: float, keep_steps_hours: float) -> dict[str, int]:
+        """Delete what is older than the retention windows; returns rows removed per table."""
+        removed: dict[str, int] = {}
+        steps_before = now - keep_steps_hours * 3600.0
+        before = now - keep_days * 86_400.0
+        with self.transaction():
+            removed["step_batches"] = self._db.execute("DELETE FROM step_batches WHERE received_at<?",
+                                                       (steps_before,)).rowcount
+            removed["verdicts"] = self._db.execute("DELETE FROM verdicts WHERE created_at<?", (before,)).rowcount
+            removed["sdc_digests"] = self._db.execute("DELETE FROM sdc_digests WHERE at<?", (before,)).rowcount
+            old_jobs = [r[0] for r in self._db.execute("SELECT job_id FROM jobs WHERE last_seen<?", (before,))]
+            for job in old_jobs:
+                self._db.execute("DELETE FROM ranks WHERE job_id=?", (job,))
+                self._db.execute("DELETE FROM jobs WHERE job_id=?", (job,))
+            removed["jobs"] = len(old_jobs)
+        return removed
+
+
+def _split_sql(script: str) -> list[str]:
+    return [s.strip() for s in script.split(";") if s.strip()]
