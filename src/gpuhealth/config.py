@@ -58,6 +58,13 @@ class DiagConfig:
     gpu_seconds_per_hour: float = 10.0  # per-GPU GPU-time budget
     run_on_busy_gpus: bool = False
     golden_dir: str = "/var/lib/gpuhealth/golden"
+    state_dir: str = ""  # budget ledger + per-GPU locks; "" → <agent.state_dir>/diag (user cache if unwritable)
+    timeout_s: float = 600.0  # one diagnostic child process, killed past this
+    busbw_thresholds_file: str | None = None  # YAML {topology: {collective: {size_bytes: GB/s}}}; None: built in
+    busbw_min_fraction: float = 0.8  # busbw.low below this fraction of the reference curve
+    busbw_judge_min_bytes: int = 64 * 1024 * 1024  # judge only sizes this large (small ones are latency)
+    bandwidth_hbm_fraction: float = 0.85  # bandwidth.low below this fraction of the model's copy bandwidth
+    bandwidth_pcie_fraction: float = 0.75  # ... of what the slot's max PCIe speed × width carries
 
 
 @dataclass(slots=True)
