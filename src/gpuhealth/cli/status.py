@@ -78,6 +78,10 @@ def command(snapshot: str | None, kmsg_path: str | None, expected_gpus: int | No
         return
     finally:
         backend.shutdown()
+    broken = next((r for r in report.runs if r.error_type == "RecordingError"), None)
+    if broken is not None:  # a value in the recording itself is malformed: not a GPU problem
+        _fail(f"bad recording: {broken.error}", profile)
+        return
     if as_json:
         click.echo(json.dumps(report.to_dict(), indent=2, sort_keys=False, default=str))
     else:

@@ -58,6 +58,7 @@ class CollectorRun:
     lane: Lane = Lane.FAST
     skipped: bool = False  # ``supported`` said no: a normal outcome, counted as success
     timed_out: bool = False
+    error_type: str | None = None  # class name of the exception, e.g. "RecordingError"
 
     def summary(self) -> dict[str, Any]:
         """Plain-data view for ``status --json`` and logs."""
@@ -171,7 +172,9 @@ class CollectorRunner:
         duration = time.perf_counter() - t0
         if error is not None or outcome is None:
             text = _describe(error) if error is not None else "no result"
-            return self._failed(name, lane, ctx, started, duration, text)
+            run = self._failed(name, lane, ctx, started, duration, text)
+            run.error_type = type(error).__name__ if error is not None else None
+            return run
         run = CollectorRun(name=name, started=started, duration_s=duration, success=True, lane=lane,
                            skipped=outcome.skipped)
         if outcome.observations is not None:
