@@ -1,0 +1,226 @@
+"""The agent's memory: the last outcome and a short history per collector, published to readers
+(scrapes, /health, extensions) as an immutable ``ExportSnapshot``.
+
+Writers (the scheduler's workers) call ``record``; readers call ``snapshot()``, which returns the
+last published object without locking or copying, so a scrape never waits for a collector.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field, replace
+
+from gpuhealth.collectors.base import GpuIdentity, History, Observations
+from gpuhealth.exporters import CollectorStatus, ExportSnapshot
+from gpuhealth.model import Finding, Sample
+
+# Samples of a collector that stopped succeeding stay exported this many intervals, then vanish
+# (one missed beat should not punch holes in dashboards; stale readings must not linger).
+STALE_AFTER_INTERVALS = 3.0
+
+
+@dataclass(frozen=True, slots=True)
+class RunOutcome:
+    """One finished (or abandoned) collector run, whatever runner produced it."""
+
+    collector: str
+    finished_at: float  # wall clock
+    duration_s: float
+    ok: bool
+    observations: Observations | None = None
+    findings: tuple[Finding, ...] = ()
+    samples: tuple[Sample, ...] = ()
+    error: str = ""
+    timed_out: bool = False
+    nvml_codes: frozenset[int] = frozenset()  # NVML error codes seen during the run
+    gone_gpus: frozenset[int] = frozenset()  # GPU indexes that answered GPU_IS_LOST / RESET_REQUIRED
+    answered_gpus: frozenset[int] = frozenset()  # GPU indexes that gave at least one reading
+
+
+@dataclass(slots=True)
+class _CollectorEntry:
+    name: str
+    lane: str
+    interval_s: float
+    history: History
+    status: CollectorStatus
+    samples: tuple[Sample, ...] = ()
+    samples_at: float = 0.0  # wall clock of the run that produced ``samples``
+    findings: tuple[Finding, ...] = ()  # of the last successful run (judgements outlive a failed run)
+    failure_findings: tuple[Finding, ...] = ()  # collector.failed from the last run, if it failed
+    completed_once: bool = False
+
+
+@dataclass(slots=True)
+class NodeFacts:
+    """Slow-changing node state the scheduler sets (identities, versions, NVML state)."""
+
+    node_name: str
+    simulated: bool = False
+    backend: str = ""
+    version: str = ""
+    driver_version: str = ""
+    cuda_driver_version: str = ""
+    nvml_up: bool = True
+    nvml_reinits_total: int = 0
+    gpus: tuple[GpuIdentity, ...] = ()
+    agent_findings: tuple[Finding, ...] = ()  # the agent's own: gpu.lost, nvml.unavailable, collector.failed
+    gpu_labels: Mapping[str, Mapping[str, str]] = field(default_factory=dict)
+
+
+class Cache:
+    """Thread-safe store of collector outcomes; publishes a fresh snapshot after every change."""
+
+    def __init__(self, facts: NodeFacts, *, history_len: int = 64, clock: Callable[[], float] = time.time) -> None:
+        self._lock = threading.Lock()
+        self._clock = clock
+        self._history_len = history_len
+        self._facts = facts
+        self._entries: dict[str, _CollectorEntry] = {}
+        self._listeners: list[Callable[[ExportSnapshot], None]] = []
+        self._snapshot = self._build()
+
+    # ------------------------------------------------------------------ registration
+    def register(self, name: str, lane: str, interval_s: float) -> History:
+        """Declare a collector (idempotent; a reload may change its interval). Returns its history."""
+        with self._lock:
+            entry = self._entries.get(name)
+            if entry is None:
+                entry = _CollectorEntry(name, lane, interval_s, History(self._history_len),
+                                        CollectorStatus(name=name, lane=lane, interval_s=interval_s))
+                self._entries[name] = entry
+            else:
+                entry.lane, entry.interval_s = lane, interval_s
+                entry.status = replace(entry.status, lane=lane, interval_s=interval_s)
+            return entry.history
+
+    def unregister_except(self, names: Iterable[str]) -> None:
+        keep = set(names)
+        with self._lock:
+            for name in list(self._entries):
+                if name not in keep:
+                    del self._entries[name]
+            snap = self._publish()
+        self._notify(snap)
+
+    def history(self, name: str) -> History:
+        with self._lock:
+            return self._entries[name].history
+
+    # ------------------------------------------------------------------ writes
+    def record(self, outcome: RunOutcome) -> None:
+        with self._lock:
+            entry = self._entries.get(outcome.collector)
+            if entry is None:
+                return  # unregistered by a reload while it ran
+            st = entry.status
+            entry.status = replace(
+                st,
+                success=outcome.ok,
+                duration_s=outcome.duration_s,
+                last_success_time=outcome.finished_at if outcome.ok else st.last_success_time,
+                runs_total=st.runs_total + 1,
+                errors_total=st.errors_total + (0 if outcome.ok else 1),
+                timeouts_total=st.timeouts_total + (1 if outcome.timed_out else 0),
+                last_error="" if outcome.ok else outcome.error,
+            )
+            entry.completed_once = True
+            if outcome.ok:
+                entry.samples = outcome.samples
+                entry.samples_at = outcome.finished_at
+                entry.findings = outcome.findings
+                entry.failure_findings = ()
+            else:
+                entry.failure_findings = outcome.findings
+            snap = self._publish()
+        self._notify(snap)
+
+    def mark_unavailable(self, reason: str) -> None:
+        """NVML went away: every reading we hold came from a driver that is gone; drop them."""
+        with self._lock:
+            for entry in self._entries.values():
+                entry.samples = ()
+                entry.findings = ()
+                entry.failure_findings = ()
+                if entry.status.success is not None:
+                    entry.status = replace(entry.status, success=False, last_error=reason)
+            snap = self._publish()
+        self._notify(snap)
+
+    def update_facts(self, **changes: object) -> None:
+        with self._lock:
+            for key, value in changes.items():
+                if not hasattr(self._facts, key):
+                    raise AttributeError(f"NodeFacts has no field {key!r}")
+                setattr(self._facts, key, value)
+            snap = self._publish()
+        self._notify(snap)
+
+    def add_listener(self, callback: Callable[[ExportSnapshot], None]) -> None:
+        with self._lock:
+            self._listeners.append(callback)
+
+    # ------------------------------------------------------------------ reads
+    @property
+    def facts(self) -> NodeFacts:
+        return self._facts
+
+    def all_completed_once(self) -> bool:
+        with self._lock:
+            return bool(self._entries) and all(e.completed_once for e in self._entries.values())
+
+    def snapshot(self) -> ExportSnapshot:
+        return self._snapshot  # an atomic reference read: no lock, no copy
+
+    def statuses(self) -> dict[str, CollectorStatus]:
+        with self._lock:
+            return {name: e.status for name, e in self._entries.items()}
+
+    # ------------------------------------------------------------------ internals
+    def _publish(self) -> ExportSnapshot:
+        self._snapshot = self._build()
+        return self._snapshot
+
+    def _notify(self, snap: ExportSnapshot) -> None:
+        """Listeners run on the writer's thread, outside the lock; one failing must not stop others."""
+        for cb in list(self._listeners):
+            try:
+                cb(snap)
+            except Exception:
+                logging.getLogger(__name__).exception("snapshot listener failed")
+
+    def _build(self) -> ExportSnapshot:
+        now = self._clock()
+        facts = self._facts
+        samples: list[Sample] = []
+        findings: list[Finding] = []
+        statuses: list[CollectorStatus] = []
+        for entry in self._entries.values():
+            statuses.append(entry.status)
+            fresh = now - entry.samples_at <= STALE_AFTER_INTERVALS * entry.interval_s + 1.0
+            if entry.samples and (entry.status.success or fresh):
+                samples.extend(entry.samples)
+            findings.extend(entry.findings)
+            findings.extend(entry.failure_findings)
+        findings.extend(facts.agent_findings)
+        ready = bool(self._entries) and all(e.completed_once for e in self._entries.values())
+        return ExportSnapshot(
+            node_name=facts.node_name,
+            generated_at=now,
+            simulated=facts.simulated,
+            backend=facts.backend,
+            version=facts.version,
+            driver_version=facts.driver_version,
+            cuda_driver_version=facts.cuda_driver_version,
+            nvml_up=facts.nvml_up,
+            nvml_reinits_total=facts.nvml_reinits_total,
+            ready=ready,
+            gpus=facts.gpus,
+            samples=tuple(samples),
+            findings=tuple(findings),
+            collectors=tuple(statuses),
+            gpu_labels=facts.gpu_labels,
+        )

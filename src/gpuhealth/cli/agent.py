@@ -1,0 +1,89 @@
+"""``gpuhealth agent``: run the per-node agent until SIGTERM/SIGINT; SIGHUP reloads the config."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from typing import Any
+
+import click
+
+from gpuhealth.config import Config, ConfigError, load_config
+
+
+def _overrides(listen: str | None, dcgm_compat: bool | None, json_logs: bool | None, snapshot: str | None,
+               node_name: str | None, log_level: str | None) -> dict[str, dict[str, Any]]:
+    return {"agent": {"listen": listen, "dcgm_compat": dcgm_compat, "json_logs": json_logs,
+                      "nvml_snapshot": snapshot, "node_name": node_name, "log_level": log_level}}
+
+
+@click.command(name="agent")
+@click.option("--config", "config_file", type=click.Path(dir_okay=False), help="YAML config file.")
+@click.option("--listen", metavar="ADDR:PORT", help="Where to serve /metrics, /health, /ready (default 0.0.0.0:9400).")
+@click.option("--nvml-snapshot", "--scenario", "snapshot", metavar="FILE",
+              help="Replay an NVML recording or scenario instead of the live driver (SIMULATED).")
+@click.option("--dcgm-compat/--no-dcgm-compat", default=None,
+              help="Also expose the readings under dcgm-exporter's metric names and labels.")
+@click.option("--json-logs/--text-logs", default=None, help="Log JSON lines instead of text.")
+@click.option("--node-name", help="Node name in reports and dcgm-compat Hostname (default: hostname).")
+@click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default=None)
+def command(config_file: str | None, listen: str | None, snapshot: str | None, dcgm_compat: bool | None,
+            json_logs: bool | None, node_name: str | None, log_level: str | None) -> None:
+    """Run the per-node agent: collectors on a schedule, /metrics (Prometheus), /health, /ready."""
+    overrides = _overrides(listen, dcgm_compat, json_logs, snapshot, node_name, log_level)
+
+    def load() -> Config:
+        return load_config(config_file, overrides=overrides)
+
+    try:
+        config = load()
+    except ConfigError as exc:
+        click.echo(f"gpuhealth agent: {exc}", err=True)
+        sys.exit(3)
+    sys.exit(run_agent(config, load))
+
+
+def run_agent(config: Config, reload_config: Any = None) -> int:
+    from gpuhealth.agent.daemon import Agent
+    from gpuhealth.agent.http import parse_listen
+    from gpuhealth.agent.logs import setup_logging
+    from gpuhealth.backends.base import NvmlBackend
+    from gpuhealth.backends.errors import BackendUnavailable, NvmlError, RecordingError
+    from gpuhealth.backends.nvml_fake import BUNDLED_RECORDINGS, FakeNvml, bundled_recording_path
+    from gpuhealth.backends.nvml_real import RealNvml
+
+    log = logging.getLogger("gpuhealth.agent")
+    try:
+        parse_listen(config.agent.listen)
+    except ValueError as exc:
+        click.echo(f"gpuhealth agent: {exc}", err=True)
+        return 3
+    backend: NvmlBackend
+    snapshot = config.agent.nvml_snapshot
+    if snapshot:
+        from pathlib import Path
+
+        path = Path(snapshot)
+        if not path.exists() and snapshot in BUNDLED_RECORDINGS:
+            path = bundled_recording_path(snapshot)
+        try:
+            backend = FakeNvml.from_file(path)
+        except RecordingError as exc:
+            click.echo(f"gpuhealth agent: {exc}", err=True)
+            return 3
+    else:
+        backend = RealNvml()  # initialised (and re-initialised) by the agent, with backoff
+    setup_logging(json_lines=config.agent.json_logs, level=config.agent.log_level, simulated=backend.simulated)
+    if backend.simulated:
+        log.warning("SIMULATED: readings are replayed from %s, not read from a GPU", snapshot)
+    try:
+        agent = Agent(config, backend)
+    except (BackendUnavailable, NvmlError, ValueError) as exc:
+        click.echo(f"gpuhealth agent: {exc}", err=True)
+        return 3
+    try:
+        return agent.run_until_signalled(reload_config)
+    except OSError as exc:  # the listen address is taken or not ours
+        click.echo(f"gpuhealth agent: cannot listen on {config.agent.listen}: {exc.strerror or exc}", err=True)
+        agent.stop()
+        return 3

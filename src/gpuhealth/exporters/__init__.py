@@ -1,0 +1,74 @@
+"""Exporters turn the agent's cached state into wire formats (Prometheus text/OpenMetrics).
+
+The input contract is ``ExportSnapshot``: an immutable picture of the agent's cache, published by
+the agent after every collector run. Exporters read it and never touch NVML, so a scrape costs the
+same whether the GPUs answer quickly, slowly or not at all.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from gpuhealth.collectors.base import GpuIdentity
+from gpuhealth.model import Finding, Health, Sample, health_of
+
+
+@dataclass(frozen=True, slots=True)
+class CollectorStatus:
+    """How one collector has been doing (``gpuhealth_collector_*``)."""
+
+    name: str
+    lane: str
+    interval_s: float
+    success: bool | None = None  # None: has not completed a run yet
+    duration_s: float | None = None  # of the last completed (or timed out) run
+    last_success_time: float | None = None  # wall clock, seconds since the epoch
+    runs_total: int = 0
+    errors_total: int = 0  # failed runs, timeouts included
+    timeouts_total: int = 0
+    last_error: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class ExportSnapshot:
+    """Everything a scrape shows, captured at ``generated_at`` (wall clock)."""
+
+    node_name: str
+    generated_at: float
+    simulated: bool = False
+    backend: str = ""
+    version: str = ""
+    driver_version: str = ""
+    cuda_driver_version: str = ""
+    nvml_up: bool = True
+    nvml_reinits_total: int = 0
+    ready: bool = False
+    gpus: tuple[GpuIdentity, ...] = ()
+    samples: tuple[Sample, ...] = ()
+    findings: tuple[Finding, ...] = ()
+    collectors: tuple[CollectorStatus, ...] = ()
+    # Extra labels per GPU UUID from the agent's label provider (pod/namespace/container, slurm_job_id).
+    gpu_labels: Mapping[str, Mapping[str, str]] = field(default_factory=dict)
+
+    def gpu_findings(self, gpu: GpuIdentity) -> list[Finding]:
+        return [f for f in self.findings if finding_on_gpu(f, gpu)]
+
+    def gpu_health(self, gpu: GpuIdentity) -> Health:
+        """UNKNOWN while NVML is down (nothing current to judge by), else derived from findings."""
+        if not self.nvml_up:
+            return Health.UNKNOWN
+        return health_of(self.gpu_findings(gpu))
+
+    def node_health(self) -> Health:
+        if not self.nvml_up and not self.findings:
+            return Health.UNKNOWN
+        return health_of(self.findings)
+
+
+def finding_on_gpu(finding: Finding, gpu: GpuIdentity) -> bool:
+    """A finding belongs to a GPU when its entity is the GPU or sits on it (a link, a process)."""
+    ent = finding.entity
+    if ent.gpu_index is not None:
+        return ent.gpu_index == gpu.index
+    return ent.id == gpu.uuid
