@@ -85,16 +85,15 @@ def safe_name(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]", "_", text)[:100] or "_"
 
 
-def run_triage(folder: Path, steps: list[Any] | None) -> dict[str, Any]:
+def run_triage(folder: Path, job: dict[str, Any]) -> dict[str, Any]:
     """The flight-recorder analyzer (``gpuhealth.flightrec.verdict.triage``) on the dumps we got."""
     from gpuhealth.flightrec.verdict import triage
 
-    report = triage(str(folder), steps=steps) if steps else triage(str(folder))
-    return dict(report.to_dict())
+    return dict(triage(str(folder), job=job).to_dict())
 
 
 def culprit_ranks(report: dict[str, Any]) -> list[int]:
-    ranks: list[int] = []
+    ranks: list[int] = [int(r) for r in report.get("culprits", []) if isinstance(r, int)]
     for f in report.get("findings", []):
         code = str(f.get("code", ""))
         rank = (f.get("evidence") or {}).get("rank")
@@ -142,10 +141,11 @@ async def investigate(
     (folder / "stacks.json").write_text(json.dumps({str(r): s for r, s in stacks.items()}))
 
     try:
-        report = await asyncio.to_thread(run_triage, dump_dir, None)
+        job_info = {"job_id": job.job_id, "world_size": job.world_size or None}
+        report = await asyncio.to_thread(run_triage, dump_dir, {k: v for k, v in job_info.items() if v})
     except Exception as exc:  # the analyzer's own bugs must not lose the evidence we gathered
         report = {"verdict": "incomplete", "findings": [], "ranks_seen": sorted(dumps),
-                  "ranks_missing": [], "groups": [], "error": f"triage failed: {exc}"}
+                  "ranks_missing": [], "groups": [], "culprits": [], "error": f"triage failed: {exc}"}
 
     ranks = culprit_ranks(report)
     if not ranks and reason == "hang":
@@ -154,6 +154,7 @@ async def investigate(
         if len(behind) < max(1, len(job.last_step)):
             ranks = behind
     culprits = [coord.culprit(job, r) for r in ranks]
+    report["culprits"] = ranks
     for c in culprits:
         c["stack"] = stacks.get(c["rank"])
     expected = sorted(job.placements) or sorted(job.last_step)
@@ -163,7 +164,7 @@ async def investigate(
         **report,
         "job_id": job.job_id,
         "reason": reason,
-        "culprits": culprits,
+        "culprit_details": culprits,
         "summary": f"{reason}: {report.get('verdict', '?')}: {summary_who}",
         "evidence": {
             "dir": str(folder), "fr_dumps": {str(r): p for r, p in dumps.items()},

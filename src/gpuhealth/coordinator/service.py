@@ -393,7 +393,7 @@ class Coordinator:
     def straggler_verdict(self, job: JobState, rank: int, finding: Finding) -> dict[str, Any]:
         culprit = self.culprit(job, rank)
         return {
-            "verdict": "straggler", "job_id": job.job_id, "culprits": [culprit],
+            "verdict": "straggler", "job_id": job.job_id, "culprits": [rank], "culprit_details": [culprit],
             "summary": f"straggler: {culprit['line']} ({finding.message})",
             "findings": [finding.to_dict()], "created_at": self.clock(),
         }

@@ -1,0 +1,210 @@
+"""Real gRPC (grpc.aio on loopback) against an in-process coordinator: registration, acks with
+seq dedup, malformed messages answered with a status (never a crash), token auth, node binding,
+health checking and reflection, /metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import urllib.request
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from gpuhealth.coordinator.query import CoordinatorQueryError, fleet, list_jobs
+from gpuhealth.coordinator.security import AuthPolicy, token_metadata
+from gpuhealth.coordinator.server import CoordinatorServer
+from gpuhealth.coordinator.service import Coordinator, Settings
+from gpuhealth.coordinator.simagent import SimAgent, step_batch_message
+from gpuhealth.coordinator.store import Store
+from gpuhealth.coordinator.straggler_feed import BudgetedStragglerFeed
+from gpuhealth.proto import gpuhealth_v1_pb2 as pb
+
+pytestmark = pytest.mark.integration
+
+
+async def _server(tmp_path: Path, token: str | None = None) -> CoordinatorServer:
+    store = Store(tmp_path / "c.db")
+    coord = Coordinator(store, Settings(evidence_dir=str(tmp_path / "ev"), tick_s=0.1, hang_floor_s=3600),
+                        detector_factory=lambda j: BudgetedStragglerFeed(j))
+    server = CoordinatorServer(coord, listen="127.0.0.1:0", metrics_listen="127.0.0.1:0",
+                               policy=AuthPolicy(token=token), metrics_interval_s=0.1)
+    await server.start()
+    return server
+
+
+def _with_server(tmp_path: Path, body: Callable[[CoordinatorServer], Awaitable[None]], token: str | None = None) -> None:
+    """pytest has no asyncio plugin here: each test runs its own loop with a fresh server."""
+
+    async def main() -> None:
+        srv = await _server(tmp_path, token)
+        try:
+            await asyncio.wait_for(body(srv), 60)
+        finally:
+            await srv.stop(0)
+
+    asyncio.run(main())
+
+
+def _addr(srv: CoordinatorServer) -> str:
+    assert srv.endpoints is not None
+    return f"127.0.0.1:{srv.endpoints.grpc_port}"
+
+
+def test_records_are_acked_once_and_duplicates_ignored(tmp_path: Path) -> None:
+    _with_server(tmp_path, _records_are_acked_once_and_duplicates_ignored)
+
+
+async def _records_are_acked_once_and_duplicates_ignored(server: CoordinatorServer) -> None:
+    agent = SimAgent(_addr(server), "n1", gpus=2)
+    await agent.register()
+    await agent.connect()
+    for seq in range(1, 6):
+        await agent.send(step_batch_message(seq, "job1", [0, 1, 2, 3], seq))
+    await agent.wait_acked(5)
+    # Resend 3..5 (as after a lost ack) plus a new one: only the new one counts.
+    for seq in (3, 4, 5):
+        await agent.send(step_batch_message(seq, "job1", [0, 1, 2, 3], seq))
+    await agent.send(step_batch_message(6, "job1", [0, 1, 2, 3], 6))
+    await agent.wait_acked(6)
+    coord = server.coord
+    assert coord.counters.duplicates == 3
+    assert coord.store.step_record_count("job1") == 6 * 4
+    assert coord.jobs.jobs["job1"].last_step == {0: 6, 1: 6, 2: 6, 3: 6}
+    # A re-registration reports the committed seq, so a restarted agent resumes after it.
+    again = SimAgent(_addr(server), "n1")
+    assert (await again.register()).acked_seq == 6
+    await agent.close()
+    await again.close()
+
+
+def test_malformed_messages_get_a_status_and_the_server_lives(tmp_path: Path) -> None:
+    _with_server(tmp_path, _malformed_messages_get_a_status_and_the_server_lives)
+
+
+async def _malformed_messages_get_a_status_and_the_server_lives(server: CoordinatorServer) -> None:
+    addr = _addr(server)
+    async with grpc.aio.insecure_channel(addr) as ch:
+        raw_register = ch.unary_unary("/gpuhealth.v1.Coordinator/Register")
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await raw_register(b"\xff\xff\xff garbage", timeout=5)
+        assert err.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await raw_register(pb.RegisterRequest(node_name="", incarnation="x").SerializeToString(), timeout=5)
+        assert err.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+    # A stream with garbage, then one with columns of different lengths, then a NaN step time.
+    bad_batches = [
+        b"\x0a\xff\xff\xff\xff",
+        pb.AgentMessage(record=pb.Record(seq=1, steps=pb.StepBatch(job_id="j", rank=[0, 1], step=[1],
+                                                                    start_time=[1.0], wall_s=[1.0]))).SerializeToString(),
+        pb.AgentMessage(record=pb.Record(seq=2, steps=pb.StepBatch(job_id="j", rank=[0], step=[1], start_time=[1.0],
+                                                                    wall_s=[float("nan")]))).SerializeToString(),
+        pb.AgentMessage(record=pb.Record(seq=3, findings=pb.FindingsSnapshot(findings=[
+            pb.Finding(code="x.y", severity="catastrophic", entity_kind="gpu", entity_id="u")]))).SerializeToString(),
+    ]
+    for raw in bad_batches:
+        agent = SimAgent(addr, "n-bad")
+        await agent.register()
+        await agent.connect()
+        await agent.send(raw)
+        assert await agent.status() is grpc.StatusCode.INVALID_ARGUMENT
+        await agent.close()
+    # The rejected seqs are consumed: a fresh registration resumes after them (no poison loop).
+    agent = SimAgent(addr, "n-bad")
+    assert (await agent.register()).acked_seq == 3
+    await agent.connect()
+    await agent.send(step_batch_message(4, "j", [0], 1))
+    await agent.wait_acked(4)
+    await agent.close()
+    assert server.coord.counters.rejected == 3
+    # Still serving queries.
+    doc = await asyncio.to_thread(list_jobs, addr)
+    assert [j["job_id"] for j in doc["jobs"]] == ["j"]
+
+
+def test_stream_is_bound_to_the_registered_node(tmp_path: Path) -> None:
+    _with_server(tmp_path, _stream_is_bound_to_the_registered_node)
+
+
+async def _stream_is_bound_to_the_registered_node(server: CoordinatorServer) -> None:
+    agent = SimAgent(_addr(server), "n1")
+    await agent.register()
+    await agent.connect(node="n2")  # claims another node on n1's session
+    await agent.send(step_batch_message(1, "j", [0], 1))
+    assert await agent.status() is grpc.StatusCode.PERMISSION_DENIED
+    await agent.close()
+    # Without Register there is no session at all.
+    stranger = SimAgent(_addr(server), "n3")
+    await stranger.register()
+    stranger.session = pb.RegisterResponse(session_id="made-up")
+    await stranger.connect()
+    await stranger.send(step_batch_message(1, "j", [0], 1))
+    assert await stranger.status() is grpc.StatusCode.UNAUTHENTICATED
+    await stranger.close()
+    assert server.coord.store.step_record_count() == 0
+
+
+def test_token_is_required_when_configured(tmp_path: Path) -> None:
+    _with_server(tmp_path, _token_is_required, token="s3cret")
+
+
+async def _token_is_required(srv: CoordinatorServer) -> None:
+    if True:
+        addr = _addr(srv)
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await SimAgent(addr, "n1").register()
+        assert err.value.code() is grpc.StatusCode.UNAUTHENTICATED
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await SimAgent(addr, "n1", metadata=token_metadata("wrong")).register()
+        assert err.value.code() is grpc.StatusCode.UNAUTHENTICATED
+        ok = SimAgent(addr, "n1", metadata=token_metadata("s3cret"))
+        await ok.register()
+        await ok.connect()
+        await ok.send(step_batch_message(1, "j", [0, 1], 1))
+        await ok.wait_acked(1)
+        await ok.close()
+        with pytest.raises(CoordinatorQueryError, match="UNAUTHENTICATED"):
+            await asyncio.to_thread(fleet, addr)
+        assert (await asyncio.to_thread(fleet, addr, token="s3cret"))["nodes"][0]["name"] == "n1"
+
+
+def test_health_reflection_and_metrics(tmp_path: Path) -> None:
+    _with_server(tmp_path, _health_reflection_and_metrics)
+
+
+async def _health_reflection_and_metrics(server: CoordinatorServer) -> None:
+    addr = _addr(server)
+    agent = SimAgent(addr, "n1")
+    await agent.register()
+    await agent.connect()
+    for seq in range(1, 4):
+        await agent.send(step_batch_message(seq, "jobm", [0, 1], seq, wall_s=0.25))
+    await agent.wait_acked(3)
+    async with grpc.aio.insecure_channel(addr) as ch:
+        resp = await health_pb2_grpc.HealthStub(ch).Check(
+            health_pb2.HealthCheckRequest(service="gpuhealth.v1.Coordinator"), timeout=5)
+        assert resp.status == health_pb2.HealthCheckResponse.SERVING
+        refl = reflection_pb2_grpc.ServerReflectionStub(ch)
+
+        async def one() -> AsyncIterator[reflection_pb2.ServerReflectionRequest]:
+            yield reflection_pb2.ServerReflectionRequest(list_services="")
+
+        names = []
+        async for r in refl.ServerReflectionInfo(one(), timeout=5):
+            names = [s.name for s in r.list_services_response.service]
+        assert "gpuhealth.v1.Coordinator" in names
+    await asyncio.sleep(0.3)
+    assert server.endpoints is not None and server.endpoints.metrics_port
+    text = await asyncio.to_thread(
+        lambda: urllib.request.urlopen(f"http://127.0.0.1:{server.endpoints.metrics_port}/metrics", timeout=5)  # type: ignore[union-attr]
+        .read().decode())
+    assert "gpuhealth_coordinator_connected_agents 1.0" in text
+    assert 'gpuhealth_coordinator_job_step_seconds_quantile{job="jobm",quantile="0.5"} 0.25' in text
+    assert "gpuhealth_coordinator_step_records_total 6.0" in text
+    await agent.close()
+    doc = json.loads(json.dumps(await asyncio.to_thread(list_jobs, addr, "jobm")))
+    assert doc["jobs"][0]["records"] == 6
