@@ -131,7 +131,9 @@ class GpuBandwidth:
     notes: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
-        r = (lambda v: None if v is None else round(v, 1))
+        def r(v: float | None) -> float | None:
+            return None if v is None else round(v, 1)
+
         return {"device": self.device, "uuid": self.uuid, "index": self.index, "name": self.name,
                 "d2d_gbps": r(self.d2d_gbps), "h2d_gbps": r(self.h2d_gbps), "d2h_gbps": r(self.d2h_gbps),
                 "numa_node": self.numa_node, "pinned_cpus": len(self.pinned_to),

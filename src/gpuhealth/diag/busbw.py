@@ -16,6 +16,7 @@ curve for the topology (``REFERENCE_CURVES``; a YAML file in config may replace 
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 import time
@@ -106,7 +107,7 @@ def reference_at(curve: Mapping[int, float], size: int) -> float:
         return pts[0][1]
     if size >= pts[-1][0]:
         return pts[-1][1]
-    for (s0, v0), (s1, v1) in zip(pts, pts[1:], strict=False):
+    for (s0, v0), (s1, v1) in itertools.pairwise(pts):
         if s0 <= size <= s1:
             w = (math.log(size) - math.log(s0)) / (math.log(s1) - math.log(s0))
             return v0 + w * (v1 - v0)

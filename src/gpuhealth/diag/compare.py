@@ -134,9 +134,7 @@ def suspect_finding(
     else:
         why = f"digest {suspect.observed} != {suspect.basis.value} {suspect.expected}"
     decisive = suspect.basis in (Basis.GOLDEN, Basis.PEERS)
-    if persistence in (Persistence.PERSISTENT, Persistence.NONDETERMINISTIC) and decisive:
-        severity, action = Severity.CRITICAL, Action.DRAIN
-    elif persistence is Persistence.NONDETERMINISTIC:
+    if persistence is Persistence.NONDETERMINISTIC or (persistence is Persistence.PERSISTENT and decisive):
         severity, action = Severity.CRITICAL, Action.DRAIN
     else:
         severity, action = Severity.WARNING, Action.MONITOR

@@ -283,6 +283,7 @@ class CaseResult:
     digest: str
     matmul_ms: float
     hash_ms: float
+    gen_ms: float = 0.0  # generating the inputs on the device
     injected: dict[str, str] = field(default_factory=dict)  # fault kind → digest with the fault
 
     def to_dict(self) -> dict[str, Any]:
@@ -291,6 +292,7 @@ class CaseResult:
             "case": self.case.case_id, "datapath": self.case.datapath.value, "shape": self.case.shape,
             "m": self.case.m, "n": self.case.n, "k": self.case.k, "digest": self.digest,
             "matmul_ms": round(self.matmul_ms, 4), "hash_ms": round(self.hash_ms, 4),
+            "gen_ms": round(self.gen_ms, 4),
             "tflops": None if tflops is None else round(tflops, 1),
         }
         if self.injected:
@@ -324,6 +326,7 @@ def run_case(case: Case, device: torch.device, seed: int, *,
     (undone after). ``corrupt``: leave a fault in before the one digest (simulates a bad GPU)."""
     timer = _Timer(device)
     with math_mode(case.datapath):
+        tg = timer.mark()
         a, b = _inputs(case, device, seed)
         t0 = timer.mark()
         out = matmul(case, a, b)
@@ -334,7 +337,7 @@ def run_case(case: Case, device: torch.device, seed: int, *,
     t2 = timer.mark()
     digest = hashing.digest(out)  # .item()/.tolist() inside: the only device→host copy
     t3 = timer.mark()
-    result = CaseResult(case, digest, timer.elapsed_ms(t0, t1), timer.elapsed_ms(t2, t3))
+    result = CaseResult(case, digest, timer.elapsed_ms(t0, t1), timer.elapsed_ms(t2, t3), timer.elapsed_ms(tg, t0))
     for n, kind in enumerate(faults):
         undo = inject_fault(out, kind, rng_seed=seed + 101 * (n + 1))
         result.injected[kind.value] = hashing.digest(out)
@@ -425,7 +428,7 @@ def run_sdc(
         for case in cases:
             runs = [one(spec, case, with_faults=selftest)]
             runs += [one(spec, case) for _ in range(repeats - 1)]
-            gpu_ms += sum(r.matmul_ms + r.hash_ms for r in runs)
+            gpu_ms += sum(r.gen_ms + r.matmul_ms + r.hash_ms for r in runs)
             doc = runs[0].to_dict()
             if repeats > 1:
                 doc["repeat_digests"] = [r.digest for r in runs]

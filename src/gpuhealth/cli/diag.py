@@ -1,0 +1,242 @@
+"""``gpuhealth diag sdc|busbw|bandwidth``: run one diagnostic now (in a child process) and show it.
+
+``--device cpu`` runs the same code on the CPU (torch CPU matmuls, Gloo collectives): the logic is
+real, the numbers are not a GPU's. ``--inject-fault`` is the SDC self-test: bit flips injected into
+each output before hashing must all be detected.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any
+
+import click
+from rich.console import Console
+from rich.table import Table
+
+from gpuhealth.backends.errors import BackendUnavailable, NvmlError
+from gpuhealth.cli.exitcodes import PROFILE_NAMES, exit_code
+from gpuhealth.config import ConfigError, load_config
+from gpuhealth.diag.golden import GoldenError, GoldenStore
+from gpuhealth.diag.qualify import default_golden_dir, default_state_dir
+from gpuhealth.diag.runner import DiagOutcome, DiagRunner
+from gpuhealth.model import Health, health_of
+
+
+def _fail(message: str, profile: str) -> None:
+    click.echo(f"gpuhealth diag: {message}", err=True)
+    sys.exit(exit_code(Health.UNKNOWN, profile))
+
+
+def _gpus_for(device: str, profile: str) -> tuple[Any, list[Any]]:
+    """The live NVML backend and the GPU identities a CUDA device spec names."""
+    from gpuhealth.collectors.runner import enumerate_gpus
+    from gpuhealth.node import open_backend
+
+    try:
+        backend = open_backend(None)
+    except (BackendUnavailable, NvmlError) as exc:
+        _fail(f"{exc} — no GPU here (use --device cpu to exercise the logic on the CPU)", profile)
+        raise AssertionError from exc  # unreachable: _fail exits
+    gpus = enumerate_gpus(backend)
+    if device != "cuda":
+        wanted = set()
+        for part in device.split(","):
+            if not part.startswith("cuda:") or not part[5:].isdigit():
+                backend.shutdown()
+                _fail(f"bad --device {part!r}: expected cpu, cuda or cuda:N[,cuda:M]", profile)
+            wanted.add(int(part[5:]))
+        missing = wanted - {g.index for g in gpus}
+        if missing:
+            backend.shutdown()
+            _fail(f"no GPU {sorted(missing)} on this node ({len(gpus)} GPUs)", profile)
+        gpus = [g for g in gpus if g.index in wanted]
+    return backend, gpus
+
+
+def _run(kind: str, args: list[str], device: str, force: bool, config_path: str | None, profile: str,
+         as_json: bool, min_gpus: int = 1) -> None:
+    try:
+        config = load_config(config_path)
+    except ConfigError as exc:
+        _fail(str(exc), profile)
+        return
+    if device == "cpu":
+        runner = DiagRunner(config.diag, state_dir=default_state_dir(config))
+        outcome = runner.run(kind, [*args, "--device", "cpu"], gpus=None, timeout_s=config.diag.timeout_s)
+    else:
+        backend, gpus = _gpus_for(device, profile)
+        try:
+            runner = DiagRunner(config.diag, state_dir=default_state_dir(config), backend=backend)
+            outcome = runner.run(kind, args, gpus=gpus, force=force, timeout_s=config.diag.timeout_s,
+                                 min_gpus=min_gpus)
+        finally:
+            backend.shutdown()
+    health = health_of(outcome.findings) if outcome.status == "ok" else Health.UNKNOWN
+    if outcome.status == "failed" and kind == "sdc" and outcome.result.get("selftest"):
+        health = Health.UNHEALTHY  # the self-test missed an injected fault: the check itself is broken
+    if as_json:
+        click.echo(json.dumps(outcome.to_dict(), indent=2, default=str))
+    else:
+        render(outcome, Console(highlight=False))
+    sys.exit(exit_code(health, profile))
+
+
+def render(o: DiagOutcome, console: Console) -> None:
+    console.print(f"[bold]{o.diag}[/bold]: {o.status}" + (f" — {o.reason}" if o.reason else "")
+                  + f"  [dim]({o.wall_s:.1f} s)[/dim]")
+    r = o.result
+    if o.diag == "sdc" and r.get("devices"):
+        t = Table()
+        for col in ("device", "case", "digest", "matmul ms", "TFLOP/s", "hash ms"):
+            t.add_column(col)
+        for d in r["devices"]:
+            for c in d["cases"]:
+                t.add_row(d["device"], c["case"], c["digest"], f"{c['matmul_ms']:.3f}", str(c["tflops"]),
+                          f"{c['hash_ms']:.3f}")
+        console.print(t)
+        console.print(f"golden: {r.get('golden', {}).get('status')} (key {r.get('key_id')})")
+        if r.get("selftest"):
+            s = r["selftest"]
+            per_kind = ", ".join(f"{k} {v['detected']}/{v['injected']}" for k, v in s["faults"].items())
+            verdict = "PASSED" if s["passed"] else "FAILED"
+            console.print(f"self-test: {s['detected']}/{s['injected']} injected faults detected "
+                          f"({per_kind}); {verdict}")
+    elif o.diag == "busbw" and r.get("points"):
+        t = Table(title=f"{r.get('backend')} × {r.get('world')} ranks")
+        for col in ("collective", "size", "time µs", "algbw GB/s", "busbw GB/s", "errors", "graph"):
+            t.add_column(col)
+        for p in r["points"]:
+            t.add_row(p["collective"], str(p["size_bytes"]), f"{p['time_us']:.1f}", f"{p['algbw_gbps']:.1f}",
+                      f"{p['busbw_gbps']:.1f}", str(p["errors"]), "yes" if p["graph"] else "no")
+        console.print(t)
+    elif o.diag == "bandwidth":
+        if "cpu_copy_gbps" in r:
+            console.print(f"host memory copy: {r['cpu_copy_gbps']} GB/s")
+        for g in r.get("gpus", []):
+            console.print(f"GPU {g['index']} {g['name']}: device copy {g['d2d_gbps']} GB/s, H→D {g['h2d_gbps']} GB/s, "
+                          f"D→H {g['d2h_gbps']} GB/s, NUMA node {g['numa_node']} {'; '.join(g['notes'])}")
+    for uuid, why in o.skipped_gpus.items():
+        console.print(f"[yellow]left out {uuid}: {why}[/yellow]")
+    for f in o.findings:
+        console.print(f"[red]{f.severity}[/red] {f.code}: {f.message} → {f.action}")
+    if o.status == "ok" and not o.findings:
+        console.print("[green]no problems found[/green]")
+
+
+_common = [
+    click.option("--device", default="cuda", show_default=True, help="cuda (all GPUs), cuda:N[,cuda:M] or cpu."),
+    click.option("--force", is_flag=True, help="Run on GPUs with user processes or out of GPU-time budget."),
+    click.option("--config", "config_path", metavar="FILE", default=None),
+    click.option("--json", "as_json", is_flag=True),
+    click.option("--exit-codes", "profile", type=click.Choice(PROFILE_NAMES), default="default", show_default=True),
+]
+
+
+def _with_common(f: Any) -> Any:
+    for opt in reversed(_common):
+        f = opt(f)
+    return f
+
+
+@click.group(name="diag")
+def command() -> None:
+    """Run one diagnostic: sdc, busbw, bandwidth."""
+
+
+@command.command(name="sdc")
+@_with_common
+@click.option("--inject-fault", is_flag=True, help="Self-test: inject bit flips before hashing; all must be caught.")
+@click.option("--repeats", type=click.IntRange(min=1), default=1, show_default=True)
+@click.option("--record-golden", is_flag=True, help="Store this run's digests as the golden for this environment.")
+@click.option("--peers", type=click.IntRange(min=1), default=1, help="CPU only: identical 'devices' to vote.")
+@click.option("--golden-dir", default=None, help="Golden digest directory (default: config diag.golden_dir).")
+def sdc_cmd(device: str, force: bool, config_path: str | None, as_json: bool, profile: str, inject_fault: bool,
+            repeats: int, record_golden: bool, peers: int, golden_dir: str | None) -> None:
+    """Silent-data-corruption check: seeded matmuls on every datapath, hashed on the device."""
+    try:
+        config = load_config(config_path)
+    except ConfigError as exc:
+        _fail(str(exc), profile)
+        return
+    golden = golden_dir or str(default_golden_dir(config))
+    args = ["--golden-dir", golden, "--repeats", str(repeats), "--node", config.node_name]
+    if inject_fault:
+        args.append("--selftest")
+    if record_golden:
+        args.append("--record-golden")
+    if device == "cpu":
+        args += ["--cpu-peers", str(peers)]
+    _run("sdc", args, device, force, config_path, profile, as_json)
+
+
+@command.command(name="busbw")
+@_with_common
+@click.option("--collectives", default=None, help="Comma list (default: all six).")
+@click.option("--max-bytes", type=int, default=1 << 30, show_default=True)
+@click.option("--min-bytes", type=int, default=1 << 20, show_default=True)
+@click.option("--ranks", type=click.IntRange(min=2), default=2, show_default=True, help="CPU only: Gloo ranks.")
+def busbw_cmd(device: str, force: bool, config_path: str | None, as_json: bool, profile: str,
+              collectives: str | None, max_bytes: int, min_bytes: int, ranks: int) -> None:
+    """Collective bus bandwidth (nccl-tests formulas), data checked after each collective."""
+    try:
+        config = load_config(config_path)
+    except ConfigError as exc:
+        _fail(str(exc), profile)
+        return
+    d = config.diag
+    args = ["--min-bytes", str(min_bytes), "--max-bytes", str(max_bytes), "--node", config.node_name,
+            "--min-fraction", str(d.busbw_min_fraction), "--judge-min-bytes", str(d.busbw_judge_min_bytes)]
+    if d.busbw_thresholds_file:
+        args += ["--thresholds-file", d.busbw_thresholds_file]
+    if collectives:
+        args += ["--collectives", collectives]
+    if device == "cpu":
+        args += ["--world", str(ranks)]
+    _run("busbw", args, device, force, config_path, profile, as_json, min_gpus=2)
+
+
+@command.command(name="bandwidth")
+@_with_common
+def bandwidth_cmd(device: str, force: bool, config_path: str | None, as_json: bool, profile: str) -> None:
+    """Device memory bandwidth and pinned host↔device bandwidth per GPU (NUMA-pinned)."""
+    try:
+        config = load_config(config_path)
+    except ConfigError as exc:
+        _fail(str(exc), profile)
+        return
+    d = config.diag
+    args = ["--hbm-fraction", str(d.bandwidth_hbm_fraction), "--pcie-fraction", str(d.bandwidth_pcie_fraction),
+            "--sysfs-root", config.collectors.sysfs_root]
+    if device == "cpu":
+        args += ["--d2d-mib", "256"]
+    _run("bandwidth", args, device, force, config_path, profile, as_json)
+
+
+@command.command(name="golden")
+@click.option("--export", "export_path", metavar="FILE", default=None, help="Write every stored golden to FILE.")
+@click.option("--import", "import_path", metavar="FILE", default=None, help="Merge a bundle written by --export.")
+@click.option("--golden-dir", default=None)
+@click.option("--config", "config_path", metavar="FILE", default=None)
+def golden_cmd(export_path: str | None, import_path: str | None, golden_dir: str | None,
+               config_path: str | None) -> None:
+    """Share golden SDC digests between nodes (export / import a bundle)."""
+    try:
+        config = load_config(config_path)
+    except ConfigError as exc:
+        _fail(str(exc), "default")
+        return
+    store = GoldenStore(golden_dir or default_golden_dir(config))
+    try:
+        if import_path:
+            n = store.import_bundle(import_path)
+            click.echo(f"imported {n} golden key(s) into {store.directory}")
+        if export_path:
+            n = store.export(export_path)
+            click.echo(f"exported {n} golden key(s) to {export_path}")
+        if not (import_path or export_path):
+            for e in store.entries():
+                click.echo(f"{e['key_id']}  {e['key'].get('device')}  {len(e['digests'])} cases  {e.get('source', '')}")
+    except (GoldenError, OSError) as exc:
+        _fail(str(exc), "default")

@@ -1,0 +1,227 @@
+"""Pre-job node qualification: one collector sweep + diagnostics → one verdict per GPU and node.
+
+Levels (the SDC shapes are the same at every level, so golden digests compare across levels):
+
+- ``quick``    SDC (every datapath, one run), all_reduce + all_gather up to 256 MiB, short
+               bandwidth probes. Target: ≤ 60 s on an 8-GPU node.
+- ``standard`` SDC with every case repeated twice, all six collectives up to 1 GiB, full bandwidth.
+- ``full``     SDC repeated three times plus the fault-injection self-test, collectives up to 4 GiB.
+
+A diagnostic that cannot run (simulated backend, no torch, no CUDA, a single GPU for busbw, busy or
+out-of-budget GPUs) is reported as skipped with its reason and the verdict rests on the rest. One
+that fails or times out makes an otherwise healthy node ``unknown``: the check did not happen.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from gpuhealth.config import Config
+from gpuhealth.diag.runner import DiagOutcome, DiagRunner
+from gpuhealth.model import EntityKind, Finding, Health, Severity, health_of, worst_action
+from gpuhealth.node import NodeReport
+
+MiB = 1 << 20
+LEVELS = ("quick", "standard", "full")
+
+
+@dataclass(frozen=True, slots=True)
+class Step:
+    diag: str
+    args: tuple[str, ...]
+    min_gpus: int = 1
+    label: str = ""
+
+
+def plan(level: str, config: Config) -> list[Step]:
+    if level not in LEVELS:
+        raise ValueError(f"unknown level {level!r}; choose one of {', '.join(LEVELS)}")
+    d = config.diag
+    sdc_common = ("--node", config.node_name)
+    busbw_common = ("--node", config.node_name, "--min-fraction", str(d.busbw_min_fraction),
+                    "--judge-min-bytes", str(d.busbw_judge_min_bytes),
+                    *(("--thresholds-file", d.busbw_thresholds_file) if d.busbw_thresholds_file else ()))
+    bw_common = ("--hbm-fraction", str(d.bandwidth_hbm_fraction), "--pcie-fraction", str(d.bandwidth_pcie_fraction),
+                 "--sysfs-root", config.collectors.sysfs_root)
+    if level == "quick":
+        return [
+            Step("sdc", (*sdc_common, "--repeats", "1"), label="SDC matmul hashes"),
+            Step("busbw", (*busbw_common, "--collectives", "all_reduce,all_gather",
+                           "--sizes", f"{MiB},{64 * MiB},{256 * MiB}", "--iters", "10"), 2, "NCCL bus bandwidth"),
+            Step("bandwidth", (*bw_common, "--d2d-mib", "512", "--host-mib", "128", "--reps", "3"),
+                 label="memory bandwidth"),
+        ]
+    top = 1 << 30 if level == "standard" else 4 << 30
+    return [
+        Step("sdc", (*sdc_common, "--repeats", "2" if level == "standard" else "3",
+                     *(("--selftest",) if level == "full" else ())), label="SDC matmul hashes"),
+        Step("busbw", (*busbw_common, "--min-bytes", str(MiB), "--max-bytes", str(top)), 2, "NCCL bus bandwidth"),
+        Step("bandwidth", bw_common, label="memory bandwidth"),
+    ]
+
+
+@dataclass(slots=True)
+class GpuVerdict:
+    index: int
+    uuid: str
+    name: str
+    health: Health
+    reasons: list[str]
+    findings: list[Finding]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"index": self.index, "uuid": self.uuid, "name": self.name, "health": str(self.health),
+                "action": str(worst_action(self.findings)), "reasons": self.reasons,
+                "findings": [f.to_dict() for f in self.findings]}
+
+
+@dataclass(slots=True)
+class QualifyReport:
+    node: str
+    level: str
+    health: Health
+    reasons: list[str]
+    gpus: list[GpuVerdict]
+    node_findings: list[Finding]
+    diagnostics: list[DiagOutcome]
+    collectors: dict[str, Any]
+    simulated: bool
+    wall_s: float = 0.0
+
+    @property
+    def fit(self) -> bool:
+        return self.health in (Health.HEALTHY, Health.DEGRADED)
+
+    def to_dict(self) -> dict[str, Any]:
+        all_findings = [*self.node_findings, *(f for g in self.gpus for f in g.findings)]
+        return {
+            "node": {"name": self.node, "level": self.level, "health": str(self.health), "fit": self.fit,
+                     "action": str(worst_action(all_findings)), "reasons": self.reasons,
+                     "simulated": self.simulated, "wall_s": round(self.wall_s, 2)},
+            "gpus": [g.to_dict() for g in self.gpus],
+            "findings": [f.to_dict() for f in self.node_findings],
+            "diagnostics": [_diag_summary(d) for d in self.diagnostics],
+            "collectors": self.collectors,
+        }
+
+
+def _diag_summary(d: DiagOutcome) -> dict[str, Any]:
+    out = d.to_dict()
+    out.pop("findings")  # they are listed under their GPU / the node
+    return out
+
+
+def _reason(f: Finding) -> str:
+    return f"{f.code}: {f.message}"
+
+
+def verdict(report: NodeReport, diagnostics: Sequence[DiagOutcome], level: str, wall_s: float = 0.0
+            ) -> QualifyReport:
+    """Pure: merge the collector report with the diagnostics' findings and judge."""
+    gpu_findings: dict[int, list[Finding]] = {g.identity.index: list(g.findings) for g in report.gpus}
+    by_uuid = {g.identity.uuid: g.identity.index for g in report.gpus}
+    node_findings = list(report.findings)
+    reasons: list[str] = []
+    unchecked = False
+    for d in diagnostics:
+        for f in d.findings:
+            idx = f.entity.gpu_index if f.entity.kind is EntityKind.GPU else None
+            if f.entity.kind is EntityKind.GPU and f.entity.id in by_uuid:
+                idx = by_uuid[f.entity.id]
+            if idx is not None and idx in gpu_findings:
+                gpu_findings[idx].append(f)
+            else:
+                node_findings.append(f)
+        if d.status == "skipped":
+            reasons.append(f"{d.diag} skipped: {d.reason}")
+        elif d.status in ("failed", "timeout"):
+            unchecked = True
+            reasons.append(f"{d.diag} {d.status}: {d.reason}")
+        for uuid, why in sorted(d.skipped_gpus.items()):
+            if d.status != "skipped":
+                reasons.append(f"{d.diag} left out GPU {by_uuid.get(uuid, uuid)}: {why}")
+    gpus: list[GpuVerdict] = []
+    for rep in report.gpus:
+        fs = sorted(gpu_findings[rep.identity.index], key=lambda f: (-int(f.severity), f.code))
+        gpus.append(GpuVerdict(rep.identity.index, rep.identity.uuid, rep.identity.name, health_of(fs),
+                               [_reason(f) for f in fs if f.severity >= Severity.WARNING], fs))
+    everything = [*node_findings, *(f for g in gpus for f in g.findings)]
+    health = health_of(everything)
+    if not report.gpus and not everything:
+        health = Health.UNKNOWN
+        reasons.insert(0, "no GPU found")
+    if unchecked and health is not Health.UNHEALTHY:
+        health = Health.UNKNOWN
+    failed_collectors = [r.name for r in report.runs if not r.success]
+    if failed_collectors:
+        reasons.append(f"collectors that failed: {', '.join(failed_collectors)}")
+    reasons[0:0] = [_reason(f) for f in sorted(node_findings, key=lambda f: -int(f.severity))
+                    if f.severity >= Severity.WARNING]
+    for v in gpus:
+        reasons.extend(f"GPU {v.index}: {r}" for r in v.reasons)
+    collectors = {"health": str(report.health), "backend": report.backend,
+                  "runs": [r.summary() for r in report.runs]}
+    return QualifyReport(report.node, level, health, reasons, gpus, node_findings, list(diagnostics), collectors,
+                         report.simulated, wall_s)
+
+
+def default_state_dir(config: Config) -> Path:
+    """Where budgets and locks live: configured, else under the agent's state dir, else the user cache."""
+    if config.diag.state_dir:
+        return Path(config.diag.state_dir)
+    preferred = Path(config.agent.state_dir) / "diag"
+    probe = preferred if preferred.exists() else preferred.parent
+    if probe.exists() and os.access(probe, os.W_OK):
+        return preferred
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "gpuhealth" / "diag"
+
+
+def default_golden_dir(config: Config) -> Path:
+    golden = Path(config.diag.golden_dir)
+    probe = golden if golden.exists() else golden.parent
+    if probe.exists() and os.access(probe, os.W_OK):
+        return golden
+    return default_state_dir(config) / "golden"
+
+
+def run_qualify(
+    report: NodeReport,
+    config: Config,
+    level: str,
+    runner: DiagRunner,
+    *,
+    force: bool = False,
+    progress: Callable[[str, str], None] | None = None,
+    t0: float | None = None,
+) -> QualifyReport:
+    """Run the level's diagnostics on the report's GPUs (each in a child process) and judge."""
+    start = time.monotonic() if t0 is None else t0
+    outcomes: list[DiagOutcome] = []
+    gpus = [g.identity for g in report.gpus]
+    golden = str(default_golden_dir(config))
+    for step in plan(level, config):
+        if progress:
+            progress(step.diag, f"{step.label or step.diag}…")
+        if report.simulated:
+            outcome = DiagOutcome(step.diag, "skipped", "simulated backend (a recording): no real GPU to test")
+        elif len(gpus) < step.min_gpus:
+            outcome = DiagOutcome(step.diag, "skipped", f"needs {step.min_gpus} GPUs, the node has {len(gpus)}")
+        else:
+            args = list(step.args)
+            if step.diag == "sdc":
+                args += ["--golden-dir", golden]
+            outcome = runner.run(step.diag, args, gpus=gpus, force=force, timeout_s=config.diag.timeout_s,
+                                 min_gpus=step.min_gpus)
+        outcomes.append(outcome)
+        if progress:
+            progress(step.diag, f"{step.label or step.diag}: {outcome.status}")
+    return verdict(report, outcomes, level, time.monotonic() - start)
+
+
+__all__ = ["LEVELS", "GpuVerdict", "QualifyReport", "Step", "default_golden_dir", "default_state_dir", "plan",
+           "run_qualify", "verdict"]

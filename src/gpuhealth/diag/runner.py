@@ -1,0 +1,273 @@
+"""Run a diagnostic as a child process under a per-GPU GPU-time budget and a per-GPU lock.
+
+The agent and the CLI never import torch: they call ``DiagRunner.run``, which
+
+1. drops GPUs that run user processes (NVML ``ComputeRunningProcesses``) unless forced,
+2. drops GPUs whose GPU-time budget (``diag.gpu_seconds_per_hour``, a sliding hour) cannot pay
+   for the run's estimate,
+3. takes a non-blocking file lock per GPU (two diagnostics never share a GPU, across processes),
+4. starts ``python -m gpuhealth.diag …`` with a timeout (its whole process group is killed past it),
+5. reads the one JSON document it prints and charges each GPU the GPU-seconds it reports
+   (the wall time, when the child died before saying).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+from gpuhealth.backends.base import NvmlBackend
+from gpuhealth.backends.errors import NvmlError
+from gpuhealth.collectors.base import GpuIdentity
+from gpuhealth.config import DiagConfig
+from gpuhealth.model import Finding
+
+WINDOW_S = 3600.0
+# GPU-seconds a run is expected to cost per GPU before one has been measured on this node.
+DEFAULT_ESTIMATE_S = {"sdc": 1.0, "busbw": 20.0, "bandwidth": 2.0, "probe": 0.0}
+
+
+@dataclass(slots=True)
+class DiagOutcome:
+    diag: str
+    status: str  # ok | failed | skipped | timeout
+    reason: str = ""
+    findings: list[Finding] = field(default_factory=list)
+    result: dict[str, Any] = field(default_factory=dict)
+    gpu_seconds: dict[str, float] = field(default_factory=dict)
+    skipped_gpus: dict[str, str] = field(default_factory=dict)  # uuid → why it was left out
+    gpus: list[str] = field(default_factory=list)  # uuids it ran on
+    wall_s: float = 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"diag": self.diag, "status": self.status, "reason": self.reason,
+                "findings": [f.to_dict() for f in self.findings], "result": self.result,
+                "gpu_seconds": self.gpu_seconds, "skipped_gpus": self.skipped_gpus, "gpus": self.gpus,
+                "wall_s": round(self.wall_s, 3)}
+
+
+class GpuBudget:
+    """GPU-seconds spent per GPU in the last hour, persisted in one JSON file (survives restarts)."""
+
+    def __init__(self, path: str | Path, per_hour: float, clock: Callable[[], float] = time.time) -> None:
+        self.path = Path(path)
+        self.per_hour = per_hour
+        self.clock = clock
+
+    def _load(self) -> dict[str, Any]:
+        try:
+            data = json.loads(self.path.read_text())
+        except (OSError, json.JSONDecodeError):
+            return {"spent": {}, "last": {}}
+        if not isinstance(data, dict):
+            return {"spent": {}, "last": {}}
+        data.setdefault("spent", {})
+        data.setdefault("last", {})
+        return data
+
+    def _save(self, data: Mapping[str, Any]) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(data))
+        os.replace(tmp, self.path)
+
+    def spent(self, uuid: str) -> float:
+        now = self.clock()
+        return sum(s for t, s in self._load()["spent"].get(uuid, []) if now - t < WINDOW_S)
+
+    def remaining(self, uuid: str) -> float:
+        return max(0.0, self.per_hour - self.spent(uuid))
+
+    def estimate(self, diag: str, uuid: str) -> float:
+        last = self._load()["last"].get(diag, {}).get(uuid)
+        return float(last) if last is not None else DEFAULT_ESTIMATE_S.get(diag, 1.0)
+
+    def charge(self, diag: str, uuid: str, seconds: float) -> None:
+        now = self.clock()
+        data = self._load()
+        entries = [e for e in data["spent"].get(uuid, []) if now - e[0] < WINDOW_S]
+        entries.append([now, float(seconds)])
+        data["spent"][uuid] = entries
+        data["last"].setdefault(diag, {})[uuid] = float(seconds)
+        self._save(data)
+
+
+class GpuLocks:
+    """One lock file per GPU; ``flock`` so a crashed holder never leaves a stale lock."""
+
+    def __init__(self, directory: str | Path) -> None:
+        self.directory = Path(directory)
+
+    @contextlib.contextmanager
+    def hold(self, uuids: Sequence[str]) -> Iterator[tuple[list[str], list[str]]]:
+        """Yields (locked by us, held by someone else). Releases on exit."""
+        self.directory.mkdir(parents=True, exist_ok=True)
+        mine: list[tuple[str, IO[str]]] = []
+        busy: list[str] = []
+        try:
+            for uuid in uuids:
+                fh: IO[str] = open(self.directory / f"gpu-{uuid}.lock", "a+")  # noqa: SIM115 (held until exit)
+                try:
+                    fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    fh.close()
+                    busy.append(uuid)
+                    continue
+                fh.seek(0)
+                fh.truncate()
+                fh.write(f"{os.getpid()}\n")
+                fh.flush()
+                mine.append((uuid, fh))
+            yield [u for u, _ in mine], busy
+        finally:
+            for _, fh in mine:
+                fcntl.flock(fh, fcntl.LOCK_UN)
+                fh.close()
+
+
+def user_processes(backend: NvmlBackend, index: int) -> list[int] | None:
+    """PIDs computing on the GPU (None when NVML cannot say)."""
+    try:
+        procs = backend.query(index, "ComputeRunningProcesses")
+    except NvmlError:
+        return None
+    pids = []
+    for p in procs or []:
+        pid = p.get("pid") if isinstance(p, Mapping) else getattr(p, "pid", None)
+        if pid is not None:
+            pids.append(int(pid))
+    return [p for p in pids if p != os.getpid()]
+
+
+class DiagRunner:
+    def __init__(
+        self,
+        config: DiagConfig,
+        *,
+        state_dir: str | Path,
+        backend: NvmlBackend | None = None,
+        python: str | None = None,
+        clock: Callable[[], float] = time.time,
+        env: Mapping[str, str] | None = None,
+    ) -> None:
+        self.config = config
+        self.backend = backend
+        self.python = python or sys.executable
+        self.budget = GpuBudget(Path(state_dir) / "diag-budget.json", config.gpu_seconds_per_hour, clock)
+        self.locks = GpuLocks(Path(state_dir) / "locks")
+        self.env = dict(os.environ if env is None else env)
+
+    def select(self, diag: str, gpus: Sequence[GpuIdentity], force: bool) -> tuple[list[GpuIdentity], dict[str, str]]:
+        """GPUs this run may use, and why the others are left out."""
+        chosen: list[GpuIdentity] = []
+        skipped: dict[str, str] = {}
+        for g in gpus:
+            if not (force or self.config.run_on_busy_gpus) and self.backend is not None:
+                pids = user_processes(self.backend, g.index)
+                if pids:
+                    skipped[g.uuid] = f"user processes on the GPU (pids {pids[:5]}); use --force to test anyway"
+                    continue
+            need = self.budget.estimate(diag, g.uuid)
+            left = self.budget.remaining(g.uuid)
+            if not force and need > left:
+                skipped[g.uuid] = (f"GPU-time budget: {left:.1f} s left of {self.config.gpu_seconds_per_hour:g} s/h, "
+                                   f"the run needs ~{need:.1f} s")
+                continue
+            chosen.append(g)
+        return chosen, skipped
+
+    def run(
+        self,
+        diag: str,
+        args: Sequence[str] = (),
+        *,
+        gpus: Sequence[GpuIdentity] | None = None,
+        force: bool = False,
+        timeout_s: float = 300.0,
+        min_gpus: int = 1,
+    ) -> DiagOutcome:
+        """``gpus`` None: a CPU run (no lock, no budget). Otherwise the child gets ``--device
+        cuda:i,…`` (CUDA enumerated in PCI order, as NVML does) or, for busbw, CUDA_VISIBLE_DEVICES."""
+        t0 = time.monotonic()
+        if gpus is None:
+            return self._spawn(diag, list(args), [], {}, timeout_s, t0)
+        chosen, skipped = self.select(diag, gpus, force)
+        with self.locks.hold([g.uuid for g in chosen]) as (locked, busy):
+            for uuid in busy:
+                skipped[uuid] = "another diagnostic holds this GPU's lock"
+            run_on = [g for g in chosen if g.uuid in locked]
+            if len(run_on) < max(1, min_gpus):
+                why = "; ".join(sorted(set(skipped.values()))) or "no GPU to run on"
+                return DiagOutcome(diag, "skipped", f"{len(run_on)} GPU(s) available, needs {max(1, min_gpus)}: {why}",
+                                   skipped_gpus=skipped, wall_s=time.monotonic() - t0)
+            env = {"CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
+            if diag == "busbw":
+                env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g.index) for g in run_on)
+                extra = ["--world", str(len(run_on))]
+            else:
+                extra = ["--device", ",".join(f"cuda:{g.index}" for g in run_on)]
+            outcome = self._spawn(diag, [*args, *extra], run_on, env, timeout_s, t0)
+            outcome.skipped_gpus.update(skipped)
+            return outcome
+
+    def _spawn(self, diag: str, args: list[str], gpus: Sequence[GpuIdentity], env_extra: Mapping[str, str],
+               timeout_s: float, t0: float) -> DiagOutcome:
+        cmd = [self.python, "-m", "gpuhealth.diag", diag, *args]
+        env = {**self.env, **env_extra}
+        uuids = [g.uuid for g in gpus]
+        try:
+            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                                    start_new_session=True)
+        except OSError as exc:
+            return DiagOutcome(diag, "failed", f"cannot start {self.python}: {exc}", wall_s=time.monotonic() - t0)
+        try:
+            out, err = proc.communicate(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)  # the child and any ranks it started
+            proc.communicate()
+            wall = time.monotonic() - t0
+            for u in uuids:
+                self.budget.charge(diag, u, wall)
+            return DiagOutcome(diag, "timeout", f"no result within {timeout_s:.0f} s (killed)", gpus=uuids,
+                               gpu_seconds={u: wall for u in uuids}, wall_s=wall)
+        wall = time.monotonic() - t0
+        doc = _last_json(out)
+        if doc is None:
+            for u in uuids:
+                self.budget.charge(diag, u, wall)
+            tail = (err or "").strip().splitlines()[-3:]
+            return DiagOutcome(diag, "failed", f"child exited {proc.returncode} without a result: {' | '.join(tail)}",
+                               gpus=uuids, wall_s=wall)
+        gpu_seconds = {str(k): float(v) for k, v in (doc.get("gpu_seconds") or {}).items()}
+        for u in uuids:
+            self.budget.charge(diag, u, gpu_seconds.get(u, wall))
+        findings = []
+        for f in doc.get("findings") or []:
+            with contextlib.suppress(KeyError, ValueError):
+                findings.append(Finding.from_dict(f))
+        return DiagOutcome(diag, str(doc.get("status", "failed")), str(doc.get("reason", "")), findings,
+                           dict(doc.get("result") or {}), gpu_seconds, gpus=uuids, wall_s=wall)
+
+
+def _last_json(text: str) -> dict[str, Any] | None:
+    for line in reversed((text or "").strip().splitlines()):
+        line = line.strip()
+        if line.startswith("{"):
+            try:
+                doc = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if isinstance(doc, dict):
+                return doc
+    return None
