@@ -1,0 +1,120 @@
+"""NVLink state and error rates (batched field values), NVSwitch fabric state."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from collector_kit import Sweeper, by_code, context, inline, problems, recording, sample_values, scenario
+
+from gpuhealth.collectors import nvlink
+from gpuhealth.config import Config
+from gpuhealth.model import Action, EntityKind, Severity
+
+
+def test_h200_all_18_links_up_is_healthy(clock):
+    s = Sweeper(nvlink.create(), recording("nvml_h200x2.json", clock), clock)
+    assert s.sweep() == []
+    assert s.after(60) == []
+    rec = s.last_obs.per_gpu[0]
+    assert rec["link_count"] == 18 and rec["nvswitch_links"] == 18
+    assert len(rec["link_states"]) == 18 and set(rec["link_states"].values()) == {1}
+    assert sample_values(s.last_samples, "gpu_nvlink_links", 0, which="active") == [18.0]
+    assert sample_values(s.last_samples, "gpu_nvlink_state", 1, link="17") == [1.0]
+    assert sample_values(s.last_samples, "gpu_nvlink_errors", 0, link="4", counter="crc") == [0.0]
+
+
+def test_h100_without_nvlink_is_not_18_links_down(clock):
+    s = Sweeper(nvlink.create(), recording("nvml_h100x1.json", clock), clock)
+    assert s.sweep() == []
+    assert s.last_obs.per_gpu[0]["link_states"] == {}
+    assert s.last_obs.errors == []  # every NVLink answer was "Not Supported": normal
+    assert not [x for x in s.last_samples if x.name == "gpu_nvlink_state"]
+
+
+def test_h100_when_config_expects_links_is_reported(clock):
+    cfg = Config()
+    cfg.collectors.expected_nvlinks = 18
+    (f,) = Sweeper(nvlink.create(), recording("nvml_h100x1.json", clock), clock, config=cfg).sweep()
+    assert (f.code, f.severity, f.entity.kind) == ("nvlink.link_down", Severity.CRITICAL, EntityKind.GPU)
+    assert f.evidence == {"expected": 18, "up": 0}
+
+
+def test_one_link_down_on_an_18_link_gpu(clock):
+    b = scenario("nvlink_down.yaml", clock)
+    s = Sweeper(nvlink.create(), b, clock)
+    (f,) = problems(s.sweep())
+    assert (f.code, f.severity, f.action) == ("nvlink.link_down", Severity.CRITICAL, Action.REBOOT)
+    assert f.entity.kind is EntityKind.LINK and f.entity.id == f"{b.query(0, 'UUID')}/nvlink/5"
+    assert f.entity.gpu_index == 0
+    assert f.evidence == {"link": 5, "state": 0, "expected": 18, "up": 17}
+    assert sample_values(s.last_samples, "gpu_nvlink_links", 0, which="active") == [17.0]
+    assert sample_values(s.last_samples, "gpu_nvlink_state", 0, link="5") == [0.0]
+
+
+def test_counters_are_read_in_one_batch_per_gpu(clock):
+    b = recording("nvml_h200x2.json", clock)
+    batches: list[int] = []
+    singles: list[str] = []
+
+    class Counting:
+        def __getattr__(self, name: str) -> Any:
+            return getattr(b, name)
+
+        def field_values(self, index: int, requests: list[tuple[str, int]]) -> list[Any]:
+            batches.append(len(requests))
+            return b.field_values(index, requests)
+
+        def nvlink(self, index: int, link: int, key: str) -> Any:
+            singles.append(key)
+            return b.nvlink(index, link, key)
+
+    nvlink.create().collect(context(Counting(), clock))
+    assert singles == []  # never the ~1 ms-per-call per-link getters
+    assert batches == [2, 72, 2, 72]  # per GPU: link count, then 18 links × (state + 3 counters)
+
+
+def test_crc_growth_warns_then_critical_at_100_per_second_and_replay_is_critical(clock):
+    b = scenario("nvlink_crc_ramp.yaml", clock)
+    s = Sweeper(nvlink.create(), b, clock)
+    assert s.sweep() == []
+    found = {x.entity.id.rsplit("/", 1)[1]: x for x in s.after(20)}
+    uuid = b.query(1, "UUID")
+    assert set(found) == {"3", "7"}
+    crc, replay = found["3"], found["7"]
+    assert crc.entity.id == f"{uuid}/nvlink/3" and crc.entity.gpu_index == 1
+    assert (crc.code, crc.severity, crc.action) == ("nvlink.errors", Severity.WARNING, Action.MONITOR)
+    assert crc.evidence["crc_increase"] == 100 and crc.evidence["crc_per_second"] == pytest.approx(5.0)
+    assert (replay.severity, replay.action, replay.evidence["replay_increase"]) == (Severity.CRITICAL,
+                                                                                    Action.DRAIN, 2)
+    (crc2,) = [x for x in s.after(20) if x.entity.id.endswith("/nvlink/3")]
+    assert crc2.severity is Severity.CRITICAL  # 10100 in 40 s ≈ 252/s ≥ 100/s
+    assert crc2.evidence["crc_per_second"] == pytest.approx(252.5)
+
+
+def test_error_counters_that_do_not_move_are_quiet(clock):
+    # The H200 recording has non-zero (old) CRC data/ECC counts; only growth matters.
+    s = Sweeper(nvlink.create(), recording("nvml_h200x2.json", clock), clock)
+    s.sweep()
+    assert by_code(s.after(600), "nvlink.errors") == []
+
+
+def test_fabric_completed_with_error_is_critical(clock):
+    b = scenario("fabric_degraded.yaml", clock)
+    (f,) = problems(Sweeper(nvlink.create(), b, clock).sweep())
+    assert (f.code, f.severity, f.entity.gpu_index) == ("fabric.degraded", Severity.CRITICAL, 0)
+    assert f.evidence["state"] == "completed" and f.evidence["status"] == 999
+
+
+@pytest.mark.parametrize(("state", "severity"), [(1, Severity.CRITICAL), (2, Severity.WARNING)])
+def test_fabric_not_finished(clock, state, severity):
+    b = inline(clock, {"1": {"GpuFabricInfo": {"state": state, "status": 0, "cliqueId": 0}}})
+    (f,) = problems(Sweeper(nvlink.create(), b, clock).sweep())
+    assert (f.code, f.severity, f.entity.gpu_index) == ("fabric.degraded", severity, 1)
+
+
+def test_fabric_healthy_and_not_supported_are_quiet(clock):
+    b = inline(clock, {"0": {"GpuFabricInfo": {"state": 3, "status": 0, "cliqueId": 1}}})
+    assert Sweeper(nvlink.create(), b, clock).sweep() == []
+    h100 = recording("nvml_h100x1.json", clock)  # state NOT_SUPPORTED
+    assert Sweeper(nvlink.create(), h100, clock).sweep() == []

@@ -1,0 +1,88 @@
+"""Temperatures against the GPU's own limits; power/energy/clocks/utilization/memory samples."""
+
+from __future__ import annotations
+
+import pytest
+from collector_kit import Sweeper, by_code, context, inline, problems, recording, sample_values, scenario
+
+from gpuhealth.catalog.thresholds import parse_thresholds
+from gpuhealth.collectors import telemetry
+from gpuhealth.model import Action, MetricKind, Severity
+
+
+@pytest.mark.parametrize("rec", ["nvml_h200x2.json", "nvml_h100x1.json"])
+def test_real_recordings_are_healthy(clock, rec):
+    s = Sweeper(telemetry.create(), recording(rec, clock), clock)
+    assert s.sweep() == []
+    assert s.last_obs.errors == []
+
+
+def test_samples_are_in_base_units(clock):
+    s = Sweeper(telemetry.create(), recording("nvml_h200x2.json", clock), clock)
+    s.sweep()
+    smp = s.last_samples
+    assert sample_values(smp, "gpu_temperature_celsius", 0, sensor="gpu") == [36.0]
+    assert sample_values(smp, "gpu_temperature_celsius", 0, sensor="memory") == [39.0]
+    assert sample_values(smp, "gpu_power_watts", 0) == [pytest.approx(80.307)]  # recorded 80307 mW
+    assert sample_values(smp, "gpu_power_limit_watts", 0) == [pytest.approx(700.0)]
+    assert sample_values(smp, "gpu_energy_joules", 0) == [pytest.approx(3199.312)]  # 3199312 mJ
+    assert sample_values(smp, "gpu_clock_hertz", 0, clock="sm") == [345e6]
+    assert sample_values(smp, "gpu_clock_max_hertz", 0, clock="sm") == [1980e6]
+    assert sample_values(smp, "gpu_utilization_ratio", 0) == [0.0]
+    assert sample_values(smp, "gpu_memory_used_bytes", 0) == [644939776.0]
+    assert sample_values(smp, "gpu_temperature_threshold_celsius", 0, threshold="slowdown") == [89.0]
+    energy = [x for x in smp if x.name == "gpu_energy_joules"]
+    assert all(x.kind is MetricKind.COUNTER for x in energy)
+    assert {x.gpu for x in smp} == {0, 1}
+
+
+def test_hot_gpu_warning_then_critical_against_its_own_limits(clock):
+    b = scenario("hot_gpu.yaml", clock)
+    f = Sweeper(telemetry.create(), b, clock).sweep()
+    gpu = {x.entity.gpu_index: x for x in by_code(f, "thermal.gpu_temp")}
+    assert (gpu[0].severity, gpu[0].action) == (Severity.WARNING, Action.MONITOR)  # 88 ≥ GPU max 87
+    assert (gpu[1].severity, gpu[1].action) == (Severity.CRITICAL, Action.DRAIN)  # 92 ≥ slowdown 89
+    assert gpu[1].evidence["critical_c"] == 89 and gpu[0].evidence["warning_c"] == 87
+    (mem,) = by_code(f, "thermal.memory_temp")
+    assert (mem.severity, mem.entity.gpu_index) == (Severity.CRITICAL, 1)  # 96 ≥ HBM max 95
+    assert mem.entity.id == b.query(1, "UUID")
+
+
+def test_memory_temperature_warning_margin(clock):
+    b = inline(clock, {"0": {"field_values": {"NVML_FI_DEV_MEMORY_TEMP": 91}}})
+    (mem,) = problems(Sweeper(telemetry.create(), b, clock).sweep())
+    assert (mem.code, mem.severity) == ("thermal.memory_temp", Severity.WARNING)
+
+
+def test_fallback_limits_when_the_gpu_does_not_report_its_own(clock):
+    unsupported = {"error": "Not Supported", "code": 3}
+    over = {k: unsupported for k in ("TemperatureThreshold_SLOWDOWN", "TemperatureThreshold_GPU_MAX")}
+    b = inline(clock, {"0": {**over, "Temperature_GPU": 86}})
+    (warn,) = problems(Sweeper(telemetry.create(), b, clock).sweep())
+    assert warn.severity is Severity.WARNING and warn.evidence["warning_c"] == 85
+    th = parse_thresholds({"thermal": {"gpu_warning_c_fallback": 90, "gpu_critical_c_fallback": 95}})
+    b2 = inline(clock, {"0": {**over, "Temperature_GPU": 86}})
+    assert problems(Sweeper(telemetry.create(), b2, clock, extras={"thresholds": th}).sweep()) == []
+
+
+def test_static_limits_are_read_once_per_gpu(clock):
+    b = recording("nvml_h200x2.json", clock)
+    c = telemetry.TelemetryCollector()
+    calls: list[str] = []
+
+    class Counting:
+        """Wraps the fake backend and counts the slow static reads (no patching)."""
+
+        def __getattr__(self, name: str):
+            return getattr(b, name)
+
+        def query(self, index: int, key: str):
+            calls.append(key)
+            return b.query(index, key)
+
+    wrapped = Counting()
+    for _ in range(3):
+        ctx = context(wrapped, clock)
+        c.collect(ctx)
+    assert calls.count("TemperatureThreshold_SHUTDOWN") == 2  # once per GPU, not per sweep
+    assert calls.count("Temperature_GPU") == 6

@@ -1,0 +1,80 @@
+"""Clock-event reasons and violation counters."""
+
+from __future__ import annotations
+
+import pytest
+from collector_kit import Sweeper, inline, problems, recording, sample_values, scenario
+
+from gpuhealth.collectors import throttle
+from gpuhealth.model import Action, EntityKind, Severity
+
+
+@pytest.mark.parametrize("rec", ["nvml_h200x2.json", "nvml_h100x1.json"])
+def test_real_recordings_idle_reason_is_healthy(clock, rec):
+    s = Sweeper(throttle.create(), recording(rec, clock), clock)
+    assert s.sweep() == []
+    assert s.after(60) == []
+    assert s.last_obs.per_gpu[0]["reasons"] == 1  # GPU idle
+    assert sample_values(s.last_samples, "gpu_throttle_reason_active", 0, reason="gpu_idle") == [1.0]
+    assert sample_values(s.last_samples, "gpu_throttle_reason_active", 0, reason="hw_slowdown") == [0.0]
+    # The low-utilization violation counter is recorded as seconds (counter).
+    (low,) = sample_values(s.last_samples, "gpu_throttle_violation_seconds", 0, reason="low_utilization")
+    assert low > 1.0
+
+
+def test_decode_and_problem_reasons():
+    assert [r.name for r in throttle.decode(0x1 | 0x2 | 0x100)] == ["gpu_idle", "applications_clocks",
+                                                                     "display_clocks"]
+    assert throttle.problem_reasons(0x1 | 0x2 | 0x10 | 0x100) == []
+    assert [r.name for r in throttle.problem_reasons(0x8)] == ["hw_slowdown"]
+    # HW slowdown is the umbrella bit: fold it into the specific reason.
+    assert [r.name for r in throttle.problem_reasons(0x8 | 0x40)] == ["hw_thermal"]
+    assert [r.name for r in throttle.problem_reasons(0x8 | 0x80 | 0x20)] == ["sw_thermal", "hw_power_brake"]
+
+
+def test_hw_slowdown_is_a_warning_on_that_gpu(clock):
+    b = scenario("hw_slowdown.yaml", clock)
+    f = Sweeper(throttle.create(), b, clock).sweep()
+    (hw,) = problems(f)
+    assert (hw.code, hw.severity, hw.action) == ("throttle.hw_slowdown", Severity.WARNING, Action.MONITOR)
+    assert hw.entity.kind is EntityKind.GPU and hw.entity.gpu_index == 1
+    assert hw.entity.id == b.query(1, "UUID")
+    assert hw.evidence["reasons"] == ["hw_slowdown"]
+
+
+def test_power_brake_named_once_and_sustained_means_drain(clock):
+    b = scenario("hw_power_brake.yaml", clock)
+    s = Sweeper(throttle.create(), b, clock)
+    (first,) = problems(s.sweep())
+    assert (first.code, first.action, first.evidence["sustained"]) == ("throttle.hw_power_brake", Action.DRAIN,
+                                                                        False)
+    (later,) = problems(s.after(30))  # counter grew 15 s in 30 s: 50 % of wall time
+    assert later.code == "throttle.hw_power_brake" and later.evidence["sustained"] is True
+    assert later.evidence["violation_share"] == pytest.approx(0.5)
+
+
+def test_sw_power_cap_is_info_only(clock):
+    b = inline(clock, {"0": {"CurrentClocksEventReasons": 0x4}})
+    f = Sweeper(throttle.create(), b, clock).sweep()
+    assert problems(f) == []
+    assert [(x.code, x.severity) for x in f] == [("throttle.sw_power_cap", Severity.INFO)]
+
+
+def test_thermal_throttling_between_polls_found_from_counter(clock):
+    b = inline(clock, events=[{"at": 30, "type": "set", "gpu": 0, "key": "field_values",
+                               "value": {"NVML_FI_DEV_CLOCKS_EVENT_REASON_HW_THERM_SLOWDOWN": 3_000_000_000}}])
+    s = Sweeper(throttle.create(), b, clock)
+    assert s.sweep() == []
+    (f,) = problems(s.after(30))  # bit clear now, but 3 s of HW thermal slowdown in the last 30 s
+    assert f.code == "throttle.hw_thermal" and f.entity.gpu_index == 0
+    assert "between polls" in f.message
+    assert f.evidence["violation_share"] == pytest.approx(0.1) and f.evidence["sustained"] is False
+
+
+def test_older_driver_without_event_reasons_uses_throttle_reasons(clock):
+    b = inline(clock, {"0": {"CurrentClocksEventReasons": {"error": "Function Not Found", "code": 13},
+                             "CurrentClocksThrottleReasons": 0x40}})
+    s = Sweeper(throttle.create(), b, clock)
+    (f,) = problems(s.sweep())
+    assert f.code == "throttle.hw_thermal"
+    assert s.last_obs.errors == []  # "Function Not Found" is unsupported, not an error
