@@ -342,11 +342,12 @@ class RankHub:
             self._drop(conn)
             return
         before = conn.buffer.malformed
-        for message in conn.buffer.feed(data):
-            self._on_message(conn, message)
+        messages = list(conn.buffer.feed(data))
         if conn.buffer.malformed != before:
             with self._lock:
                 self._stats["malformed"] += conn.buffer.malformed - before
+        for message in messages:
+            self._on_message(conn, message)
 
     def _on_message(self, conn: _Conn, msg: Mapping[str, Any]) -> None:
         kind = msg["type"]

@@ -208,9 +208,10 @@ class AgentLink:
             self._disconnect()
             return
         before = self._buffer.malformed
-        for message in self._buffer.feed(data):
-            self._on_message(message)
+        messages = list(self._buffer.feed(data))
         self.stats.malformed += self._buffer.malformed - before
+        for message in messages:
+            self._on_message(message)
 
     def _on_message(self, message: Mapping[str, Any]) -> None:
         if self._handler is None:

@@ -96,8 +96,9 @@ class EventSpan:
 
 @dataclass(slots=True)
 class WorkSpan:
-    """NCCL's own timing of one collective (``TORCH_NCCL_ENABLE_TIMING=1``): ``Work.get_duration()``
-    in ms, valid once ``Work.is_completed()``."""
+    """NCCL's own timing of one collective (``TORCH_NCCL_ENABLE_TIMING=1``): ``Work._get_duration()``
+    (``get_duration`` in some builds) in ms, valid once ``Work.is_completed()``. Backends without
+    timing raise; the timer then reports the step without a split."""
 
     work: Any
 
@@ -105,7 +106,8 @@ class WorkSpan:
         return bool(self.work.is_completed())
 
     def seconds(self) -> float:
-        return float(self.work.get_duration()) / 1000.0
+        getter = getattr(self.work, "_get_duration", None) or self.work.get_duration
+        return float(getter()) / 1000.0
 
     def wait(self) -> None:
         self.work.wait()
@@ -186,6 +188,7 @@ class LazyEventTimer:
         self._open_begin: TimingEvent | None = None
         self._max_pending = max_pending
         self.dropped = 0
+        self.span_errors = 0  # collective spans whose timing could not be read
 
     def _event(self) -> TimingEvent:
         return self._pool.pop() if self._pool else self._new_event()
@@ -245,11 +248,14 @@ class LazyEventTimer:
     def _ready(p: _PendingStep) -> bool:
         return p.end is not None and p.end.query() and all(s.ready() for s in p.spans)
 
-    @staticmethod
-    def _resolve(p: _PendingStep) -> StepTiming:
+    def _resolve(self, p: _PendingStep) -> StepTiming:
         assert p.end is not None
         wall = p.start.elapsed_time(p.end) / 1000.0
-        comm = min(sum(s.seconds() for s in p.spans), wall)
+        try:
+            comm = min(sum(s.seconds() for s in p.spans), wall)
+        except Exception:  # e.g. a Work without timing: keep the wall time, say the split is unknown
+            self.span_errors += 1
+            return StepTiming(p.step, p.start_time, wall, None, None)
         return StepTiming(p.step, p.start_time, wall, wall - comm, comm)
 
     def poll(self) -> list[StepTiming]:

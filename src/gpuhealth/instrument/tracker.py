@@ -128,7 +128,8 @@ class Tracker:
         self._timer: StepTimer = timer or (self._cuda_timer() if use_cuda else HostTimer())
         if nccl_timing is None:
             nccl_timing = use_cuda and env.get("TORCH_NCCL_ENABLE_TIMING") == "1"
-        self.nccl_timing = nccl_timing
+        # On the host clock a collective's wait is already measured directly.
+        self.nccl_timing = bool(nccl_timing) and not isinstance(self._timer, HostTimer)
         jsonl = str(path) if path is not None else (env.get(JSONL_ENV) or None)
         sock = default_socket_path(env) if socket_path is None else (socket_path or None)
         self._link = AgentLink(
@@ -246,8 +247,13 @@ class Tracker:
                 self._timer.end_step()
             for timing in self._timer.poll():
                 self._submit(timing)
+            if self.nccl_timing and self._span_errors() > 0:
+                self.nccl_timing = False  # this backend gives no timing: bracket with events instead
         except Exception:  # the hook must never break the training loop
             self._errors += 1
+
+    def _span_errors(self) -> int:
+        return int(getattr(self._timer, "span_errors", 0))
 
     def _submit(self, t: StepTiming) -> None:
         ident = self.identity
@@ -255,13 +261,13 @@ class Tracker:
                                      t.comm_wait_s))
 
     def _wrapper(self, name: str, original: Callable[..., Any]) -> Callable[..., Any]:
-        use_work_timing = self.nccl_timing and name in _ASYNC_CAPABLE
+        async_capable = name in _ASYNC_CAPABLE
 
         @functools.wraps(original)
         def wrapped(*args: Any, **kwargs: Any) -> Any:
             if not self._in_step or self._coll_depth:
                 return original(*args, **kwargs)
-            if use_work_timing and not kwargs.get("async_op", False):
+            if self.nccl_timing and async_capable and not kwargs.get("async_op", False):
                 kwargs["async_op"] = True
                 self._coll_depth += 1
                 try:

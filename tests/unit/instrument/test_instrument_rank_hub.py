@@ -1,0 +1,288 @@
+"""RankHub over real unix sockets, with scripted ranks speaking the protocol byte by byte."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+import stat
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from gpuhealth.agent.ranks import RankHub, RankHubError, RankNotConnectedError, RankRequestError
+from gpuhealth.instrument import protocol
+from gpuhealth.model import RankIdentity, StepRecord
+
+
+def ident(rank: int, job: str = "j1") -> RankIdentity:
+    return RankIdentity(job, rank, 4, "node-a", 1000 + rank)
+
+
+def rec(rank: int, step: int, job: str = "j1") -> StepRecord:
+    return StepRecord(job, rank, step, 1.7e9 + step, 0.1, 0.08, 0.02)
+
+
+class ScriptedRank:
+    """A fake rank process: sends what it is told, answers requests with ``answer(msg)``."""
+
+    def __init__(self, path: Path, answer: Callable[[dict[str, Any]], dict[str, Any] | None] | None = None) -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.connect(str(path))
+        self.answer = answer
+        self.received: list[dict[str, Any]] = []
+        self._thread = threading.Thread(target=self._read, daemon=True)
+        self._thread.start()
+
+    def send(self, data: bytes | dict[str, Any]) -> None:
+        self.sock.sendall(data if isinstance(data, bytes) else protocol.encode(data))
+
+    def _read(self) -> None:
+        buf = protocol.LineBuffer()
+        while True:
+            try:
+                data = self.sock.recv(65536)
+            except OSError:
+                return
+            if not data:
+                return
+            for msg in buf.feed(data):
+                self.received.append(msg)
+                if self.answer is not None:
+                    reply = self.answer(msg)
+                    if reply is not None:
+                        self.send(reply)
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):  # wakes our reader thread and sends the FIN
+            self.sock.shutdown(socket.SHUT_RDWR)
+        self.sock.close()
+
+
+@pytest.fixture
+def sock_path() -> Iterator[Path]:
+    with tempfile.TemporaryDirectory(prefix="gh-hub-") as d:
+        yield Path(d) / "sub" / "agent.sock"
+
+
+@pytest.fixture
+def hub(sock_path: Path) -> Iterator[RankHub]:
+    h = RankHub(sock_path)
+    h.start(object())
+    yield h
+    h.stop()
+
+
+def until(cond: Callable[[], bool], timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return
+        time.sleep(0.01)
+    raise AssertionError("condition not met in time")
+
+
+def test_start_creates_the_socket_with_its_mode_and_stop_removes_it(sock_path: Path) -> None:
+    hub = RankHub(sock_path, mode=0o660)
+    assert hub.name == "ranks"
+    hub.start(None)
+    try:
+        st = sock_path.stat()
+        assert stat.S_ISSOCK(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o660
+    finally:
+        hub.stop()
+    assert not sock_path.exists()
+    hub.stop()  # idempotent
+
+
+def test_stale_socket_is_replaced(sock_path: Path) -> None:
+    sock_path.parent.mkdir(parents=True)
+    dead = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    dead.bind(str(sock_path))
+    dead.close()  # the file stays, nobody listens: what a crashed agent leaves
+    hub = RankHub(sock_path)
+    hub.start()
+    try:
+        r = ScriptedRank(sock_path)
+        r.send(protocol.hello(ident(0)))
+        until(lambda: len(hub.ranks()) == 1)
+        r.close()
+    finally:
+        hub.stop()
+
+
+def test_refuses_a_live_socket_a_regular_file_and_a_too_long_path(hub: RankHub, sock_path: Path) -> None:
+    with pytest.raises(RankHubError, match="already listening"):
+        RankHub(sock_path).start()
+    assert hub.ranks() == []  # the live hub is untouched
+    other = sock_path.parent / "file.sock"
+    other.write_text("precious")
+    with pytest.raises(RankHubError, match="not a socket"):
+        RankHub(other).start()
+    assert other.read_text() == "precious"
+    with pytest.raises(RankHubError, match="longer than"):
+        RankHub(sock_path.parent / ("x" * 120)).start()
+
+
+def test_identities_steps_and_listeners(hub: RankHub, sock_path: Path) -> None:
+    got_ids: list[RankIdentity] = []
+    got_steps: list[tuple[RankIdentity | None, list[StepRecord]]] = []
+    gone: list[RankIdentity] = []
+    hub.add_listener(on_identity=got_ids.append, on_steps=lambda i, rs: got_steps.append((i, rs)),
+                     on_disconnect=gone.append)
+    ranks = [ScriptedRank(sock_path) for _ in range(3)]
+    for n, r in enumerate(ranks):
+        r.send(protocol.hello(ident(n, job="j1" if n < 2 else "j2")))
+    until(lambda: len(hub.ranks()) == 3)
+    assert [(i.job_id, i.rank) for i in hub.ranks()] == [("j1", 0), ("j1", 1), ("j2", 2)]
+    assert [i.rank for i in hub.ranks("j1")] == [0, 1]
+    ranks[1].send(protocol.steps([rec(1, 0), rec(1, 1)]))
+    until(lambda: len(got_steps) == 1)
+    assert got_steps[0] == (ident(1), [rec(1, 0), rec(1, 1)])
+    ranks[1].close()
+    until(lambda: len(gone) == 1)
+    assert gone == [ident(1)] and [i.rank for i in hub.ranks("j1")] == [0]
+    assert sorted(i.rank for i in got_ids) == [0, 1, 2]
+    for r in ranks:
+        r.close()
+
+
+def test_garbage_is_counted_and_never_stops_the_hub(hub: RankHub, sock_path: Path) -> None:
+    got: list[StepRecord] = []
+    hub.add_listener(on_steps=lambda i, rs: got.extend(rs))
+    bad = ScriptedRank(sock_path)
+    bad.send(b"this is not json\n[1,2,3]\n{\"type\": 7}\n")
+    bad.send({"type": "hello", "identity": {"rank": "x"}})  # malformed identity
+    bad.send({"type": "steps", "records": [rec(0, 0).to_dict(), {"rank": 1}]})  # one good, one bad record
+    bad.send({"type": "some_future_message", "x": 1})
+    bad.send({"type": "reply", "id": "nobody-asked", "ok": True})
+    bad.send(b"\xff\xfe\x00garbage\n")
+    until(lambda: len(got) == 1 and hub.stats()["malformed"] == 5)
+    st = hub.stats()
+    assert st["malformed"] == 5 and st["bad_records"] == 1 and st["unknown_messages"] == 1
+    assert st["late_replies"] == 1
+    good = ScriptedRank(sock_path)
+    good.send(protocol.hello(ident(2)))
+    until(lambda: [i.rank for i in hub.ranks()] == [2])
+    bad.close()
+    good.close()
+
+
+def test_a_raising_listener_is_counted_and_others_still_run(hub: RankHub, sock_path: Path) -> None:
+    seen: list[int] = []
+
+    def boom(i: RankIdentity) -> None:
+        raise RuntimeError("listener bug")
+
+    hub.add_listener(on_identity=boom)
+    hub.add_listener(on_identity=lambda i: seen.append(i.rank))
+    r = ScriptedRank(sock_path)
+    r.send(protocol.hello(ident(5)))
+    until(lambda: seen == [5])
+    assert hub.stats()["listener_errors"] == 1
+    r.close()
+
+
+def _answers(rank: int, out: Path) -> Callable[[dict[str, Any]], dict[str, Any] | None]:
+    def answer(msg: dict[str, Any]) -> dict[str, Any] | None:
+        if msg["type"] == "dump_fr":
+            path = Path(msg["dir"]) / f"rank{rank}.json"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text("{}")
+            return protocol.reply_ok(msg["id"], path=str(path))
+        if msg["type"] == "stacks":
+            return protocol.reply_ok(msg["id"], stacks={"pid": rank, "threads": [], "text": f"rank {rank}"})
+        return None
+
+    return answer
+
+
+def test_request_dump_and_stacks_for_a_job(hub: RankHub, sock_path: Path, tmp_path: Path) -> None:
+    ranks = []
+    for n in range(3):
+        r = ScriptedRank(sock_path, _answers(n, tmp_path))
+        r.send(protocol.hello(ident(n)))
+        ranks.append(r)
+    other_job = ScriptedRank(sock_path, _answers(9, tmp_path))
+    other_job.send(protocol.hello(ident(9, job="j2")))
+    until(lambda: len(hub.ranks()) == 4)
+    paths = hub.request_dump("j1", None, str(tmp_path / "fr"), timeout_s=5)
+    assert paths == {n: str(tmp_path / "fr" / f"rank{n}.json") for n in range(3)}
+    assert all(Path(p).exists() for p in paths.values() if isinstance(p, str))
+    assert other_job.received == []  # another job's rank is never asked
+    stacks = hub.request_stacks("j1", 1, timeout_s=5)
+    assert stacks == {1: {"pid": 1, "threads": [], "text": "rank 1"}}
+    assert hub.request_dump("no-such-job", None, str(tmp_path), timeout_s=1) == {}
+    for r in [*ranks, other_job]:
+        r.close()
+
+
+def test_request_errors_timeouts_and_disconnects(hub: RankHub, sock_path: Path, tmp_path: Path) -> None:
+    def refuse(msg: dict[str, Any]) -> dict[str, Any] | None:
+        return protocol.reply_error(msg["id"], "DumpError: disk full")
+
+    erring = ScriptedRank(sock_path, refuse)
+    erring.send(protocol.hello(ident(0)))
+    silent = ScriptedRank(sock_path)  # never answers
+    silent.send(protocol.hello(ident(1)))
+    leaving = ScriptedRank(sock_path, lambda msg: (leaving.close(), None)[1])
+    leaving.send(protocol.hello(ident(2)))
+    until(lambda: len(hub.ranks()) == 3)
+    t0 = time.monotonic()
+    res = hub.request_dump("j1", None, str(tmp_path), timeout_s=1.0)
+    elapsed = time.monotonic() - t0
+    assert isinstance(res[0], RankRequestError) and "disk full" in str(res[0])
+    assert isinstance(res[1], TimeoutError)
+    assert isinstance(res[2], RankNotConnectedError)
+    assert elapsed < 3.0  # one shared deadline, not one per rank
+    missing = hub.request_stacks("j1", 7, timeout_s=1)
+    assert isinstance(missing[7], RankNotConnectedError)
+    erring.close()
+    silent.close()
+
+
+def test_a_restarted_rank_replaces_its_old_connection(hub: RankHub, sock_path: Path, tmp_path: Path) -> None:
+    old = ScriptedRank(sock_path)  # stays connected but will never answer
+    old.send(protocol.hello(ident(0)))
+    until(lambda: len(hub.ranks()) == 1)
+    new = ScriptedRank(sock_path, _answers(0, tmp_path))
+    new.send(protocol.hello(RankIdentity("j1", 0, 4, "node-a", 5555)))
+    until(lambda: hub.ranks()[0].pid == 5555)
+    assert hub.request_stacks("j1", 0, timeout_s=2)[0] == {"pid": 0, "threads": [], "text": "rank 0"}
+    old.close()
+    time.sleep(0.1)
+    assert [i.pid for i in hub.ranks()] == [5555]  # the old one leaving does not remove the new one
+    new.close()
+
+
+def test_stop_fails_pending_requests_quickly(sock_path: Path, tmp_path: Path) -> None:
+    hub = RankHub(sock_path)
+    hub.start()
+    silent = ScriptedRank(sock_path)
+    silent.send(protocol.hello(ident(0)))
+    until(lambda: len(hub.ranks()) == 1)
+    result: dict[int, Any] = {}
+    t = threading.Thread(target=lambda: result.update(hub.request_stacks("j1", None, timeout_s=30)))
+    t.start()
+    time.sleep(0.2)
+    hub.stop()
+    t.join(5)
+    assert not t.is_alive() and isinstance(result[0], RankNotConnectedError)
+    silent.close()
+
+
+def test_hub_module_does_not_import_torch() -> None:
+    code = ("import sys; import gpuhealth.agent.ranks, gpuhealth.instrument.protocol; "
+            "print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] == 'torch')))")
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", "import json; " + code], capture_output=True, text=True, check=True,
+                         env={**os.environ})
+    assert json.loads(out.stdout) == []
