@@ -534,3 +534,22 @@ def build_register_request(agent: Any, incarnation: str) -> pb.RegisterRequest:
         if v:
             req.versions[k] = v
     return req
+
+
+def link_from_config(config: Any, *, rank_hub: Any = None) -> CoordinatorLink | None:
+    """The link an agent config asks for (``agent.coordinator`` set), else None. The spool lives in
+    ``agent.state_dir``; mTLS uses ``coordinator.client_tls_cert/key`` with ``coordinator.tls_ca``."""
+    address = config.agent.coordinator
+    if not address:
+        return None
+    c = config.coordinator
+    tls = None
+    if c.client_tls_cert or c.client_tls_key:
+        from gpuhealth.coordinator.security import tls_files
+
+        tls = tls_files(c.client_tls_cert, c.client_tls_key, c.tls_ca)
+    settings = LinkSettings(address=address, spool_path=str(Path(config.agent.state_dir) / "coordinator-spool.db"),
+                            token=c.token, tls=tls, work_dir=str(Path(config.agent.state_dir) / "fr"))
+    link = CoordinatorLink(settings, rank_hub=rank_hub)
+    link.spool.max_records = c.spool_max_records
+    return link

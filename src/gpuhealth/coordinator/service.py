@@ -396,6 +396,7 @@ class Coordinator:
             "verdict": "straggler", "job_id": job.job_id, "culprits": [rank], "culprit_details": [culprit],
             "summary": f"straggler: {culprit['line']} ({finding.message})",
             "findings": [finding.to_dict()], "created_at": self.clock(),
+            "at_step": max(job.last_step.values(), default=None),
         }
 
     def record_verdict(self, job_id: str, kind: str, doc: dict[str, Any]) -> int:
