@@ -109,6 +109,10 @@ class StragglerDetector:
             out += self._judge(step, vals)
         return out
 
+    def scores(self) -> dict[int, float]:
+        """Per-rank slowness score over the window: median of value / cross-rank median (1.0 typical)."""
+        return {r: round(_lower_median(sorted(x[2] for x in st.flags)), 4) for r, st in self._ranks.items() if st.flags}
+
     def active_findings(self) -> list[Finding]:
         return [self._finding(r, st) for r, st in sorted(self._ranks.items()) if st.active]
 

@@ -1,0 +1,199 @@
+"""``gpuhealth triage``: one verdict for a hung or slow job.
+
+Offline: ``gpuhealth triage DUMPS_DIR [--steps steps.jsonl …] [--json]`` reads flight-recorder
+dumps (and step records) from disk. Live: ``gpuhealth triage --job ID --coordinator HOST:PORT``
+asks the coordinator to collect dumps from the running job now and returns the same JSON shape.
+Exit code: the chosen profile's code for healthy / degraded (straggler) / unhealthy (hang,
+mismatch) / unknown (incomplete or could not check).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import click
+
+from gpuhealth.cli.exitcodes import PROFILE_NAMES, exit_code
+from gpuhealth.model import Health, StepRecord
+
+_VERDICT_HEALTH = {"healthy": Health.HEALTHY, "straggler": Health.DEGRADED, "hang": Health.UNHEALTHY,
+                   "mismatch": Health.UNHEALTHY, "incomplete": Health.UNKNOWN}
+
+
+class StepsFileError(ValueError):
+    pass
+
+
+def read_steps(paths: Sequence[str]) -> tuple[list[StepRecord], list[str]]:
+    """Step records from JSONL files; bad lines are counted, not fatal. Returns (records, problems)."""
+    records: list[StepRecord] = []
+    problems: list[str] = []
+    for p in paths:
+        try:
+            text = Path(p).read_text(encoding="utf-8", errors="replace")
+        except OSError as exc:
+            problems.append(f"{p}: {exc.strerror or exc}")
+            continue
+        bad = 0
+        for line in text.splitlines():
+            if not line.strip():
+                continue
+            try:
+                records.append(StepRecord.from_dict(json.loads(line)))
+            except (ValueError, KeyError, TypeError):
+                bad += 1
+        if bad:
+            problems.append(f"{p}: {bad} line(s) are not step records; skipped")
+    return records, problems
+
+
+def _expand_steps(paths: Sequence[str]) -> list[str]:
+    out: list[str] = []
+    for p in paths:
+        path = Path(p)
+        out += [str(x) for x in sorted(path.glob("*.jsonl"))] if path.is_dir() else [p]
+    return out
+
+
+def render(report: Mapping[str, Any]) -> str:
+    """The human view: the verdict, then only what someone needs to act on."""
+    lines = [str(report.get("summary") or report.get("verdict", "?")).strip()]
+    for f in report.get("findings", []):
+        if f.get("severity") == "info":
+            continue
+        ev = f.get("evidence") or {}
+        lines.append("")
+        lines.append(f"[{f.get('severity')}] {f.get('code')}  {f.get('entity', {}).get('kind')} "
+                     f"{f.get('entity', {}).get('id')}" + (f" on {ev['host']}" if ev.get("host") else ""))
+        lines.append(f"  {f.get('message')}")
+        if ev.get("group") is not None and ev.get("seq") is not None:
+            coll = f"  collective: group {ev['group']}"
+            if ev.get("group_desc") and ev["group_desc"] != "undefined":
+                coll += f" ({ev['group_desc']})"
+            coll += f", seq #{ev['seq']}"
+            if ev.get("op"):
+                coll += f", {ev['op']} sizes {ev.get('input_sizes')} dtypes {ev.get('input_dtypes')}"
+            lines.append(coll)
+        for v in ev.get("variants", []) or []:
+            lines.append(f"    ranks {_ranks(v.get('ranks', []))}: {v.get('op')} {v.get('input_sizes')}→"
+                         f"{v.get('output_sizes')} {v.get('input_dtypes')}")
+        if ev.get("why") and ev.get("why") not in str(f.get("message")):
+            lines.append(f"  why: {ev['why']}")
+        last = ev.get("last_seen")
+        if isinstance(last, Mapping):
+            lines.append(f"  rank last seen in: {last.get('op')} #{last.get('seq')} of group {last.get('group')} "
+                         f"({'completed' if last.get('completed') else last.get('state')})")
+        stack = ev.get("stack") or []
+        if stack:
+            lines.append("  call site:")
+            lines += [f"    {s}" for s in stack]
+    missing = report.get("ranks_missing") or []
+    if missing:
+        lines.append("")
+        lines.append(f"ranks without a dump: {_ranks(missing)}")
+    errors = [p for p in report.get("problems", []) if p.get("severity") == "error"]
+    if errors:
+        lines.append(f"{len(errors)} file(s) could not be read:")
+        lines += [f"  {p['path']}: {p['message']}" for p in errors[:10]]
+        if len(errors) > 10:
+            lines.append(f"  … and {len(errors) - 10} more (see --json)")
+    for note in report.get("notes", []) or []:
+        lines.append(f"note: {note}")
+    return "\n".join(lines)
+
+
+def _ranks(ranks: Sequence[int]) -> str:
+    from gpuhealth.flightrec.match import format_ranks
+
+    return format_ranks(ranks)
+
+
+def _fail(message: str, profile: str) -> None:
+    click.echo(f"gpuhealth triage: {message}", err=True)
+    sys.exit(exit_code(Health.UNKNOWN, profile))
+
+
+@click.command(name="triage")
+@click.argument("path", required=False, type=click.Path(path_type=str))
+@click.option("--steps", "steps", multiple=True, metavar="STEPS.jsonl",
+              help="Step records (JSONL, one StepRecord per line, or a folder of them); repeatable.")
+@click.option("--world-size", type=click.IntRange(min=1), default=None,
+              help="Ranks in the job (ranks without a dump are then reported as missing).")
+@click.option("--group", "groups", multiple=True, metavar="NAME=R,R,…",
+              help="Members of a process group (Gloo dumps do not record them); repeatable.")
+@click.option("--tail", "tail_entries", type=click.IntRange(min=1), default=None,
+              help="Read only the newest N entries of each dump (default: automatic for very large jobs).")
+@click.option("--job", "job_id", default=None, help="Live mode: the job to triage through the coordinator.")
+@click.option("--coordinator", "address", default=None, metavar="HOST:PORT", help="Live mode: coordinator address.")
+@click.option("--token", default=None, envvar="GPUHEALTH_TOKEN", help="Live mode: coordinator auth token.")
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+@click.option("--exit-codes", "profile", type=click.Choice(PROFILE_NAMES), default="default", show_default=True,
+              help="Exit-code dialect: default (0/1/2/3), slurm, npd, nagios.")
+def command(path: str | None, steps: tuple[str, ...], world_size: int | None, groups: tuple[str, ...],
+            tail_entries: int | None, job_id: str | None, address: str | None, token: str | None,
+            as_json: bool, profile: str) -> None:
+    """Triage a hung or slow job from flight-recorder dumps (PATH: a folder or files)."""
+    if job_id or address:
+        if not (job_id and address):
+            _fail("live mode needs both --job ID and --coordinator HOST:PORT", profile)
+            return
+        report = _live(address, job_id, token, profile)
+    else:
+        if path is None and not steps:
+            _fail("give a folder of dumps (PATH), --steps files, or --job/--coordinator", profile)
+            return
+        if path is not None and not Path(path).exists():
+            _fail(f"{path}: no such file or folder", profile)
+            return
+        job: dict[str, Any] = {}
+        if world_size:
+            job["world_size"] = world_size
+        if groups:
+            try:
+                job["groups"] = _parse_groups(groups)
+            except ValueError as exc:
+                _fail(str(exc), profile)
+                return
+        step_records, step_problems = read_steps(_expand_steps(steps))
+        from gpuhealth.flightrec.verdict import triage
+
+        rep = triage([path] if path else [], steps=step_records, job=job, tail_entries=tail_entries)
+        report = rep.to_dict()
+        report["notes"] = list(report.get("notes", [])) + step_problems
+    if as_json:
+        click.echo(json.dumps(report, indent=2, default=str))
+    else:
+        click.echo(render(report))
+    verdict = str(report.get("verdict", "incomplete"))
+    sys.exit(exit_code(_VERDICT_HEALTH.get(verdict, Health.UNKNOWN), profile))
+
+
+def _parse_groups(items: Sequence[str]) -> dict[str, list[int]]:
+    out: dict[str, list[int]] = {}
+    for item in items:
+        name, sep, ranks = item.partition("=")
+        if not sep or not name:
+            raise ValueError(f"--group {item!r}: expected NAME=R,R,… (e.g. 1=0,1)")
+        try:
+            out[name] = [int(r) for r in ranks.split(",") if r.strip()]
+        except ValueError as exc:
+            raise ValueError(f"--group {item!r}: ranks must be integers") from exc
+    return out
+
+
+def _live(address: str, job_id: str, token: str | None, profile: str) -> dict[str, Any]:
+    try:
+        from gpuhealth.coordinator.query import live_triage
+    except ImportError as exc:
+        _fail(f"live triage is not available in this installation: the coordinator part is missing ({exc}); "
+              "install gpuhealth[coordinator] or triage a folder of dumps instead", profile)
+        raise AssertionError("unreachable") from exc
+    try:
+        return dict(live_triage(address, job_id, token=token))
+    except Exception as exc:
+        _fail(f"coordinator {address}: {type(exc).__name__}: {exc}", profile)
+        raise AssertionError("unreachable") from exc
