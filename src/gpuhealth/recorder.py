@@ -221,10 +221,19 @@ class Recorder:
                 out[name] = "error: " + repr(exc)
         return out
 
-    def _sweep(self, h: Any) -> float:
-        """Ten rounds of ten cheap getters: what a fast-lane sweep pays per GPU (µs per round)."""
+    def _sweep(self, h: Any) -> float | None:
+        """Ten rounds of ten cheap getters: what a fast-lane sweep pays per GPU (µs per round).
+        None when one of them fails on this GPU (the per-getter entries above say which)."""
         N = self.N
         t0 = time.perf_counter_ns()
+        try:
+            self._sweep_rounds(h)
+        except N.NVMLError:
+            return None
+        return (time.perf_counter_ns() - t0) / 10000
+
+    def _sweep_rounds(self, h: Any) -> None:
+        N = self.N
         for _ in range(10):
             N.nvmlDeviceGetTemperature(h, N.NVML_TEMPERATURE_GPU)
             N.nvmlDeviceGetPowerUsage(h)
@@ -236,7 +245,6 @@ class Recorder:
             N.nvmlDeviceGetCurrPcieLinkGeneration(h)
             N.nvmlDeviceGetCurrPcieLinkWidth(h)
             N.nvmlDeviceGetRemappedRows(h)
-        return (time.perf_counter_ns() - t0) / 10000
 
     def topology(self, n: int) -> dict[str, Any]:
         N = self.N
