@@ -535,7 +535,9 @@ def outcome_of(run: Any) -> RunOutcome:
                 codes.add(err.code)
                 if err.code in GPU_GONE_CODES and err.gpu is not None:
                     gone.add(err.gpu)
-        answered = {i for i, rec in obs.per_gpu.items() if rec}
+        # a GPU answered when a collector got readings from it (presence marks lost ones present=False)
+        answered = {i for i, rec in obs.per_gpu.items() if rec and rec.get("present", True) is not False}
+        answered -= gone
     return RunOutcome(
         collector=run.name,
         finished_at=run.started + run.duration_s,

@@ -31,7 +31,8 @@ class Job:
     enabled: Callable[[], bool] = field(default=lambda: True)
     # scheduler state
     next_due: float = 0.0
-    running_since: float | None = None
+    queued: bool = False  # handed to its pool, not finished yet
+    running_since: float | None = None  # when its worker started it (the hang clock starts here)
     hung: bool = False
 
 
@@ -52,6 +53,7 @@ class _Worker(threading.Thread):
                     self.jobs.put(job)
                 return
             self.current = job
+            self.scheduler._started(job)
             try:
                 job.run()
             except Exception:  # a job wrapper bug must not kill the worker
@@ -95,7 +97,7 @@ class Scheduler:
             old = self._jobs.get(job.name)
             if old is not None:
                 job.next_due = min(old.next_due, self._clock() + job.interval_s)
-                job.running_since, job.hung = old.running_since, old.hung
+                job.queued, job.running_since, job.hung = old.queued, old.running_since, old.hung
             self._jobs[job.name] = job
         self._wake.set()
 
@@ -124,7 +126,7 @@ class Scheduler:
     def is_running(self, name: str) -> bool:
         with self._lock:
             job = self._jobs.get(name)
-            return job is not None and job.running_since is not None
+            return job is not None and job.queued
 
     # ------------------------------------------------------------------ loop
     def stop(self) -> None:
@@ -149,16 +151,17 @@ class Scheduler:
         hung: list[tuple[Job, float]] = []
         with self._lock:
             for job in self._jobs.values():
-                if job.running_since is not None:
-                    elapsed = now - job.running_since
-                    if not job.hung and elapsed > job.timeout_s + self._hang_grace_s:
-                        job.hung = True
-                        hung.append((job, elapsed))
-                        self._replace_worker(job.pool)
+                if job.queued:
+                    if job.running_since is not None and not job.hung:
+                        elapsed = now - job.running_since
+                        if elapsed > job.timeout_s + self._hang_grace_s:
+                            job.hung = True
+                            hung.append((job, elapsed))
+                            self._replace_worker(job.pool)
                     continue
                 if now < job.next_due or not job.enabled():
                     continue
-                job.running_since = now
+                job.queued = True
                 job.next_due = now + job.interval_s
                 self._queue(job.pool).put(job)
                 self._ensure_worker(job.pool)
@@ -192,10 +195,16 @@ class Scheduler:
         self._workers.pop(pool, None)
         self._ensure_worker(pool)
 
+    def _started(self, job: Job) -> None:
+        with self._lock:
+            current = self._jobs.get(job.name)
+            (current if current is not None else job).running_since = self._clock()
+
     def _finished(self, job: Job) -> None:
         with self._lock:
             current = self._jobs.get(job.name)
             target = current if current is not None else job
+            target.queued = False
             target.running_since = None
             target.hung = False
         self._wake.set()

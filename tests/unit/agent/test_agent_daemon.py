@@ -1,0 +1,215 @@
+"""The agent keeps serving through failing, hanging and vanishing parts, and recovers."""
+
+from __future__ import annotations
+
+import json
+import re
+import urllib.request
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from gpuhealth.agent.daemon import NVML_UNAVAILABLE, Agent
+from gpuhealth.agent.sdnotify import SystemdNotifier
+from gpuhealth.backends.nvml_fake import FakeNvml
+from gpuhealth.collectors.registry import all_collectors
+from gpuhealth.model import Finding, Health
+
+from agent_testing import HangingCollector, RaisingCollector, TempCollector, fast_config, wait_for
+
+QUIET = SystemdNotifier(env={})
+
+
+def _scenario_backend(clock: Any, events: list[dict[str, Any]]) -> FakeNvml:
+    return FakeNvml.from_scenario({"recording": "nvml_h200x2.json", "events": events}, clock=clock)
+
+
+@pytest.fixture
+def agents() -> Iterator[list[Agent]]:
+    started: list[Agent] = []
+    yield started
+    for a in started:
+        a.stop()
+
+
+def _start(agents: list[Agent], agent: Agent) -> Agent:
+    agents.append(agent)
+    agent.start()
+    return agent
+
+
+def _get(agent: Agent, path: str) -> tuple[int, bytes]:
+    try:
+        with urllib.request.urlopen(agent.http.url + path, timeout=5) as resp:
+            return resp.status, resp.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read()
+
+
+def test_collector_that_raises_is_reported_and_the_rest_keeps_running(agents: list[Agent], clock: Any) -> None:
+    temp = TempCollector()
+    agent = _start(agents, Agent(fast_config(), _scenario_backend(clock, []), collectors=[RaisingCollector(), temp],
+                                 extensions=[], notifier=QUIET))
+    wait_for(lambda: agent.ready, what="first sweep")
+    wait_for(lambda: temp.runs >= 3, what="the healthy collector to keep running")
+    snap = agent.snapshot()
+    boom = next(c for c in snap.collectors if c.name == "boom")
+    assert boom.success is False and boom.errors_total >= 1 and "sensor exploded" in boom.last_error
+    assert next(c for c in snap.collectors if c.name == "temp").success is True
+    failed = [f for f in snap.findings if f.code == "collector.failed"]
+    assert failed and failed[0].evidence["collector"] == "boom"
+    status, body = _get(agent, "/metrics")
+    text = body.decode()
+    assert status == 200
+    assert 'gpuhealth_collector_success{collector="boom"} 0.0' in text
+    assert 'gpuhealth_collector_success{collector="temp"} 1.0' in text
+    assert 'gpuhealth_test_temperature_celsius{gpu="0"' in text
+
+
+def test_hung_collector_times_out_without_stalling_the_agent_and_recovers(agents: list[Agent], clock: Any
+                                                                          ) -> None:
+    hang, temp = HangingCollector(), TempCollector()
+    cfg = fast_config(timeout_s=0.3)
+    agent = _start(agents, Agent(cfg, _scenario_backend(clock, []), collectors=[hang, temp], extensions=[],
+                                 notifier=QUIET))
+    wait_for(lambda: any(c.name == "hang" and c.timeouts_total >= 1 for c in agent.snapshot().collectors),
+             what="the hung run to time out")
+    runs_then = temp.runs
+    wait_for(lambda: temp.runs >= runs_then + 5, what="other collectors to keep running while one hangs")
+    status, _ = _get(agent, "/metrics")
+    assert status == 200
+    st = next(c for c in agent.snapshot().collectors if c.name == "hang")
+    assert st.success is False and "timed out" in st.last_error
+    assert hang.calls == 1  # never started again while the stuck call had not returned
+    hang.release.set()
+    wait_for(lambda: next(c for c in agent.snapshot().collectors if c.name == "hang").success is True,
+             what="the collector to recover once its call returns")
+    assert hang.calls >= 2
+
+
+def test_gpu_lost_mid_run_is_reported_and_clears_when_it_answers_again(agents: list[Agent], clock: Any
+                                                                       ) -> None:
+    backend = _scenario_backend(clock, [{"at": 5, "type": "lost", "gpu": 1}, {"at": 20, "type": "restore", "gpu": 1}])
+    agent = _start(agents, Agent(fast_config(), backend, collectors=all_collectors(fast_config()), extensions=[],
+                                 notifier=QUIET))
+    wait_for(lambda: agent.ready, what="first sweep")
+    assert agent.node_report()["node"]["health"] == "healthy"
+    clock.advance(6)
+
+    def lost() -> list[Finding]:
+        return [f for f in agent.current_findings() if f.code == "gpu.lost"]
+
+    wait_for(lambda: bool(lost()), what="gpu.lost")
+    assert lost()[0].entity.gpu_index == 1
+    report = agent.node_report()
+    assert [g["health"] for g in report["gpus"]] == ["healthy", "unhealthy"]
+    _, body = _get(agent, "/metrics")
+    text = body.decode()
+    assert re.search(r'^gpuhealth_gpu_health\{gpu="1",[^}]*\} 2\.0$', text, re.M)  # 2 = unhealthy
+    assert re.search(r'^gpuhealth_gpu_health\{gpu="0",[^}]*\} 0\.0$', text, re.M)
+    assert re.search(r'^gpuhealth_findings\{gpu="1",[^}]*code="gpu.lost",severity="critical"', text, re.M)
+    assert 'gpuhealth_gpu_temperature_celsius{gpu="0"' in text  # the other GPU is still read
+    assert agent.snapshot().nvml_up  # a lost GPU is not a lost driver
+    clock.advance(15)
+    wait_for(lambda: not lost(), what="gpu.lost to clear once the GPU answers")
+    wait_for(lambda: agent.node_report()["gpus"][1]["health"] == "healthy", what="GPU 1 healthy again")
+
+
+def test_driver_unloaded_then_back_reinitialises_nvml(agents: list[Agent], clock: Any) -> None:
+    backend = _scenario_backend(clock, [{"at": 5, "type": "driver_unloaded", "until": 15}])
+    cfg = fast_config()
+    agent = _start(agents, Agent(cfg, backend, collectors=all_collectors(cfg), extensions=[], notifier=QUIET))
+    wait_for(lambda: agent.ready, what="first sweep")
+    clock.advance(6)
+    wait_for(lambda: not agent.snapshot().nvml_up, what="NVML down")
+    snap = agent.snapshot()
+    assert [f.code for f in snap.findings] == [NVML_UNAVAILABLE]
+    assert all(snap.gpu_health(g) is Health.UNKNOWN for g in snap.gpus)
+    assert not any(s.name == "gpu_temperature_celsius" for s in snap.samples)  # nothing stale from a gone driver
+    status, body = _get(agent, "/metrics")
+    assert status == 200 and b"gpuhealth_nvml_up 0.0" in body
+    status, body = _get(agent, "/health")
+    assert status == 200 and json.loads(body)["findings"][0]["code"] == NVML_UNAVAILABLE
+    clock.advance(10)
+    wait_for(lambda: agent.snapshot().nvml_up, timeout=15, what="NVML re-initialised")
+    wait_for(lambda: any(s.name == "gpu_temperature_celsius" for s in agent.snapshot().samples),
+             what="readings back")
+    snap = agent.snapshot()
+    assert snap.nvml_reinits_total == 1
+    assert not any(f.code == NVML_UNAVAILABLE for f in snap.findings)
+    wait_for(lambda: agent.node_report()["node"]["health"] == "healthy", what="healthy again")
+
+
+def test_label_provider_adds_pod_labels_to_gpu_series_only_where_valid(agents: list[Agent], clock: Any
+                                                                       ) -> None:
+    cfg = fast_config()
+    cfg.agent.dcgm_compat = True
+    agent = Agent(cfg, _scenario_backend(clock, []), collectors=[TempCollector()], extensions=[], notifier=QUIET)
+    agent.set_gpu_label_provider(lambda: {
+        "GPU-00000000-1111-2222-3333-444444444440": {"pod": "train-0", "namespace": "ml", "container": "main",
+                                                     "gpu": "spoofed", "bad-name": "x"},
+        "1": {"slurm_job_id": "4242"},  # keyed by index, as the Slurm job map may be
+    })
+    _start(agents, agent)
+    wait_for(lambda: bool(agent.snapshot().gpu_labels.get("GPU-00000001-1111-2222-3333-444444444441")),
+             what="labels")
+    _, body = _get(agent, "/metrics")
+    text = body.decode()
+    assert ('gpuhealth_test_temperature_celsius{gpu="0",uuid="GPU-00000000-1111-2222-3333-444444444440",'
+            'pci_bus_id="00000000:00:06.0",model_name="NVIDIA H200",container="main",namespace="ml",pod="train-0"}'
+            ) in text
+    assert 'slurm_job_id="4242"' in text
+    assert "spoofed" not in text and "bad-name" not in text
+
+
+def test_extensions_see_the_seam_and_are_started_and_stopped(clock: Any) -> None:
+    seen: dict[str, Any] = {}
+
+    class Ext:
+        name = "probe"
+
+        def start(self, agent: Any) -> None:
+            seen["started"] = True
+            seen["node"] = agent.node_name
+            agent.add_findings_listener(lambda fs: seen.setdefault("findings", []).append([f.code for f in fs]))
+
+        def stop(self) -> None:
+            seen["stopped"] = True
+
+    class Broken:
+        name = "broken"
+
+        def start(self, agent: Any) -> None:
+            raise RuntimeError("no")
+
+        def stop(self) -> None:
+            raise RuntimeError("no")
+
+    agent = Agent(fast_config(), _scenario_backend(clock, []), collectors=[RaisingCollector()],
+                  extensions=[Broken(), Ext()], notifier=QUIET, serve_http=False)
+    agent.start()
+    try:
+        wait_for(lambda: bool(seen.get("findings")), what="findings listener")
+        assert seen["node"] == "testnode"
+        assert ["collector.failed"] in seen["findings"]
+        assert [g.index for g in agent.gpus] == [0, 1]
+        report = agent.node_report()
+        assert set(report) >= {"node", "gpus", "findings"}
+        assert {"index", "uuid", "name", "health", "findings"} <= set(report["gpus"][0])
+    finally:
+        agent.stop()
+    assert seen["stopped"]
+
+
+def test_reload_applies_new_intervals_and_disabled_collectors(agents: list[Agent], clock: Any) -> None:
+    cfg = fast_config()
+    agent = _start(agents, Agent(cfg, _scenario_backend(clock, []), collectors=[TempCollector(), RaisingCollector()],
+                                 extensions=[], notifier=QUIET, serve_http=False))
+    wait_for(lambda: agent.ready, what="first sweep")
+    new = fast_config(disabled=["boom"], fast_interval_s=0.25)
+    agent.reload(new)
+    snap = agent.snapshot()
+    assert [c.name for c in snap.collectors] == ["temp"]
+    assert snap.collectors[0].interval_s == 0.25
+    assert not any(f.code == "collector.failed" for f in snap.findings)
