@@ -1,0 +1,203 @@
+"""Matching and verdicts on synthetic dumps in the real format (each test one failure shape)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from frbuild import dump, entry, training, write_json
+
+from gpuhealth.flightrec.verdict import triage
+
+
+def _codes(report) -> list[tuple[str, int | None]]:  # type: ignore[no-untyped-def]
+    return [(f.code, f.evidence.get("rank")) for f in report.findings]
+
+
+def test_majority_decides_the_culprit_even_when_it_is_the_first_file(tmp_path: Path) -> None:
+    # torchfrtrace takes the first file as the reference and blames the three healthy ranks.
+    for r in range(4):
+        es = training(5)
+        es.append(entry(6, sizes=[[2048]] if r == 0 else [[1024]], state="scheduled"))
+        write_json(tmp_path, f"rank{r}.json", dump(es))
+    rep = triage(tmp_path)
+    assert rep.verdict == "mismatch"
+    assert _codes(rep) == [("collective.size_mismatch", 0)]
+    ev = rep.findings[0].evidence
+    assert ev["seq"] == 6 and ev["actual"]["input_sizes"] == [[2048]] and ev["expected"]["input_sizes"] == [[1024]]
+    assert ev["decided_by"] == "majority" and ev["completed"] is False
+
+
+def test_tie_is_broken_by_history_and_later_entries_are_not_noise(tmp_path: Path) -> None:
+    for r in range(2):
+        es = training(5)
+        es.append(entry(6, dtype="Int" if r == 1 else "Float", state="completed"))
+        # After a mismatch, later seqs may be misaligned: they must not produce more findings.
+        es += [entry(7, op="broadcast" if r else "all_reduce"), entry(8, sizes=[[r + 1]])]
+        write_json(tmp_path, f"rank{r}.json", dump(es))
+    rep = triage(tmp_path)
+    assert _codes(rep) == [("collective.dtype_mismatch", 1)]
+    ev = rep.findings[0].evidence
+    assert ev["decided_by"] == "history" and ev["completed"] is True
+    assert ev["later_mismatches_not_compared"] == 2
+
+
+def test_undecidable_tie_names_both_sides_as_warnings(tmp_path: Path) -> None:
+    for r in range(2):
+        write_json(tmp_path, f"rank{r}.json", dump([entry(1, op="broadcast" if r else "all_gather", state="scheduled")]))
+    rep = triage(tmp_path)
+    assert {f.evidence["rank"] for f in rep.findings} == {0, 1}
+    assert all(f.evidence["decided_by"] == "undecided" for f in rep.findings)
+
+
+def test_rank_that_never_enqueued_is_named_with_call_site(tmp_path: Path) -> None:
+    frames = [{"name": "all_reduce", "filename": "/x/torch/distributed/distributed_c10d.py", "line": 1},
+              {"name": "train_step", "filename": "/job/train.py", "line": 42}]
+    for r in range(8):
+        es = training(9)
+        if r != 5:
+            es.append(entry(10, state="started", frames=frames))
+        write_json(tmp_path, f"node{r // 4}-rank{r}.json", dump(es))
+    rep = triage(tmp_path)
+    assert rep.verdict == "hang"
+    assert _codes(rep) == [("collective.missing_rank", 5)]
+    ev = rep.findings[0].evidence
+    assert ev["seq"] == 10 and ev["waiting_ranks"] == [0, 1, 2, 3, 4, 6, 7] and ev["host"] == "node1"
+    assert ev["stack"] == ["train_step at /job/train.py:42"]
+    assert ev["last_seen"]["seq"] == 9 and ev["last_seen"]["completed"]
+
+
+def test_gpu_stall_narrowed_to_the_rank_that_never_started(tmp_path: Path) -> None:
+    for r in range(4):
+        es = training(4)
+        es.append(entry(5, state="scheduled" if r == 2 else "started"))
+        write_json(tmp_path, f"rank{r}.json", dump(es))
+    rep = triage(tmp_path)
+    assert rep.verdict == "hang"
+    assert _codes(rep) == [("collective.gpu_stall", 2)]
+
+
+def test_gpu_stall_without_narrowing_is_one_job_level_finding(tmp_path: Path) -> None:
+    for r in range(4):
+        es = training(4)
+        es.append(entry(5, state="started"))
+        write_json(tmp_path, f"rank{r}.json", dump(es))
+    rep = triage(tmp_path, job={"job_id": "j1"})
+    assert [(f.code, f.entity.kind.value, f.entity.id) for f in rep.findings] == [("collective.gpu_stall", "job", "j1")]
+    assert rep.findings[0].evidence["ranks"] == [0, 1, 2, 3]
+
+
+def _tp_job(tmp_path: Path, sleeper: int) -> None:
+    """TP groups {0,1} ("1") and {2,3} ("2") + world ("0"): each step a TP then a world all_reduce.
+    ``sleeper`` stops before its TP all_reduce of step 5 (Gloo-style: state always scheduled)."""
+    for r in range(4):
+        tp = "1" if r < 2 else "2"
+        es, rid = [], 0
+        for step in range(1, 6):
+            for grp, pid in ((tp, 1), ("0", 0)):
+                if r == sleeper and step == 5:
+                    break
+                if grp == "0" and step == 5 and r // 2 == sleeper // 2:
+                    break  # the sleeper's TP peer waits in the TP group
+                done = step < 5 or (grp != "0" and r // 2 != sleeper // 2)
+                es.append(entry(step, record_id=rid, group=grp, desc="default_pg" if grp == "0" else "undefined",
+                                pg_id=pid, backend="gloo", state="scheduled", retired=done,
+                                created_ns=1_700_000_000_000_000_000 + rid * 1000))
+                rid += 1
+        gloo_cfg = {"": {"name": "", "desc": "", "ranks": "[]"}}  # what Gloo really records
+        write_json(tmp_path, f"rank{r}.json", dump(es, pg_config=gloo_cfg, comm=""))
+
+
+def test_subgroup_hang_picks_the_root_group_and_says_why(tmp_path: Path) -> None:
+    _tp_job(tmp_path, sleeper=3)
+    rep = triage(tmp_path)
+    assert rep.verdict == "hang"
+    assert _codes(rep) == [("collective.missing_rank", 3)]
+    ev = rep.findings[0].evidence
+    assert ev["group"] == "2" and ev["waiting_ranks"] == [2]
+    assert ev["consequences"] == ["0"]  # the world group is stuck only because of this
+    assert "not waiting in any collective" in ev["why"]
+    groups = {g["name"]: g for g in rep.groups}
+    assert groups["2"]["members"] == [2, 3] and groups["2"]["membership_source"] == "entries"
+    assert groups["0"]["membership_source"] == "world"
+
+
+def test_skipped_collective_in_a_circular_wait_blames_the_rank_that_ran_ahead(tmp_path: Path) -> None:
+    # Rank 3 skips world #5 and enters TP #6; rank 2 waits in world #5, rank 3 in TP #6.
+    for r in range(4):
+        tp = "1" if r < 2 else "2"
+        es, rid = [], 0
+        for step in range(1, 6):
+            es.append(entry(step, record_id=rid, group=tp, desc="undefined", pg_id=1, backend="gloo",
+                            state="scheduled", retired=True))
+            rid += 1
+            if r == 3 and step == 5:
+                continue
+            es.append(entry(step, record_id=rid, group="0", pg_id=0, backend="gloo", state="scheduled",
+                            retired=step < 5))
+            rid += 1
+        if r == 3:
+            es.append(entry(6, record_id=rid, group=tp, desc="undefined", pg_id=1, backend="gloo", state="scheduled",
+                            retired=False))
+        write_json(tmp_path, f"rank{r}.json", dump(es, comm=""))
+    rep = triage(tmp_path)
+    assert _codes(rep) == [("collective.missing_rank", 3)]
+    ev = rep.findings[0].evidence
+    assert ev["kind"] == "skipped" and ev["group"] == "0" and ev["seq"] == 5
+    assert "skipped a collective" in ev["why"]
+
+
+def test_missing_dump_of_the_blocking_rank_is_incomplete_not_a_guess(tmp_path: Path) -> None:
+    for r in range(3):  # rank 3 left no dump
+        es = training(4)
+        es.append(entry(5, state="started"))
+        write_json(tmp_path, f"rank{r}.json", dump(es, pg_config={"0": {"name": "0", "desc": "default_pg",
+                                                                      "ranks": "[0, 1, 2, 3]"}}))
+    rep = triage(tmp_path)
+    assert rep.verdict == "incomplete"
+    assert rep.ranks_missing == [3]
+    assert _codes(rep) == [("flightrec.dump_missing", 3)]
+
+
+def test_ring_buffer_truncation_aligns_on_sequence_ids(tmp_path: Path) -> None:
+    # Rank 0 kept seqs 1..100, rank 1 only 61..100 (smaller buffer): no false missing rank or mismatch.
+    write_json(tmp_path, "rank0.json", dump(training(100)))
+    write_json(tmp_path, "rank1.json", dump([entry(s) for s in range(61, 101)]))
+    rep = triage(tmp_path)
+    assert rep.verdict == "healthy" and rep.findings == []
+
+
+def test_p2p_send_without_matching_recv(tmp_path: Path) -> None:
+    for r in range(2):
+        es = training(3)
+        if r == 0:
+            es.append(entry(1, record_id=50, op="send", p2p="0->1", state="started"))
+        write_json(tmp_path, f"rank{r}.json", dump(es))
+    rep = triage(tmp_path)
+    assert rep.verdict == "hang"
+    assert _codes(rep) == [("collective.p2p_unmatched", 1)]
+    assert rep.findings[0].evidence["peer"] == 0
+
+
+def test_healthy_job_has_no_findings_and_json_shape(tmp_path: Path) -> None:
+    for r in range(4):
+        write_json(tmp_path, f"rank{r}.json", dump(training(20)))
+    rep = triage(tmp_path)
+    d = rep.to_dict()
+    assert d["verdict"] == "healthy" and d["findings"] == []
+    assert d["ranks_seen"] == [0, 1, 2, 3] and d["ranks_missing"] == []
+    assert {"verdict", "findings", "ranks_seen", "ranks_missing", "groups"} <= set(d)
+
+
+def test_already_loaded_dumps_and_lists_of_paths_are_accepted(tmp_path: Path) -> None:
+    from gpuhealth.flightrec.load import load_dumps
+
+    paths = [write_json(tmp_path, f"rank{r}.json", dump(training(3))) for r in range(2)]
+    assert triage(paths).verdict == "healthy"
+    assert triage(load_dumps(tmp_path)).verdict == "healthy"
+    assert triage(load_dumps(tmp_path).dumps).verdict == "healthy"
+
+
+def test_nothing_readable_is_incomplete(tmp_path: Path) -> None:
+    (tmp_path / "rank0.json").write_text("garbage")
+    rep = triage(tmp_path)
+    assert rep.verdict == "incomplete" and rep.problems
