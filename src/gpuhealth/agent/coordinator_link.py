@@ -83,6 +83,7 @@ class CoordinatorLink:
         self._idents: list[RankIdentity] = []
         self._findings: list[Finding] | None = None
         self._buf_lock = threading.Lock()
+        self._flush_lock = threading.Lock()  # held while buffered records move into the spool
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stop_event: asyncio.Event | None = None
@@ -100,10 +101,10 @@ class CoordinatorLink:
         if self.hub is None:
             self.hub = _find_rank_hub(agent)
         if self.hub is not None:
-            self.hub.add_listener(on_identity=self._on_identity, on_steps=self._on_steps)
+            self.hub.add_listener(on_identity=self.on_identity, on_steps=self.on_steps)
         add = getattr(agent, "add_findings_listener", None)
         if callable(add):
-            add(self._on_findings)
+            add(self.on_findings)
         self._thread = threading.Thread(target=self._run, name="gpuhealth-coordinator-link", daemon=True)
         self._thread.start()
 
@@ -121,18 +122,23 @@ class CoordinatorLink:
 
     # -- listeners (other threads): hand off, never block -----------------------------------------
 
-    def _on_identity(self, identity: RankIdentity) -> None:
+    def on_identity(self, identity: RankIdentity) -> None:
         with self._buf_lock:
             self._idents.append(identity)
 
-    def _on_steps(self, identity: RankIdentity | None, records: Sequence[StepRecord]) -> None:
+    def on_steps(self, identity: RankIdentity | None, records: Sequence[StepRecord]) -> None:
         with self._buf_lock:
             self._steps.extend(records)
 
-    def _on_findings(self, findings: list[Finding]) -> None:
+    def on_findings(self, findings: list[Finding]) -> None:
         with self._buf_lock:
             self._findings = list(findings)
         self._poke()
+
+    def buffered(self) -> int:
+        """Records handed to the link but not yet in the spool (they get there within one batch interval)."""
+        with self._flush_lock, self._buf_lock:
+            return len(self._steps) + len(self._idents) + (self._findings is not None)
 
     def _poke(self) -> None:
         loop, wake = self._loop, self._wake
@@ -144,6 +150,10 @@ class CoordinatorLink:
 
     def _flush(self) -> int:
         """Move buffered identities/steps/findings into the spool. Returns records spooled."""
+        with self._flush_lock:
+            return self._flush_locked()
+
+    def _flush_locked(self) -> int:
         with self._buf_lock:
             steps, self._steps = self._steps, []
             idents, self._idents = self._idents, []
@@ -188,7 +198,7 @@ class CoordinatorLink:
         self._wake = asyncio.Event()
         self._results = asyncio.Queue()
         if self.agent is not None and self.hub is not None and getattr(self.agent, "current_findings", None):
-            self._on_findings(self.agent.current_findings())
+            self.on_findings(self.agent.current_findings())
         flusher = asyncio.create_task(self._flush_loop())
         try:
             await self._connect_loop()
