@@ -1,0 +1,138 @@
+"""--dcgm-compat: dcgm-exporter's names, units and labels, from the same readings."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+from exporter_testing import GPU0, GPU1, real_snapshot
+from prometheus_client.parser import text_string_to_metric_families as parse_text
+
+from gpuhealth.exporters import ExportSnapshot
+from gpuhealth.exporters.dcgm import DCGM_LABELS, FIELDS
+from gpuhealth.exporters.prometheus import build_families, encode_text
+from gpuhealth.model import MetricKind, Sample
+
+# What the standard dcgm-exporter dashboard (grafana.com 12239) and common alerts query.
+DASHBOARD = ("DCGM_FI_DEV_GPU_TEMP", "DCGM_FI_DEV_POWER_USAGE", "DCGM_FI_DEV_SM_CLOCK", "DCGM_FI_DEV_GPU_UTIL",
+             "DCGM_FI_DEV_FB_USED", "DCGM_FI_DEV_MEM_COPY_UTIL", "DCGM_FI_DEV_MEM_CLOCK", "DCGM_FI_DEV_MEMORY_TEMP",
+             "DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION", "DCGM_FI_DEV_FB_FREE", "DCGM_FI_DEV_XID_ERRORS",
+             "DCGM_FI_DEV_PCIE_REPLAY_COUNTER")
+
+
+def _dcgm(snap: ExportSnapshot) -> dict[str, list[tuple[dict[str, str], float]]]:
+    text = encode_text(build_families(snap, dcgm_compat=True)).decode()
+    out: dict[str, list[tuple[dict[str, str], float]]] = {}
+    for fam in parse_text(text):
+        for s in fam.samples:
+            if s.name.startswith("DCGM_"):
+                out.setdefault(s.name, []).append((s.labels, s.value))
+    return out
+
+
+def _one(series: dict, name: str, gpu: str, **labels: str) -> float:
+    hits = [v for ls, v in series[name] if ls["gpu"] == gpu and all(ls.get(k) == x for k, x in labels.items())]
+    assert len(hits) == 1, (name, gpu, labels, series.get(name))
+    return hits[0]
+
+
+def _snap(samples: tuple[Sample, ...], **kw: object) -> ExportSnapshot:
+    base = ExportSnapshot(node_name="node-a", generated_at=0.0, driver_version="580.159.04", gpus=(GPU0, GPU1),
+                          samples=samples)
+    return replace(base, **kw)  # type: ignore[arg-type]
+
+
+def test_units_are_converted_to_dcgm_exporters() -> None:
+    s = _dcgm(_snap((
+        Sample("gpu_memory_used_bytes", 3 * 2**20, "", gpu=0),
+        Sample("gpu_power_watts", 512.25, "", gpu=0),
+        Sample("gpu_energy_joules", 12.5, "", MetricKind.COUNTER, gpu=0),
+        Sample("gpu_clock_hertz", 1_980e6, "", gpu=0, labels=(("clock", "sm"),)),
+        Sample("gpu_clock_hertz", 2_619e6, "", gpu=0, labels=(("clock", "memory"),)),
+        Sample("gpu_utilization_ratio", 0.87, "", gpu=0),
+        Sample("gpu_throttle_violation_seconds", 1.5, "", MetricKind.COUNTER, gpu=0, labels=(("reason", "power"),)),
+    )))
+    assert _one(s, "DCGM_FI_DEV_FB_USED", "0") == 3.0  # MiB
+    assert _one(s, "DCGM_FI_DEV_POWER_USAGE", "0") == 512.25  # W
+    assert _one(s, "DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION", "0") == 12_500.0  # mJ
+    assert _one(s, "DCGM_FI_DEV_SM_CLOCK", "0") == 1980.0  # MHz
+    assert _one(s, "DCGM_FI_DEV_MEM_CLOCK", "0") == 2619.0
+    assert abs(_one(s, "DCGM_FI_DEV_GPU_UTIL", "0") - 87.0) < 1e-9  # %
+    assert _one(s, "DCGM_FI_DEV_POWER_VIOLATION", "0") == 1.5e9  # ns
+
+
+def test_labels_are_dcgm_exporters_plus_pod_labels() -> None:
+    s = _dcgm(_snap((Sample("gpu_temperature_celsius", 40.0, "", gpu=1, labels=(("sensor", "gpu"),)),),
+                    gpu_labels={"GPU-bbbb": {"pod": "p", "namespace": "n", "container": "c"}}))
+    [(labels, value)] = s["DCGM_FI_DEV_GPU_TEMP"]
+    assert value == 40.0
+    assert labels == {"gpu": "1", "UUID": "GPU-bbbb", "pci_bus_id": "00000000:2A:00.0", "device": "nvidia1",
+                      "modelName": "NVIDIA H100 80GB HBM3", "Hostname": "node-a",
+                      "DCGM_FI_DRIVER_VERSION": "580.159.04", "pod": "p", "namespace": "n", "container": "c"}
+
+
+def test_xids_nvlink_sums_and_clock_event_bitmask() -> None:
+    s = _dcgm(_snap((
+        Sample("gpu_xid_last", 79.0, "", gpu=1),
+        Sample("gpu_xid_errors", 2.0, "", MetricKind.COUNTER, gpu=1, labels=(("xid", "79"),)),
+        Sample("gpu_xid_errors", 1.0, "", MetricKind.COUNTER, gpu=1, labels=(("xid", "48"),)),
+        *(Sample("gpu_nvlink_errors", float(link), "", MetricKind.COUNTER, gpu=0,
+                 labels=(("link", str(link)), ("counter", "crc"))) for link in range(18)),
+        Sample("gpu_throttle_reason_active", 1.0, "", gpu=0, labels=(("reason", "hw_slowdown"),)),
+        Sample("gpu_throttle_reason_active", 1.0, "", gpu=0, labels=(("reason", "gpu_idle"),)),
+        Sample("gpu_throttle_reason_active", 0.0, "", gpu=0, labels=(("reason", "hw_thermal"),)),
+    )))
+    assert _one(s, "DCGM_FI_DEV_XID_ERRORS", "1") == 79.0
+    assert _one(s, "DCGM_EXP_XID_ERRORS_TOTAL", "1", xid="79") == 2.0
+    assert _one(s, "DCGM_EXP_XID_ERRORS_TOTAL", "1", xid="48") == 1.0
+    assert _one(s, "DCGM_FI_DEV_NVLINK_CRC_FLIT_ERROR_COUNT_TOTAL", "0") == float(sum(range(18)))
+    assert _one(s, "DCGM_FI_DEV_CLOCKS_EVENT_REASONS", "0") == float(0x8 | 0x1)
+    assert _one(s, "DCGM_FI_DEV_CLOCK_THROTTLE_REASONS", "0") == float(0x8 | 0x1)
+
+
+def test_off_by_default_and_counters_keep_dcgm_names_without_total() -> None:
+    snap = _snap((Sample("gpu_pcie_replay", 7.0, "", MetricKind.COUNTER, gpu=0),))
+    assert b"DCGM_" not in encode_text(build_families(snap))
+    text = encode_text(build_families(snap, dcgm_compat=True)).decode()
+    assert "# TYPE DCGM_FI_DEV_PCIE_REPLAY_COUNTER untyped" in text
+    assert "DCGM_FI_DEV_PCIE_REPLAY_COUNTER_total" not in text
+    assert text.count("DCGM_FI_DEV_PCIE_REPLAY_COUNTER{") == 1
+
+
+def test_real_recording_gives_the_dashboards_series_with_raw_nvml_values(h200_recording: Path) -> None:
+    s = _dcgm(real_snapshot(h200_recording, node_name="gpu-node-7"))
+    missing = [n for n in DASHBOARD if n not in s]
+    assert not missing, missing
+    rec = json.loads(h200_recording.read_text())
+    for i, dev in enumerate(rec["devices"]):
+        g = str(i)
+        assert _one(s, "DCGM_FI_DEV_GPU_TEMP", g) == dev["Temperature_GPU"]["value"]
+        assert _one(s, "DCGM_FI_DEV_POWER_USAGE", g) == dev["PowerUsage"]["value"] / 1000  # NVML mW → W
+        assert _one(s, "DCGM_FI_DEV_SM_CLOCK", g) == dev["ClockInfo_SM"]["value"]
+        assert _one(s, "DCGM_FI_DEV_FB_USED", g) == dev["MemoryInfo"]["value"]["used"] / 2**20
+        assert _one(s, "DCGM_FI_DEV_FB_FREE", g) == dev["MemoryInfo"]["value"]["free"] / 2**20
+        assert _one(s, "DCGM_FI_DEV_GPU_UTIL", g) == dev["UtilizationRates"]["value"]["gpu"]
+        assert _one(s, "DCGM_FI_DEV_PCIE_REPLAY_COUNTER", g) == dev["PcieReplayCounter"]["value"]
+    for name, series in s.items():
+        for labels, _ in series:
+            extra = set(labels) - set(DCGM_LABELS)
+            assert extra <= {"xid"}, (name, extra)
+            assert labels["Hostname"] == "gpu-node-7" and labels["DCGM_FI_DRIVER_VERSION"] == "580.159.04"
+            assert labels["device"] == f"nvidia{labels['gpu']}"
+
+
+def test_every_mapped_source_is_a_sample_some_collector_emits(h200_recording: Path) -> None:
+    """A renamed collector metric must not silently empty a dcgm series."""
+    import ast
+
+    src = Path(__file__).parents[3] / "src" / "gpuhealth" / "collectors"
+    emitted: set[str] = set()
+    for py in src.glob("*.py"):
+        for node in ast.walk(ast.parse(py.read_text())):
+            if isinstance(node, ast.Call) and getattr(node.func, "id", "") in ("Sample", "add") and node.args:
+                first = node.args[0]
+                if isinstance(first, ast.Constant) and isinstance(first.value, str):
+                    emitted.add(first.value)
+    unmapped = sorted({f.source for f in FIELDS} - emitted)
+    assert not unmapped, f"dcgm mapping reads samples no collector emits: {unmapped}"
