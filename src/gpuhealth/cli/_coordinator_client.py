@@ -1,0 +1,38 @@
+"""Options shared by the CLI commands that query a coordinator (jobs, fleet)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import click
+
+from gpuhealth.config import ConfigError, load_config
+
+
+def coordinator_options(func: Callable[..., Any]) -> Callable[..., Any]:
+    for opt in reversed([
+        click.option("--coordinator", "address", help="host:port (default: agent.coordinator from config)."),
+        click.option("--config", "config_path", type=click.Path(dir_okay=False), help="YAML config file."),
+        click.option("--token", help="Bearer token (default: coordinator.token from config)."),
+        click.option("--tls-cert", help="Client certificate (mutual TLS)."),
+        click.option("--tls-key", help="Client private key."),
+        click.option("--tls-ca", help="CA of the coordinator's certificate."),
+        click.option("--json", "as_json", is_flag=True, help="Machine-readable output."),
+    ]):
+        func = opt(func)
+    return func
+
+
+def resolve(config_path: str | None, address: str | None, token: str | None, tls_cert: str | None,
+            tls_key: str | None, tls_ca: str | None) -> tuple[str, str | None, Any]:
+    from gpuhealth.coordinator.security import SecurityConfigError, tls_files
+
+    try:
+        cfg = load_config(config_path)
+        c = cfg.coordinator
+        addr = address or cfg.agent.coordinator or c.listen.replace("0.0.0.0", "127.0.0.1")
+        tls = tls_files(tls_cert or c.client_tls_cert, tls_key or c.client_tls_key, tls_ca or c.tls_ca)
+    except (ConfigError, SecurityConfigError) as exc:
+        raise click.ClickException(str(exc)) from exc
+    return addr, token or c.token, tls

@@ -1,0 +1,58 @@
+"""``gpuhealth jobs``: jobs the coordinator knows, with stragglers, hangs and the latest verdicts."""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any
+
+import click
+
+from gpuhealth.cli._coordinator_client import coordinator_options, resolve
+
+
+@click.command(name="jobs")
+@click.argument("job_id", required=False, default="")
+@coordinator_options
+def command(job_id: str, address: str | None, config_path: str | None, token: str | None, tls_cert: str | None,
+            tls_key: str | None, tls_ca: str | None, as_json: bool) -> None:
+    """List jobs (or one JOB_ID) known to the coordinator. Exit 0 when none is hung or straggling,
+    1 when one is, 3 when the coordinator could not be asked."""
+    from gpuhealth.coordinator.query import CoordinatorQueryError, list_jobs
+
+    addr, tok, tls = resolve(config_path, address, token, tls_cert, tls_key, tls_ca)
+    try:
+        doc = list_jobs(addr, job_id, token=tok, tls=tls)
+    except CoordinatorQueryError as exc:
+        click.echo(f"gpuhealth jobs: {exc}", err=True)
+        sys.exit(3)
+    jobs = doc.get("jobs", [])
+    if as_json:
+        click.echo(json.dumps(doc, indent=2, sort_keys=True))
+    else:
+        _render(jobs)
+    troubled = any(j.get("state") == "hung" or j.get("stragglers") for j in jobs)
+    sys.exit(1 if troubled else 0)
+
+
+def _render(jobs: list[dict[str, Any]]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="jobs")
+    for col in ("job", "state", "ranks", "nodes", "last step", "step p50 (s)", "stragglers", "hangs"):
+        table.add_column(col)
+    for j in jobs:
+        q = j.get("step_time_quantiles") or {}
+        p50 = q.get("0.5") if isinstance(q, dict) else None
+        table.add_row(str(j["job_id"]), str(j["state"]), f"{j['ranks_seen']}/{j['world_size'] or '?'}",
+                      ",".join(j.get("nodes") or []),
+                      str(j.get("last_step")), f"{p50:.3f}" if isinstance(p50, float) else "-",
+                      ",".join(str(r) for r in j.get("stragglers") or []) or "-", str(j.get("hangs", 0)))
+    console = Console()
+    console.print(table)
+    for j in jobs:
+        for c in j.get("straggler_culprits") or []:
+            console.print(f"[yellow]{j['job_id']}: straggler {c['line']}[/yellow]")
+        for v in (j.get("verdicts") or [])[:3]:
+            console.print(f"{j['job_id']}: {v['kind']}: {v.get('summary', '')}")
