@@ -253,8 +253,17 @@ class Recorder:
             a, b = N.nvmlDeviceGetHandleByIndex(0), N.nvmlDeviceGetHandleByIndex(1)
             out["common_ancestor_0_1"] = self.call(N.nvmlDeviceGetTopologyCommonAncestor, a, b)
             out["p2p_nvlink_0_1"] = self.call(N.nvmlDeviceGetP2PStatus, a, b, N.NVML_P2P_CAPS_INDEX_NVLINK)
-            out["p2p_read_0_1"] = self.call(N.nvmlDeviceGetP2PStatus, a, b, N.NVML_P2P_CAPS_INDEX_READ)
+            out["p2p_read_0_1"] = self.call(N.nvmlDeviceGetP2PStatus, a, b, nvml_const(N, "NVML_P2P_CAPS_INDEX_READ"))
         return out
+
+
+def nvml_const(nvml: Any, name: str) -> Any:
+    """A constant of the bindings. nvidia-ml-py 13.x defines ``NVML_P2P_CAPS_INDEX_READ = 0,`` (a
+    stray comma makes it the tuple ``(0,)``, which ctypes cannot pass): unwrap one-element tuples."""
+    value = getattr(nvml, name)
+    if isinstance(value, tuple) and len(value) == 1:
+        return value[0]
+    return value
 
 
 def anonymize(recording: dict[str, Any]) -> dict[str, Any]:

@@ -128,3 +128,15 @@ def test_disabled_collectors_do_not_run(h200_recording: Path) -> None:
 def test_simulated_backend_is_replayed_not_live(h200_recording: Path) -> None:
     backend = open_backend(str(h200_recording))
     assert isinstance(backend, FakeNvml) and backend.simulated
+
+
+def test_live_h200_recording_from_this_project_replays_healthy() -> None:
+    """Recorded by ``gpuhealth record --anonymize`` on 2 × H200 (driver 580.159.04), 2026-11-26."""
+    path = FIXTURE_RECORDINGS / "nvml_h200x2_live.json"
+    backend = open_backend(str(path))
+    assert backend.query(0, "GpuFabricInfo")["state"] == 3  # NVSwitch fabric: registration completed
+    report = collect_once(backend, _config())
+    assert report.health is Health.HEALTHY
+    assert [g.identity.uuid for g in report.gpus] == ["GPU-00000000-aaaa-bbbb-cccc-000000000000",
+                                                     "GPU-00000001-aaaa-bbbb-cccc-000000000001"]
+    assert report.versions["gpus"]["0"]["vbios"] == "96.00.A5.00.1A"

@@ -258,3 +258,13 @@ def test_failed_getters_are_recorded_with_their_code(tmp_path: Path, h100_record
     assert data["devices"][0]["sweep10_median_us"] is None  # one getter of the sweep failed: no crash
     assert data["devices"][0]["sysfs"]["current_link_width"] == "16"
     assert data["topology"] == {}  # one GPU: no pair to relate
+
+
+def test_one_element_tuple_constants_of_the_bindings_are_unwrapped() -> None:
+    from types import SimpleNamespace
+
+    from gpuhealth.recorder import nvml_const
+
+    bindings = SimpleNamespace(NVML_P2P_CAPS_INDEX_READ=(0,), NVML_P2P_CAPS_INDEX_NVLINK=2)
+    assert nvml_const(bindings, "NVML_P2P_CAPS_INDEX_READ") == 0
+    assert nvml_const(bindings, "NVML_P2P_CAPS_INDEX_NVLINK") == 2

@@ -96,3 +96,24 @@ def test_reset_required_asks_for_a_gpu_reset(tmp_path: Path, clock) -> None:  # 
     gpus = enumerate_gpus(fake)
     findings = _run(fake, gpus=gpus).findings
     assert [(f.code, f.action, f.entity.gpu_index) for f in findings] == [("gpu.lost", Action.RESET_GPU, 0)]
+
+
+def test_pci_walk_is_cached_but_redone_when_nvml_count_changes(tmp_path: Path, clock) -> None:  # type: ignore[no-untyped-def]
+    fake = _scenario(tmp_path, clock)
+    root = tmp_path / "root"
+    sysfs = _pci_tree(root, ["0000:00:06.0", "0000:00:07.0"])
+    collector = PresenceCollector(pci_rescan_s=60)
+    gpus = enumerate_gpus(fake)
+
+    def run(now: float):  # type: ignore[no-untyped-def]
+        ctx = CollectContext(backend=fake, config=Config(), gpus=gpus, node_name="n1", now=now, sysfs=sysfs)
+        return CollectorRunner(timeout_s=None).run(collector, ctx, History())
+
+    assert run(1000.0).findings == []
+    extra = root / "sys" / "bus" / "pci" / "devices" / "0000:00:08.0"
+    extra.mkdir()
+    (extra / "vendor").write_text("0x10de\n")
+    (extra / "class").write_text("0x030200\n")
+    assert run(1030.0).findings == []  # within the rescan interval: the cached walk
+    [f] = run(1061.0).findings  # rescanned: the third GPU on the bus is not in NVML
+    assert f.evidence["on_pci_not_in_nvml"] == ["0000:00:08.0"]
