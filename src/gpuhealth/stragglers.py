@@ -39,7 +39,7 @@ class StragglerConfig:
     persist: int = 5  # slow steps within the window to call it persistent
     min_ranks: int = 2  # a step needs this many ranks to compare
     max_pending_steps: int = 64  # online: steps waiting for late ranks before being judged anyway
-    critical_ratio: float = 2.0  # ≥ 2× the median → critical, else warning
+    critical_ratio: float = 1.75  # ≥ 1.75× the median → critical, else warning
 
 
 @dataclass(slots=True)

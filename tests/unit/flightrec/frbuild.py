@@ -8,8 +8,6 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-
-
 FIXTURES = Path(__file__).resolve().parents[2] / "fixtures" / "flightrec"
 
 

@@ -6,15 +6,15 @@ import json
 import os
 import pickle
 import shutil
+import tempfile
 from pathlib import Path
 
+from frbuild import FIXTURES, dump, entry, training, write_json, write_pickle
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from gpuhealth.flightrec.load import load_dumps, rank_from_filename
 from gpuhealth.flightrec.safe_pickle import UnsafePickleError, loads_plain
-
-from frbuild import FIXTURES, dump, entry, training, write_json, write_pickle
 
 GLOO = FIXTURES / "gloo_4rank_hang_skip"
 NCCL = FIXTURES / "nccl_2gpu"
@@ -213,8 +213,7 @@ _ENTRY_KEYS = ["collective_seq_id", "record_id", "pg_id", "process_group", "prof
 )
 def test_fuzz_loader_never_crashes(tmp_path: Path, top: dict, entries: list, noise: bytes, cut: int,
                                    as_pickle: bool) -> None:
-    folder = tmp_path / f"f{abs(hash((str(top), str(entries), noise, cut, as_pickle)))}"
-    folder.mkdir()
+    folder = Path(tempfile.mkdtemp(dir=tmp_path))
     doc = dict(top)
     doc.setdefault("entries", entries)
     data = pickle.dumps(doc) if as_pickle else json.dumps(doc).encode()

@@ -43,7 +43,8 @@ def test_tie_is_broken_by_history_and_later_entries_are_not_noise(tmp_path: Path
 
 def test_undecidable_tie_names_both_sides_as_warnings(tmp_path: Path) -> None:
     for r in range(2):
-        write_json(tmp_path, f"rank{r}.json", dump([entry(1, op="broadcast" if r else "all_gather", state="scheduled")]))
+        es = [entry(1, op="broadcast" if r else "all_gather", state="scheduled")]
+        write_json(tmp_path, f"rank{r}.json", dump(es))
     rep = triage(tmp_path)
     assert {f.evidence["rank"] for f in rep.findings} == {0, 1}
     assert all(f.evidence["decided_by"] == "undecided" for f in rep.findings)
