@@ -167,17 +167,22 @@ class DevKmsg:
     def read_new(self) -> list[KmsgRecord]:
         fd = self._open()
         out: list[KmsgRecord] = []
+        size = _MAX_RECORD
         while True:
             try:
-                chunk = os.read(fd, _MAX_RECORD)
+                chunk = os.read(fd, size)
             except BlockingIOError:
                 break
             except OSError as exc:
                 if exc.errno == errno.EPIPE:
                     self.missed += 1
                     continue
-                if exc.errno == errno.EINVAL:  # a record larger than our buffer: skip it
-                    continue
+                if exc.errno == errno.EINVAL:  # the record does not fit (and is not consumed): grow once
+                    if size < 1 << 20:
+                        size = 1 << 20
+                        continue
+                    self.missed += 1
+                    break
                 raise KmsgUnavailable(exc.errno, f"reading {self._path}: {exc.strerror}") from exc
             if not chunk:
                 break

@@ -30,28 +30,13 @@ COLLECTOR_MODULES: tuple[str, ...] = (
     "host",
 )
 
-# FIXME(integration): modules of helper H1b that may not exist yet are skipped here so the rest runs.
-# The lead removes this tolerance once all eleven modules are in: a missing module must then fail loudly.
-_TOLERATE_MISSING = True
-
 
 class UnknownCollector(ValueError):
     """``collectors.disabled`` names a collector that does not exist (a typo would silently do nothing)."""
 
 
-def _module(name: str) -> ModuleType | None:
-    full = f"gpuhealth.collectors.{name}"
-    try:
-        return importlib.import_module(full)
-    except ModuleNotFoundError as exc:
-        if _TOLERATE_MISSING and exc.name == full:
-            return None
-        raise
-
-
-def available() -> list[str]:
-    """Names of the registered collectors whose module is present."""
-    return [name for name in COLLECTOR_MODULES if _module(name) is not None]
+def _module(name: str) -> ModuleType:
+    return importlib.import_module(f"gpuhealth.collectors.{name}")
 
 
 def all_collectors(config: Config | None = None) -> list[Collector]:
@@ -65,8 +50,5 @@ def all_collectors(config: Config | None = None) -> list[Collector]:
     for name in COLLECTOR_MODULES:
         if name in disabled:
             continue
-        module = _module(name)
-        if module is None:
-            continue
-        out.append(module.create())
+        out.append(_module(name).create())
     return out
