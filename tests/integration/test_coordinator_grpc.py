@@ -37,7 +37,8 @@ async def _server(tmp_path: Path, token: str | None = None) -> CoordinatorServer
     return server
 
 
-def _with_server(tmp_path: Path, body: Callable[[CoordinatorServer], Awaitable[None]], token: str | None = None) -> None:
+def _with_server(tmp_path: Path, body: Callable[[CoordinatorServer], Awaitable[None]],
+                 token: str | None = None) -> None:
     """pytest has no asyncio plugin here: each test runs its own loop with a fresh server."""
 
     async def main() -> None:
@@ -99,8 +100,8 @@ async def _malformed_messages_get_a_status_and_the_server_lives(server: Coordina
     # A stream with garbage, then one with columns of different lengths, then a NaN step time.
     bad_batches = [
         b"\x0a\xff\xff\xff\xff",
-        pb.AgentMessage(record=pb.Record(seq=1, steps=pb.StepBatch(job_id="j", rank=[0, 1], step=[1],
-                                                                    start_time=[1.0], wall_s=[1.0]))).SerializeToString(),
+        pb.AgentMessage(record=pb.Record(seq=1, steps=pb.StepBatch(
+            job_id="j", rank=[0, 1], step=[1], start_time=[1.0], wall_s=[1.0]))).SerializeToString(),
         pb.AgentMessage(record=pb.Record(seq=2, steps=pb.StepBatch(job_id="j", rank=[0], step=[1], start_time=[1.0],
                                                                     wall_s=[float("nan")]))).SerializeToString(),
         pb.AgentMessage(record=pb.Record(seq=3, findings=pb.FindingsSnapshot(findings=[
@@ -153,8 +154,8 @@ def test_token_is_required_when_configured(tmp_path: Path) -> None:
 
 
 async def _token_is_required(srv: CoordinatorServer) -> None:
-    if True:
-        addr = _addr(srv)
+    addr = _addr(srv)
+    if addr:
         with pytest.raises(grpc.aio.AioRpcError) as err:
             await SimAgent(addr, "n1").register()
         assert err.value.code() is grpc.StatusCode.UNAUTHENTICATED
