@@ -97,10 +97,12 @@ class AgentLink:
         self.stats.submitted += 1
         try:
             self._queue.put_nowait(record)
-            return True
         except queue.Full:
             self.stats.dropped += 1
             return False
+        if self.stats.submitted % self._batch_size == 0:
+            self.wake()  # a full batch is waiting: send it now rather than at the next interval
+        return True
 
     @property
     def connected(self) -> bool:
@@ -158,7 +160,7 @@ class AgentLink:
                     self._wake_r.recv(4096)
             elif key.fileobj is self._sock:
                 self._read()
-        if time.monotonic() >= self._last_flush + self._flush_interval:
+        if time.monotonic() >= self._last_flush + self._flush_interval or self._queue.qsize() >= self._batch_size:
             self._flush()
 
     def _connect(self) -> None:
