@@ -81,7 +81,7 @@ def render(report: Mapping[str, Any]) -> str:
         for v in ev.get("variants", []) or []:
             lines.append(f"    ranks {_ranks(v.get('ranks', []))}: {v.get('op')} {v.get('input_sizes')}→"
                          f"{v.get('output_sizes')} {v.get('input_dtypes')}")
-        if ev.get("why") and ev.get("why") not in str(f.get("message")):
+        if ev.get("why") and str(ev["why"]) not in str(f.get("message")):
             lines.append(f"  why: {ev['why']}")
         last = ev.get("last_seen")
         if isinstance(last, Mapping):

@@ -391,7 +391,7 @@ def _parse_tail_buffer(buf: bytes, *, at_array_start: bool) -> tuple[Any, list[i
     # The entries array ends at the last "]" followed by "," + key or "}" — find the suffix by
     # decoding from the last candidate "],\"" backwards.
     close = buf.rfind(b'],"')
-    candidates = []
+    candidates: list[int] = []
     while close != -1 and len(candidates) < 8:
         candidates.append(close)
         close = buf.rfind(b'],"', 0, close)
