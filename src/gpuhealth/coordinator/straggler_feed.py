@@ -39,6 +39,12 @@ class BudgetedStragglerFeed:
         if comp is None and comm is None:
             return  # wall time alone cannot show a straggler
         n = len(cols)
+        if n:
+            # Without a world size the detector would judge a step as soon as its first rank reported
+            # (it expects only the ranks seen so far): the highest rank seen bounds the world from below.
+            lower = max(cols.rank) + 1
+            if self.detector.world_size is None or self.detector.world_size < lower:
+                self.detector.world_size = lower
         values: list[float] = comp if comp is not None else [math.nan] * n
         stride = self.stride
         add = self.detector.add_value
