@@ -70,27 +70,49 @@ def counter_delta(
     now: Observations,
     get: Callable[[Observations], Any],
     window_s: float | None = None,
+    time_of: Callable[[Observations], Any] | None = None,
+    latest: bool = False,
 ) -> tuple[float, float] | None:
     """(increase, seconds) of a counter between the oldest usable earlier observation and ``now``.
 
-    ``get`` pulls the counter out of an observation (None when absent). Only observations within
-    ``window_s`` count. A counter that went backwards (GPU reset, driver reload) counts from zero.
-    None when there is no earlier reading."""
+    ``get`` pulls the counter out of an observation (None when absent); ``time_of`` the time it was
+    read (default: the observation's time; see ``Periodic`` for readings carried between sweeps).
+    Only readings within ``window_s`` count. A counter that went backwards (GPU reset, driver
+    reload) counts from zero. ``latest`` compares with the most recent earlier reading instead of the
+    oldest. None when there is no earlier reading."""
     cur = get(now)
-    if not is_number(cur):
+    t_now = now.time if time_of is None else time_of(now)
+    if not is_number(cur) or not is_number(t_now):
         return None
-    for past in history:
-        if past is now or past.time >= now.time:
+    for past in reversed(list(history)) if latest else history:
+        t_past = past.time if time_of is None else time_of(past)
+        if past is now or not is_number(t_past) or t_past >= t_now:
             continue
-        if window_s is not None and now.time - past.time > window_s:
+        if window_s is not None and t_now - t_past > window_s:
             continue
         prev = get(past)
         if not is_number(prev):
             continue
-        dt = now.time - past.time
         delta = cur - prev if cur >= prev else cur
-        return float(delta), float(dt)
+        return float(delta), float(t_now - t_past)
     return None
+
+
+class Periodic:
+    """Readings too costly for every fast-lane sweep (a 3 ms energy counter, a 1 ms violation
+    batch): read at most every ``interval_s`` per key, the last answer carried forward between
+    reads together with the time it was read (so rates use read times, not sweep times)."""
+
+    def __init__(self, interval_s: float) -> None:
+        self.interval_s = interval_s
+        self._last: dict[str, tuple[float, dict[str, Any]]] = {}
+
+    def get(self, key: str, now: float, read: Callable[[], dict[str, Any]]) -> tuple[float, dict[str, Any]]:
+        last = self._last.get(key)
+        if last is None or now - last[0] >= self.interval_s or now < last[0]:
+            last = (now, read())
+            self._last[key] = last
+        return last
 
 
 def gpu_key(index: int, key: str) -> Callable[[Observations], Any]:

@@ -52,7 +52,7 @@ def test_one_link_down_on_an_18_link_gpu(clock):
     assert sample_values(s.last_samples, "gpu_nvlink_state", 0, link="5") == [0.0]
 
 
-def test_counters_are_read_in_one_batch_per_gpu(clock):
+def test_one_batch_per_gpu_with_rotating_counter_links(clock):
     b = recording("nvml_h200x2.json", clock)
     batches: list[int] = []
     singles: list[str] = []
@@ -69,14 +69,37 @@ def test_counters_are_read_in_one_batch_per_gpu(clock):
             singles.append(key)
             return b.nvlink(index, link, key)
 
-    nvlink.create().collect(context(Counting(), clock))
+    c = nvlink.create()
+    read: list[list[int]] = []
+    for _ in range(4):
+        obs = c.collect(context(Counting(), clock))
+        read.append(obs.per_gpu[0]["counter_links_read"])
+        assert len(obs.per_gpu[0]["link_states"]) == 18  # every link's state, every sweep
     assert singles == []  # never the ~1 ms-per-call per-link getters
-    assert batches == [2, 72, 2, 72]  # per GPU: link count, then 18 links × (state + 3 counters)
+    # First sweep: link count (cached after), then 18 states + 6 links × 3 counters, per GPU.
+    assert batches == [2, 36, 2, 36] + [36, 36] * 3
+    assert read == [list(range(0, 6)), list(range(6, 12)), list(range(12, 18)), list(range(0, 6))]
+    # After one rotation every link's counters are known, with the time they were read.
+    assert all(f"link{n}.crc" in obs.per_gpu[1] for n in range(18))
+
+
+def test_rotating_reads_keep_rates_and_findings_steady(clock):
+    b = inline(clock, events=[{"at": 30, "type": "set", "gpu": 0, "key": "nvlink",
+                               "value": {"4": {"err_DL_CRC_FLIT": 60}}}])
+    s = Sweeper(nvlink.create(), b, clock)
+    assert s.sweep() == []  # t=0: links 0-5 read (link 4 = 0)
+    assert s.after(60) == [] and s.after(60) == []  # links 6-17: link 4 not read again yet
+    (f,) = s.after(60)  # t=180: link 4 read again: +60 in 180 s
+    assert f.entity.id.endswith("/nvlink/4") and f.severity is Severity.WARNING
+    assert f.evidence["crc_increase"] == 60 and f.evidence["window_s"] == 180.0
+    (again,) = s.after(60)  # link 4 not re-read: its last reading still stands
+    assert again.evidence == f.evidence
+    assert s.after(60) and s.after(60) == []  # t=360: re-read, no growth since t=180: quiet
 
 
 def test_crc_growth_warns_then_critical_at_100_per_second_and_replay_is_critical(clock):
     b = scenario("nvlink_crc_ramp.yaml", clock)
-    s = Sweeper(nvlink.create(), b, clock)
+    s = Sweeper(nvlink.NvlinkCollector(counter_links_per_sweep=None), b, clock)  # every link, every sweep
     assert s.sweep() == []
     found = {x.entity.id.rsplit("/", 1)[1]: x for x in s.after(20)}
     uuid = b.query(1, "UUID")
@@ -88,8 +111,8 @@ def test_crc_growth_warns_then_critical_at_100_per_second_and_replay_is_critical
     assert (replay.severity, replay.action, replay.evidence["replay_increase"]) == (Severity.CRITICAL,
                                                                                     Action.DRAIN, 2)
     (crc2,) = [x for x in s.after(20) if x.entity.id.endswith("/nvlink/3")]
-    assert crc2.severity is Severity.CRITICAL  # 10100 in 40 s ≈ 252/s ≥ 100/s
-    assert crc2.evidence["crc_per_second"] == pytest.approx(252.5)
+    assert crc2.severity is Severity.CRITICAL  # +10000 in the 20 s since the last read: 500/s ≥ 100/s
+    assert crc2.evidence["crc_per_second"] == pytest.approx(500.0)
 
 
 def test_error_counters_that_do_not_move_are_quiet(clock):

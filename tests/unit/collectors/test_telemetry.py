@@ -86,3 +86,29 @@ def test_static_limits_are_read_once_per_gpu(clock):
         c.collect(ctx)
     assert calls.count("TemperatureThreshold_SHUTDOWN") == 2  # once per GPU, not per sweep
     assert calls.count("Temperature_GPU") == 6
+
+
+def test_costly_energy_counter_is_refreshed_every_30_s_and_carried_between(clock):
+    b = inline(clock, {"0": {"field_values": {"NVML_FI_DEV_TOTAL_ENERGY_CONSUMPTION": 1_000_000}}},
+               events=[{"at": 10, "type": "set", "gpu": 0, "key": "field_values",
+                        "value": {"NVML_FI_DEV_TOTAL_ENERGY_CONSUMPTION": 2_000_000}}])
+    energy_batches: list[float] = []
+
+    class Counting:
+        def __getattr__(self, name: str):
+            return getattr(b, name)
+
+        def field_values(self, index: int, requests):
+            if index == 0 and any(f == telemetry.ENERGY_FIELD for f, _ in requests):
+                energy_batches.append(clock())
+            return b.field_values(index, requests)
+
+    s = Sweeper(telemetry.create(), Counting(), clock)
+    seen = []
+    for _ in range(8):  # t = 0, 5, … 35
+        s.sweep()
+        seen.append(sample_values(s.last_samples, "gpu_energy_joules", 0)[0])
+        clock.advance(5)
+    assert energy_batches == [1000.0, 1030.0]
+    assert seen == [1000.0] * 6 + [2000.0] * 2  # the t=10 change shows at the t=30 refresh
+    assert s.last_obs.per_gpu[0]["energy_read_at"] == 1030.0

@@ -69,6 +69,11 @@ def test_thermal_throttling_between_polls_found_from_counter(clock):
     assert f.code == "throttle.hw_thermal" and f.entity.gpu_index == 0
     assert "between polls" in f.message
     assert f.evidence["violation_share"] == pytest.approx(0.1) and f.evidence["sustained"] is False
+    # The costly counters are not re-read for 30 s; the finding stays steady meanwhile.
+    (same,) = problems(s.after(5))
+    assert same.evidence == f.evidence
+    assert [x.code for x in problems(s.after(25))] == ["throttle.hw_thermal"]  # t=60: grew within the minute
+    assert [x.code for x in problems(s.after(30))] == []  # t=90: nothing in the last minute
 
 
 def test_older_driver_without_event_reasons_uses_throttle_reasons(clock):
