@@ -106,13 +106,13 @@ class PresenceCollector:
     def samples(self, obs: Observations, ctx: CollectContext) -> Iterable[Sample]:
         count = obs.node.get("nvml_count")
         if count is not None:
-            yield Sample("gpu_count", float(count), "GPUs NVML lists on this node")
+            yield Sample("gpus", float(count), "GPUs NVML lists on this node")
         pci = obs.node.get("pci_gpus")
         if pci is not None:
-            yield Sample("gpu_pci_count", float(len(pci)), "NVIDIA GPUs on the PCI bus (sysfs)")
+            yield Sample("gpus_on_pci_bus", float(len(pci)), "NVIDIA GPUs on the PCI bus (sysfs)")
         expected = obs.node.get("expected")
         if expected is not None:
-            yield Sample("gpu_expected_count", float(expected), "GPUs this node should have (config)")
+            yield Sample("gpus_expected", float(expected), "GPUs this node should have (config)")
         for i, data in sorted(obs.per_gpu.items()):
             if "present" in data:
                 yield Sample("gpu_present", 1.0 if data["present"] else 0.0,

@@ -50,7 +50,7 @@ def test_real_recordings_have_everything_present(h200_recording: Path, h100_reco
         run = _run(fake)
         assert run.success and run.findings == []
         samples = {s.name: s.value for s in run.samples if s.gpu is None}
-        assert samples["gpu_count"] == samples["gpu_pci_count"] == fake.device_count()
+        assert samples["gpus"] == samples["gpus_on_pci_bus"] == fake.device_count()
 
 
 def test_fewer_gpus_than_expected_is_critical_missing(h100_recording: Path) -> None:
