@@ -252,6 +252,15 @@ class XidCollector:
 
     def evaluate(self, obs: Observations, history: History, ctx: CollectContext) -> list[Finding]:
         out: list[Finding] = []
+        kmsg_state = str(obs.node.get("kmsg", ""))
+        if kmsg_state.startswith("unavailable"):
+            # Without the kernel log, XIDs from before this process started are invisible (NVML only
+            # reports events that happen while it listens): say so, without changing health.
+            out.append(Finding(
+                code="kmsg.unavailable", severity=Severity.INFO, entity=Entity.node(ctx.node_name),
+                message=f"kernel log {kmsg_state}: earlier XIDs are not visible (needs root or CAP_SYSLOG)",
+                action=Action.NONE, evidence={"kmsg": kmsg_state}, source=self.name,
+            ))
         for entry in obs.node.get("active", []):
             info = xid_info(int(entry["xid"]))
             severity, action, escalated = judge(entry, info)

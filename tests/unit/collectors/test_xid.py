@@ -176,3 +176,14 @@ def test_catalog_covers_fatal_and_application_xids(tmp_path: Path) -> None:
     bad.write_text("code,name,severity,action,repeat_action,hardware,source\n79,x,fatal,reboot,drain,yes,me\n")
     with pytest.raises(CatalogError, match=r"xid\.csv: data row 1"):
         load_xid_catalog(bad)
+
+
+def test_unreadable_kernel_log_is_an_info_finding_not_a_failure(tmp_path: Path, clock) -> None:  # type: ignore[no-untyped-def]
+    from gpuhealth.backends.kmsg import DevKmsg
+
+    h = Harness(tmp_path, clock)
+    h.kmsg = DevKmsg(str(tmp_path / "no-such-kmsg"))  # type: ignore[assignment]
+    run = h.run()
+    [f] = run.findings
+    assert (f.code, f.severity, f.entity.kind) == ("kmsg.unavailable", Severity.INFO, EntityKind.NODE)
+    assert "No such file" in f.message and run.observations is not None and not run.observations.errors
