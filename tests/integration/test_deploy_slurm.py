@@ -1,0 +1,112 @@
+"""The Slurm scripts with the REAL ``gpuhealth qualify`` / ``gpuhealth status`` (replaying the
+bundled H200 recording, with and without a fault) and a stub ``scontrol`` that records calls and
+keeps node state: the drain reason is built from the real JSON report, and the health check
+resumes the node once the fault is gone."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+pytestmark = pytest.mark.integration
+
+REPO = Path(__file__).resolve().parents[2]
+SLURM = REPO / "deploy" / "slurm"
+BIN = Path(sys.executable).parent
+NODE = "gpu-node-01"
+
+SCONTROL = """#!{python}
+import json, os, sys
+path = os.environ["STUB_STATE"]
+state = json.load(open(path))
+args = sys.argv[1:]
+with open(os.environ["STUB_LOG"], "a") as log:
+    log.write(json.dumps(args) + "\\n")
+if args[:2] == ["show", "node"]:
+    print(f"NodeName={{args[2]}} Arch=x86_64\\n   State={{state['state']}} ThreadsPerCore=2")
+    if state.get("reason"):
+        print(f"   Reason={{state['reason']}} [root@2026-11-26T01:00:00]")
+elif args[0] == "update":
+    kv = dict(a.split("=", 1) for a in args[1:])
+    base = state["state"].split("+")[0]
+    state = {{"state": base + "+DRAIN", "reason": kv["reason"]}} if kv["state"] == "drain" else {{"state": base}}
+    json.dump(state, open(path, "w"))
+"""
+
+
+@pytest.fixture
+def env(tmp_path: Path) -> dict[str, str]:
+    stub_dir = tmp_path / "bin"
+    stub_dir.mkdir()
+    (stub_dir / "scontrol").write_text(SCONTROL.format(python=sys.executable))
+    (stub_dir / "scontrol").chmod(0o755)
+    (tmp_path / "state.json").write_text(json.dumps({"state": "IDLE"}))
+    faulty = tmp_path / "xid79.yaml"
+    faulty.write_text(yaml.safe_dump({"recording": "nvml_h200x2.json",
+                                      "events": [{"at": 0, "type": "xid", "gpu": 1, "xid": 79}]}))
+    return {
+        "PATH": f"{stub_dir}:{BIN}:/usr/bin:/bin",
+        "STUB_STATE": str(tmp_path / "state.json"),
+        "STUB_LOG": str(tmp_path / "scontrol.log"),
+        "SLURMD_NODENAME": NODE,
+        "GPUHEALTH_SLURM_ENV": str(tmp_path / "none.env"),
+        "GPUHEALTH_SLURM_JOB_DIR": str(tmp_path / "jobs"),
+        "TMPDIR": str(tmp_path),
+        "NVIDIA_SMI": "absent-nvidia-smi",
+        "HEALTHY": str(REPO / "src/gpuhealth/data/nvml_h200x2.json"),
+        "FAULTY": str(faulty),
+    }
+
+
+def run(script: str, env: dict[str, str], snapshot: str, **extra: str) -> subprocess.CompletedProcess[str]:
+    """Run a script with its default check arguments plus --nvml-snapshot (the only change)."""
+    defaults = {
+        "gpuhealth-prolog.sh": ("GPUHEALTH_PROLOG_ARGS", "qualify --level quick --exit-codes slurm --json"),
+        "gpuhealth-epilog.sh": ("GPUHEALTH_EPILOG_ARGS", "status --exit-codes slurm --json"),
+        "gpuhealth-healthcheck.sh": ("GPUHEALTH_HEALTHCHECK_ARGS", "status --exit-codes slurm --json"),
+    }
+    var, args = defaults[script]
+    text = (SLURM / script).read_text()
+    assert args in text, f"{script}'s default check changed; update this test"
+    full = {**env, var: f"{args} --nvml-snapshot {env[snapshot]}", **extra}
+    return subprocess.run(["bash", str(SLURM / script)], env=full, capture_output=True, text=True, timeout=120)
+
+
+def node(env: dict[str, str]) -> dict[str, str]:
+    data: dict[str, str] = json.loads(Path(env["STUB_STATE"]).read_text())
+    return data
+
+
+def test_prolog_on_a_healthy_node_passes_and_maps_gpus(env: dict[str, str]) -> None:
+    result = run("gpuhealth-prolog.sh", env, "HEALTHY", SLURM_JOB_ID="88", SLURM_JOB_GPUS="0,1")
+    assert result.returncode == 0, result.stderr
+    assert node(env) == {"state": "IDLE"}
+    assert sorted(p.name for p in Path(env["GPUHEALTH_SLURM_JOB_DIR"]).iterdir()) == ["0", "1"]
+
+
+def test_prolog_on_a_faulty_node_drains_with_the_real_finding_code(env: dict[str, str]) -> None:
+    result = run("gpuhealth-prolog.sh", env, "FAULTY", SLURM_JOB_ID="88", SLURM_JOB_GPUS="0,1")
+    assert result.returncode == 1
+    assert node(env) == {"state": "IDLE+DRAIN", "reason": "gpuhealth: xid.79"}
+
+
+def test_health_check_drains_then_resumes_when_the_fault_is_gone(env: dict[str, str]) -> None:
+    run("gpuhealth-healthcheck.sh", env, "FAULTY")
+    assert node(env) == {"state": "IDLE+DRAIN", "reason": "gpuhealth: xid.79"}
+    run("gpuhealth-healthcheck.sh", env, "HEALTHY")
+    assert node(env) == {"state": "IDLE"}
+
+
+def test_epilog_cleans_the_map_and_drains_a_node_left_broken(env: dict[str, str]) -> None:
+    jobs = Path(env["GPUHEALTH_SLURM_JOB_DIR"])
+    jobs.mkdir()
+    (jobs / "1").write_text("88\n")
+    result = run("gpuhealth-epilog.sh", env, "FAULTY", SLURM_JOB_ID="88")
+    assert result.returncode == 0
+    assert list(jobs.iterdir()) == []
+    assert node(env)["reason"] == "gpuhealth: xid.79"
