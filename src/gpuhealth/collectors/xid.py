@@ -229,7 +229,6 @@ class XidCollector:
         self._prev_counters: dict[str, dict[str, int]] = {}
         self._gone: set[str] = set()
         self._seen_uuids: set[str] = set()
-        self._kmsg_error: str | None = None
 
     # ------------------------------------------------------------------ protocol
     def supported(self, ctx: CollectContext) -> bool:
