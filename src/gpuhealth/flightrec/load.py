@@ -24,6 +24,7 @@ JSON whose layout the tail reader does not recognise are parsed whole (up to ``m
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -332,18 +333,31 @@ def _read_json_tail(path: Path, size: int, want: int) -> tuple[dict[str, Any], l
             prefix = json.loads(head[: m.start()].rstrip().rstrip(b",") + b"}")
         except ValueError:
             return None
+        if not isinstance(prefix, dict):
+            return None
         entries_start = m.end()
-        chunk = max(64 * 1024, want * 1024)
+        chunk = 64 * 1024 + want * 1024
+        suffix: dict[str, Any] | None = None
+        suffix_len = 0
         while True:
             start = max(entries_start, size - chunk)
             fh.seek(start)
             buf = fh.read(size - start)
-            parsed = _parse_tail_buffer(buf, at_array_start=start == entries_start)
-            if parsed is None:
-                return None
-            suffix, starts = parsed
-            if not isinstance(prefix, dict) or not isinstance(suffix, dict):
-                return None
+            if suffix is None:
+                found = _split_suffix(buf)
+                if found is None:
+                    if start == entries_start:
+                        return None
+                    chunk *= 4  # a large pg_config (the world's rank list) did not fit yet
+                    continue
+                suffix, cut = found
+                suffix_len = len(buf) - cut
+            body = buf[: len(buf) - suffix_len]
+            starts = [mm.start(1) for mm in _ENTRY_START.finditer(body)]
+            if start == entries_start:
+                lead = len(body) - len(body.lstrip())
+                if body[lead:lead + 1] == b"{" and (not starts or starts[0] != lead):
+                    starts.insert(0, lead)
             top = {**prefix, **suffix}
             status = _int_status(top.get("pg_status"))
             entries: list[Any] = []
@@ -351,24 +365,23 @@ def _read_json_tail(path: Path, size: int, want: int) -> tuple[dict[str, Any], l
             done = False
             for pos in reversed(starts):
                 try:
-                    obj = _decode_at(buf, pos)
+                    obj = _decode_at(body, pos)
                 except ValueError:
                     return None
                 entries.append(obj)
                 if isinstance(obj, dict):
-                    try:
-                        pid, seq = int(obj.get("pg_id", -1)), int(obj.get("collective_seq_id", -1))
-                    except (TypeError, ValueError):
-                        pid, seq = -1, -1
-                    covered[pid] = min(covered.get(pid, seq), seq)
+                    pid = _as_int(obj.get("pg_id"), -1)
+                    seq = _as_int(obj.get("collective_seq_id"), -1)
+                    if pid is not None and seq is not None:
+                        covered[pid] = min(covered.get(pid, seq), seq)
                 if len(entries) >= want and _frontier_covered(status, covered):
                     done = True
                     break
             entries.reverse()
-            if done and (start > entries_start or len(entries) < len(starts)):
-                return top, entries, True
             if start == entries_start:
-                return top, entries, False
+                return top, entries, done and len(entries) < len(starts)
+            if done:
+                return top, entries, True
             chunk *= 4
 
 
@@ -386,28 +399,19 @@ def _decode_at(buf: bytes, pos: int) -> Any:
     raise ValueError("unterminated entry")
 
 
-def _parse_tail_buffer(buf: bytes, *, at_array_start: bool) -> tuple[Any, list[int]] | None:
-    """(top-level keys after the entries array, start offsets of the entry objects in buf)."""
-    # The entries array ends at the last "]" followed by "," + key or "}" — find the suffix by
-    # decoding from the last candidate "],\"" backwards.
+def _split_suffix(buf: bytes) -> tuple[dict[str, Any], int] | None:
+    """(the top-level keys after the entries array, offset of the array's closing "]") or None."""
     close = buf.rfind(b'],"')
-    candidates: list[int] = []
-    while close != -1 and len(candidates) < 8:
-        candidates.append(close)
-        close = buf.rfind(b'],"', 0, close)
-    for c in candidates:
+    tries = 0
+    while close != -1 and tries < 8:
         try:
-            suffix = json.loads(b"{" + buf[c + 2:])
+            suffix = json.loads(b"{" + buf[close + 2:])
         except ValueError:
-            continue
+            suffix = None
         if isinstance(suffix, dict) and ("pg_status" in suffix or "version" in suffix or "pg_config" in suffix):
-            body = buf[:c]
-            starts = [m.start(1) for m in _ENTRY_START.finditer(body)]
-            if at_array_start:
-                first = body.lstrip()[:1]
-                if first == b"{":
-                    starts.insert(0, len(body) - len(body.lstrip()))
-            return suffix, starts
+            return suffix, close
+        close = buf.rfind(b'],"', 0, close)
+        tries += 1
     return None
 
 
@@ -620,12 +624,18 @@ def _pg_config(v: Any) -> dict[str, GroupConfig]:
     return out
 
 
+@functools.lru_cache(maxsize=64)
+def _parse_rank_string(v: str) -> tuple[int, ...]:
+    # Every rank's dump repeats the world group's list (16,384 numbers at 16k ranks): parse it once.
+    return tuple(int(x) for x in re.findall(r"\d+", v))
+
+
 def _parse_ranks(v: Any) -> tuple[int, ...]:
     # Real dumps write the list as a string ("[0, 1]"); never eval it.
+    if isinstance(v, str):
+        return _parse_rank_string(v)
     if isinstance(v, list | tuple):
         items: Iterable[Any] = v
-    elif isinstance(v, str):
-        items = re.findall(r"-?\d+", v)
     else:
         return ()
     out = []
