@@ -153,7 +153,7 @@ def bench_cuda(steps: int, blocks: int, size: int, sink: dict[str, Any]) -> dict
     dev = torch.device("cuda", 0)
     torch.cuda.set_device(dev)
     a = torch.randn(size, size, device=dev, dtype=torch.bfloat16)
-    w = [torch.randn(size, size, device=dev, dtype=torch.bfloat16) / size**0.5 for _ in range(4)]
+    w = [torch.randn(size, size, device=dev, dtype=torch.bfloat16) / size**0.5 for _ in range(8)]
     grad = torch.randn(16 << 20, device=dev)  # 64 MiB gradient
 
     def one_step() -> None:
@@ -262,7 +262,6 @@ def main() -> int:
         "sink": args.sink, "command": " ".join([Path(sys.executable).name, *sys.argv]),
     }
     tracker = Tracker(timing="cpu", **sink)
-    results["hook_cost"] = bench_hook_cost(tracker, 5_000 if args.quick else 20_000, blocks)
     use_cuda = torch.cuda.is_available() and not args.no_cuda
     store = tmp / "store"
     # Gloo for CPU tensors, NCCL for CUDA tensors when there is a GPU.
@@ -270,9 +269,13 @@ def main() -> int:
                             world_size=1, timeout=timedelta(seconds=60))
     try:
         results["cpu_step"] = bench_cpu(tracker, 10 if args.quick else 20, blocks, args.cpu_size)
+        # Last on CPU: it floods the sink with ~10^5 records/s, which would disturb the others.
+        results["hook_cost"] = bench_hook_cost(tracker, 5_000 if args.quick else 20_000, blocks)
         tracker.close()
         if use_cuda:
-            results["cuda_step"] = bench_cuda(20 if args.quick else 50, blocks, 4096, sink)
+            # A short step (host launch cost matters most) and a typical one (~10 ms of matmuls).
+            for size, n_steps in ((4096, 50), (8192, 20)):
+                results[f"cuda_step_{size}"] = bench_cuda(n_steps // 2 if args.quick else n_steps, blocks, size, sink)
     finally:
         dist.destroy_process_group()
         if hub is not None:
@@ -283,7 +286,7 @@ def main() -> int:
     print()
     hc = results["hook_cost"]
     print(f"hook cost (empty step + collective): {hc['hook_us_per_step']:.2f} µs/step")
-    for key in ("cpu_step", "cuda_step"):
+    for key in ("cpu_step", "cuda_step_4096", "cuda_step_8192"):
         if key in results:
             r = results[key]
             print(f"{key}: plain {r['plain_step_ms']:.3f} ms, hooked {r['hooked_step_ms']:.3f} ms, "

@@ -20,12 +20,12 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 
-@dataclass(frozen=True, slots=True)
-class StepTiming:
-    """What a timer knows about one finished step (the Tracker adds job id and rank)."""
+class StepTiming(NamedTuple):
+    """What a timer knows about one finished step (the Tracker adds job id and rank). A tuple: it is
+    made once per step on the training thread, where a frozen dataclass costs more."""
 
     step: int
     start_time: float  # wall clock (epoch seconds) when the step began on the host
@@ -58,7 +58,7 @@ class StepTimer(Protocol):
 class TimingEvent(Protocol):
     """The part of ``torch.cuda.Event(enable_timing=True)`` the lazy timer uses."""
 
-    def record(self) -> None: ...
+    def record(self, stream: Any = None) -> None: ...
 
     def query(self) -> bool: ...
 
@@ -180,8 +180,18 @@ class LazyEventTimer:
     counted in ``dropped``, so memory stays bounded.
     """
 
-    def __init__(self, event_factory: Callable[[], TimingEvent], *, max_pending: int = 64) -> None:
+    def __init__(
+        self,
+        event_factory: Callable[[], TimingEvent],
+        *,
+        max_pending: int = 64,
+        stream_getter: Callable[[], Any] | None = None,
+    ) -> None:
         self._new_event = event_factory
+        # Asking torch for the current stream costs more than recording an event: ask once per step
+        # and record the step's events on that stream.
+        self._get_stream = stream_getter
+        self._stream: Any = None
         self._pool: list[TimingEvent] = []
         self._pending: deque[_PendingStep] = deque()
         self._current: _PendingStep | None = None
@@ -202,22 +212,24 @@ class LazyEventTimer:
                 self._pool.extend((span.begin, span.end))
 
     def begin_step(self, step: int, start_time: float) -> None:
+        if self._get_stream is not None:
+            self._stream = self._get_stream()
         ev = self._event()
-        ev.record()
+        ev.record(self._stream)
         self._current = _PendingStep(step, start_time, ev)
 
     def begin_collective(self) -> None:
         if self._current is None:
             return
         ev = self._event()
-        ev.record()
+        ev.record(self._stream)
         self._open_begin = ev
 
     def end_collective(self) -> None:
         if self._current is None or self._open_begin is None:
             return
         ev = self._event()
-        ev.record()
+        ev.record(self._stream)
         self._current.spans.append(EventSpan(self._open_begin, ev))
         self._open_begin = None
 
@@ -230,7 +242,7 @@ class LazyEventTimer:
         if cur is None:
             return
         ev = self._event()
-        ev.record()
+        ev.record(self._stream)
         cur.end = ev
         self._current = None
         self._pending.append(cur)

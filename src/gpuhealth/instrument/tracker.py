@@ -155,7 +155,7 @@ class Tracker:
         if torch is None:
             import torch  # lazy: timing="cuda" was asked for explicitly
 
-        return LazyEventTimer(lambda: torch.cuda.Event(enable_timing=True))
+        return LazyEventTimer(lambda: torch.cuda.Event(enable_timing=True), stream_getter=torch.cuda.current_stream)
 
     # -- public API ---------------------------------------------------------------------------------
 

@@ -30,8 +30,10 @@ class FakeEvent:
     def __init__(self, gpu: FakeGpu) -> None:
         self.gpu = gpu
         self.stamp_ms: float | None = None
+        self.stream: object = None
 
-    def record(self) -> None:
+    def record(self, stream: object = None) -> None:
+        self.stream = stream
         self.stamp_ms = max(self.gpu.queued_until_ms, self.gpu.now_ms)
 
     def query(self) -> bool:

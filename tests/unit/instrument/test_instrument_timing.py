@@ -170,3 +170,23 @@ def test_host_timer_splits_with_its_clock() -> None:
     assert t.wall_s == pytest.approx(0.5) and t.comm_wait_s == pytest.approx(0.15)
     assert t.compute_s == pytest.approx(0.35)
     assert timer.poll() == []
+
+
+def test_lazy_timer_asks_for_the_stream_once_per_step(gpu: Any) -> None:
+    asked: list[int] = []
+
+    def current_stream() -> str:
+        asked.append(1)
+        return f"stream-{len(asked)}"
+
+    made: list[Any] = []
+
+    def factory() -> Any:
+        ev = gpu.event()
+        made.append(ev)
+        return ev
+
+    timer = LazyEventTimer(factory, stream_getter=current_stream)
+    _step(timer, gpu, 0, 1.0, 1.0)
+    assert len(asked) == 1
+    assert [ev.stream for ev in made] == ["stream-1"] * 4  # every event of the step on that stream
