@@ -237,6 +237,14 @@ def test_straggler_flagged_within_10_steps_with_its_gpu_finding(cluster: Cluster
         assert 1.5 < finding["evidence"]["ratio_to_median"] < 2.6
         # Within 10 steps: when the verdict was stored, no rank had finished more than 10 steps.
         assert verdict["at_step"] is not None and verdict["at_step"] <= 10, verdict["at_step"]
+        # Live triage of the running job (what `gpuhealth triage --job` prints): every rank's dump.
+        from gpuhealth.coordinator.query import live_triage
+
+        live = live_triage(cluster.coord.address, job_id, timeout_s=40)
+        assert {"verdict", "findings", "ranks_seen", "ranks_missing", "groups", "culprits"} <= set(live)
+        assert live["verdict"] in ("hang", "mismatch", "straggler", "healthy", "incomplete")
+        assert live["ranks_seen"] == [0, 1, 2, 3] and live["ranks_missing"] == []
+        assert sorted(live["stacks"]) == ["0", "1", "2", "3"]
         _finish(procs, cluster, job_id)
         assert [v["culprits"] for v in cluster.coord.verdicts(job_id)] == [[3]]  # flagged once, no others
     finally:
@@ -300,6 +308,27 @@ def test_healthy_run_produces_nothing(cluster: Cluster) -> None:
         assert job.records == WORLD * 20
     finally:
         _kill(procs)
+
+
+@pytest.mark.integration
+def test_fleet_and_jobs_cli_against_the_live_coordinator(cluster: Cluster) -> None:
+    from click.testing import CliRunner
+
+    from gpuhealth.cli.main import cli
+
+    runner = CliRunner()
+    res = runner.invoke(cli, ["fleet", "--coordinator", cluster.coord.address, "--json"])
+    doc = json.loads(res.output)
+    assert res.exit_code == 1  # a degraded GPU in the fleet
+    assert [(g["node"], g["gpu"], g["codes"]) for g in doc["unhealthy_gpus"]] == [
+        ("n2", 1, ["throttle.hw_slowdown"])]
+    assert doc["version_drift"] == [] and doc["sdc"] == []
+    assert {n["name"]: n["versions"]["driver"] for n in doc["nodes"]} == {"n1": "580.159.04", "n2": "580.159.04"}
+    res = runner.invoke(cli, ["jobs", "--coordinator", cluster.coord.address, "--json"])
+    assert res.exit_code in (0, 1), res.output
+    assert isinstance(json.loads(res.output)["jobs"], list)
+    res = runner.invoke(cli, ["jobs", "--coordinator", "127.0.0.1:1", "--json"])
+    assert res.exit_code == 3 and "UNAVAILABLE" in res.output
 
 
 if __name__ == "__main__" and len(sys.argv) > 2 and sys.argv[1] == "worker":

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import subprocess
 import urllib.request
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
@@ -204,8 +205,42 @@ async def _health_reflection_and_metrics(server: CoordinatorServer) -> None:
         lambda: urllib.request.urlopen(f"http://127.0.0.1:{server.endpoints.metrics_port}/metrics", timeout=5)  # type: ignore[union-attr]
         .read().decode())
     assert "gpuhealth_coordinator_connected_agents 1.0" in text
-    assert 'gpuhealth_coordinator_job_step_seconds_quantile{job="jobm",quantile="0.5"} 0.25' in text
+    assert 'gpuhealth_coordinator_job_step_seconds{job="jobm",quantile="0.5"} 0.25' in text
     assert "gpuhealth_coordinator_step_records_total 6.0" in text
+    lint = subprocess.run(["promtool", "check", "metrics"], input=text.encode(), capture_output=True, check=False)
+    assert lint.returncode == 0, lint.stdout.decode() + lint.stderr.decode()
     await agent.close()
     doc = json.loads(json.dumps(await asyncio.to_thread(list_jobs, addr, "jobm")))
     assert doc["jobs"][0]["records"] == 6
+
+
+def test_fleet_votes_sdc_digests_and_finds_version_drift(tmp_path: Path) -> None:
+    _with_server(tmp_path, _fleet_votes)
+
+
+async def _fleet_votes(server: CoordinatorServer) -> None:
+    addr = _addr(server)
+    key = "H100-132SM-cublas12.9-bf16-8192"
+    agents = []
+    for i in range(4):
+        driver = "570.86.15" if i != 3 else "565.57.01"
+        agent = SimAgent(addr, f"n{i}", gpus=1, versions={"driver": driver, "torch": "2.13.0"})
+        await agent.register()
+        await agent.connect()
+        digest = "c0ffee" if i != 1 else "badbad"  # n1's GPU computes a different result
+        await agent.send(pb.AgentMessage(record=pb.Record(seq=1, sdc=pb.SdcDigests(digests=[
+            pb.SdcDigest(gpu_uuid=f"GPU-n{i}-0", key=key, digest=digest, at=1.0)]))).SerializeToString())
+        await agent.wait_acked(1)
+        agents.append(agent)
+    # A GPU finding on n2 makes it unhealthy in the fleet view.
+    await agents[2].send(pb.AgentMessage(record=pb.Record(seq=2, findings=pb.FindingsSnapshot(findings=[
+        pb.Finding(code="ecc.dbe_volatile", severity="critical", entity_kind="gpu", entity_id="GPU-n2-0",
+                   gpu_index=0, message="double-bit ECC", action="reset_gpu")]))).SerializeToString())
+    await agents[2].wait_acked(2)
+    doc = await asyncio.to_thread(fleet, addr)
+    assert [(f["entity"]["id"], f["evidence"]["agree"]) for f in doc["sdc"]] == [("GPU-n1-0", 3)]
+    assert [(f["entity"]["id"], f["evidence"]["key"]) for f in doc["version_drift"]] == [("n3", "driver")]
+    assert [(g["node"], g["gpu"], g["codes"]) for g in doc["unhealthy_gpus"]] == [("n2", 0, ["ecc.dbe_volatile"])]
+    assert sorted(n["name"] for n in doc["nodes"] if n["connected"]) == ["n0", "n1", "n2", "n3"]
+    for a in agents:
+        await a.close()

@@ -8,7 +8,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric, SummaryMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 SnapshotFn = Callable[[], dict[str, Any]]
@@ -40,10 +40,9 @@ class CoordinatorCollector(Collector):
         for kind, n in sorted(s.get("verdicts", {}).items()):
             verdicts.add_metric([kind], n)
         yield verdicts
-        step = SummaryMetricFamily(p + "job_step_seconds", "Recent wall step time per job (sampled).",
-                                   labels=["job"])
-        quant = GaugeMetricFamily(p + "job_step_seconds_quantile", "Recent wall step time quantiles per job.",
-                                  labels=["job", "quantile"])
+        records = CounterMetricFamily(p + "job_step_records", "Rank-step records ingested per job.", labels=["job"])
+        quant = Metric(p + "job_step_seconds", "Recent wall step time per job (a bounded sample of steps).",
+                       "summary")
         scores = GaugeMetricFamily(p + "straggler_score",
                                    "Rank slowness score (compute time / job median; top ranks only).",
                                    labels=["job", "rank"])
@@ -54,15 +53,17 @@ class CoordinatorCollector(Collector):
                                     labels=["job"])
         for job in s.get("jobs", []):
             jid = job["job_id"]
-            step.add_metric([jid], count_value=job["records"], sum_value=0.0)
+            records.add_metric([jid], job["records"])
             for q, v in sorted(job["quantiles"].items()):
-                quant.add_metric([jid, str(q)], v)
+                quant.add_sample(p + "job_step_seconds", {"job": jid, "quantile": str(q)}, v)
+            quant.add_sample(p + "job_step_seconds_count", {"job": jid}, job.get("step_count", 0))
+            quant.add_sample(p + "job_step_seconds_sum", {"job": jid}, job.get("step_sum", 0.0))
             for rank, score in job["scores"]:
                 scores.add_metric([jid, str(rank)], score)
             stragglers.add_metric([jid], job["stragglers"])
             hangs.add_metric([jid], job["hangs"])
             stalled.add_metric([jid], job["stalled_s"])
-        yield from (quant, scores, stragglers, hangs, stalled)
+        yield from (records, quant, scores, stragglers, hangs, stalled)
         hangs_total = CounterMetricFamily(p + "hangs", "Hangs detected, all jobs.")
         hangs_total.add_metric([], s.get("hangs", 0))
         yield hangs_total

@@ -462,6 +462,7 @@ class Coordinator:
             top = sorted(scores.items(), key=lambda kv: -kv[1])[:16]  # bounded cardinality
             jobs.append({
                 "job_id": job.job_id, "quantiles": job.step_quantiles(), "scores": top,
+                "step_count": len(job.step_samples), "step_sum": sum(job.step_samples),
                 "stragglers": len(job.stragglers), "hangs": job.hangs, "records": job.records,
                 "stalled_s": mono - job.progress_at if job.progress_at else 0.0,
             })
