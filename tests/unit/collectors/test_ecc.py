@@ -107,3 +107,26 @@ def test_a_failing_reading_is_an_error_not_a_crash(clock):
     errs = s.last_obs.errors
     assert [(e.gpu, e.key, e.code) for e in errs] == [(0, "TotalEccErrors_UNCORRECTED_VOLATILE", 999)]
     assert "uncorrected_volatile" in s.last_obs.per_gpu[1]  # the other GPU is still read
+
+
+def test_ecc_disabled_is_a_warning_and_mode_is_read_once(clock):
+    b = inline(clock, {"1": {"EccMode": [0, 1], "CurrentEccMode": 0,
+                             "TotalEccErrors_UNCORRECTED_VOLATILE": {"error": "Not Supported", "code": 3}}})
+    calls: list[str] = []
+
+    class Counting:
+        def __getattr__(self, name: str):
+            return getattr(b, name)
+
+        def query(self, index: int, key: str):
+            calls.append(key)
+            return b.query(index, key)
+
+    s = Sweeper(ecc.create(), Counting(), clock)
+    (off,) = problems(s.sweep())
+    assert (off.code, off.severity, off.entity.gpu_index) == ("ecc.disabled", Severity.WARNING, 1)
+    assert off.evidence == {"ecc_mode": 0, "ecc_mode_pending": 1} and "next reboot" in off.message
+    assert sample_values(s.last_samples, "gpu_ecc_mode_enabled", 1) == [0.0]
+    assert sample_values(s.last_samples, "gpu_ecc_mode_enabled", 0) == [1.0]
+    assert by_code(s.after(5), "ecc.disabled")  # from the cached mode
+    assert calls.count("EccMode") == 2 and calls.count("CurrentEccMode") == 0  # once per GPU
