@@ -132,16 +132,13 @@ class NumaCollector:
 
     def collect(self, ctx: CollectContext) -> Observations:
         obs = Observations(NAME, ctx.now)
-        try:
-            sysfs: Any = sysfs_of(ctx)
-            nodes = sysfs.numa_nodes()
-        except Exception:  # a broken sysfs costs NUMA facts, never the NVML ones
-            sysfs, nodes = None, {}
+        sysfs = sysfs_of(ctx)
+        nodes = sysfs.numa_nodes()
         obs.node["numa_nodes"] = {n: format_cpulist(c) for n, c in nodes.items()}
         for g in ctx.gpus:
             i = g.index
             rec = obs.gpu(i)
-            dev = sysfs.pci_device(g.pci_bus_id) if sysfs is not None else None
+            dev = sysfs.pci_device(g.pci_bus_id) if g.pci_bus_id else None
             node: int | None = None
             local: frozenset[int] = frozenset()
             if dev is not None:

@@ -63,10 +63,7 @@ class PcieCollector:
 
     def collect(self, ctx: CollectContext) -> Observations:
         obs = Observations(NAME, ctx.now)
-        try:
-            sysfs: Any = sysfs_of(ctx)
-        except Exception:  # a sysfs that cannot even be built must not cost the NVML readings
-            sysfs = None
+        sysfs = sysfs_of(ctx)
         for g in ctx.gpus:
             i = g.index
             rec = obs.gpu(i)
@@ -77,7 +74,7 @@ class PcieCollector:
             util = fetch(ctx, obs, i, "UtilizationRates")
             if isinstance(util, dict) and is_number(util.get("gpu")):
                 rec["util_pct"] = util["gpu"]
-            dev = sysfs.pci_device(g.pci_bus_id) if sysfs is not None else None
+            dev = sysfs.pci_device(g.pci_bus_id) if g.pci_bus_id else None
             if dev is not None:
                 for name, v in (("sysfs_width_current", dev.current_link_width),
                                 ("sysfs_width_max", dev.max_link_width),
