@@ -128,7 +128,7 @@ def xid_events(
             continue
         ts = wall_now if rec.usec_since_boot is None else at_boot + rec.usec_since_boot / 1e6
         detail = parsed.message
-        if parsed.pid is not None or parsed.process:
+        if parsed.pid or parsed.process:  # pid 0 without a name: the kernel itself, nothing to add
             detail = f"pid={parsed.pid if parsed.pid is not None else '?'} name={parsed.process or '?'}: {detail}"
         out.append(
             XidEvent(

@@ -85,7 +85,10 @@ def command(snapshot: str | None, kmsg_path: str | None, expected_gpus: int | No
     if as_json:
         click.echo(json.dumps(report.to_dict(), indent=2, sort_keys=False, default=str))
     else:
-        render(report, Console(highlight=False, soft_wrap=False))
+        console = Console(highlight=False, soft_wrap=False)
+        if not console.is_terminal:  # piped into a file or a log: do not squeeze into 80 columns
+            console = Console(highlight=False, soft_wrap=False, width=140)
+        render(report, console)
     sys.exit(exit_code(report.health, profile))
 
 

@@ -86,11 +86,12 @@ class PresenceCollector:
             ident = ctx.gpu_by_index(i)
             code = data.get("gone_code")
             reset_only = code == errors.RESET_REQUIRED
+            bus = data.get("pci_bus_id") or (ident.pci_bus_id if ident else "")
             out.append(Finding(
                 code="gpu.lost",
                 severity=Severity.CRITICAL,
                 entity=Entity.gpu(ident.uuid if ident else f"unknown-gpu-{i}", i),
-                message=(f"GPU {i} ({data.get('pci_bus_id') or (ident.pci_bus_id if ident else '?')}) "
+                message=(f"GPU {i}{f' ({bus})' if bus else ''} "
                          f"{'needs a reset' if reset_only else 'is lost (fell off the bus)'}: "
                          f"NVML says '{data.get('gone_message', '')}'"),
                 action=Action.RESET_GPU if reset_only else Action.REBOOT,
