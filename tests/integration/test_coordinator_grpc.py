@@ -244,3 +244,23 @@ async def _fleet_votes(server: CoordinatorServer) -> None:
     assert sorted(n["name"] for n in doc["nodes"] if n["connected"]) == ["n0", "n1", "n2", "n3"]
     for a in agents:
         await a.close()
+
+
+def test_a_newer_registration_of_the_node_ends_the_old_stream(tmp_path: Path) -> None:
+    _with_server(tmp_path, _newer_registration)
+
+
+async def _newer_registration(server: CoordinatorServer) -> None:
+    old = SimAgent(_addr(server), "n1")
+    await old.register()
+    await old.connect()
+    await old.send(step_batch_message(1, "j", [0], 1))
+    await old.wait_acked(1)
+    new = SimAgent(_addr(server), "n1")
+    assert (await new.register()).acked_seq == 1
+    assert await old.status() is grpc.StatusCode.ABORTED
+    await new.connect()
+    await new.send(step_batch_message(2, "j", [0], 2))
+    await new.wait_acked(2)
+    await old.close()
+    await new.close()

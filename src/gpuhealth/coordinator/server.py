@@ -77,22 +77,23 @@ class CoordinatorServicer:
         if not self.policy.node_allowed(context.auth_context(), session.node):
             await context.abort(grpc.StatusCode.PERMISSION_DENIED, f"certificate does not name node {session.node!r}")
         self.coord.stream_opened(session)
+        written_ack = -1
 
         async def writer() -> None:
+            nonlocal written_ack
             async for out in self.coord.outgoing(session):
                 await context.write(out)
+                if out.HasField("ack"):
+                    written_ack = out.ack.up_to_seq
 
-        write_task = asyncio.create_task(writer())
-        rejected: StreamRejected | None = None
-        try:
+        async def reader() -> StreamRejected | None:
             async for raw in requests:
                 if session.closed:
-                    break
+                    return None
                 try:
                     msg = pb.AgentMessage.FromString(raw)
                 except (DecodeError, RuntimeError, ValueError) as exc:
-                    rejected = StreamRejected(grpc.StatusCode.INVALID_ARGUMENT, f"not a valid AgentMessage: {exc}")
-                    break
+                    return StreamRejected(grpc.StatusCode.INVALID_ARGUMENT, f"not a valid AgentMessage: {exc}")
                 body = msg.WhichOneof("body")
                 try:
                     if body == "record":
@@ -102,30 +103,41 @@ class CoordinatorServicer:
                     elif body == "result":
                         self.coord.handle_result(session, msg.result)
                     else:
-                        raise StreamRejected(grpc.StatusCode.INVALID_ARGUMENT, "empty AgentMessage")
+                        return StreamRejected(grpc.StatusCode.INVALID_ARGUMENT, "empty AgentMessage")
                 except StreamRejected as exc:
-                    rejected = exc
-                    break
+                    return exc
                 except WireError as exc:
-                    rejected = StreamRejected(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-                    break
-            if rejected is None and not session.closed:
-                # The agent half-closed: flush the last ack before ending the call.
+                    return StreamRejected(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            return None  # the agent half-closed
+
+        read_task = asyncio.create_task(reader())
+        write_task = asyncio.create_task(writer())
+        rejected: StreamRejected | None = None
+        replaced = False
+        try:
+            await asyncio.wait({read_task, write_task}, return_when=asyncio.FIRST_COMPLETED)
+            if read_task.done():
+                rejected = read_task.result()
+                # Flush the last ack (also that of a rejected seq) before the call ends.
                 session.wake.set()
-                await asyncio.sleep(0)
+                for _ in range(100):
+                    if written_ack >= session.acked or write_task.done():
+                        break
+                    await asyncio.sleep(0.01)
+            else:
+                replaced = not read_task.done()  # the session was replaced or the coordinator stops
         finally:
             self.coord.stream_closed(session)
-            if rejected is not None:
-                # Let the writer push the ack of the rejected seq, then end the call with the status.
-                session.wake.set()
-                with contextlib.suppress(Exception):
-                    await asyncio.wait_for(asyncio.shield(asyncio.sleep(0.05)), 1)
-            write_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await write_task
+            for task in (read_task, write_task):
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await task
         if rejected is not None:
             log.warning("node %s: stream rejected: %s", session.node, rejected.details)
             await context.abort(rejected.code, rejected.details)
+        elif replaced:
+            await context.abort(grpc.StatusCode.ABORTED, "this stream's session ended (a newer Register of the "
+                                "node, or the coordinator is stopping): register again")
 
     async def list_jobs(self, raw: bytes, context: grpc.aio.ServicerContext) -> pb.JsonReply:
         await self._authorise(context)
