@@ -430,10 +430,13 @@ class Agent:
         self.cache.update_facts(nvml_up=False, agent_findings=(finding,))
 
     def _note_gone_gpus(self, outcome: RunOutcome) -> None:
-        gone = set(self._lost_gpus)
-        gone |= outcome.gone_gpus
-        gone -= outcome.answered_gpus - outcome.gone_gpus
-        new = frozenset(gone)
+        """Lost GPUs are those the presence collector reports (``gpu.lost``); other collectors only
+        hint (their GPU_IS_LOST errors), so a hint without a finding starts the re-init clock too."""
+        lost = {f.entity.gpu_index for f in self.cache.snapshot().findings
+                if f.code == "gpu.lost" and f.entity.gpu_index is not None}
+        if not lost and outcome.gone_gpus and "presence" not in self._collectors:
+            lost = set(outcome.gone_gpus)
+        new = frozenset(i for i in lost if i is not None)
         if new != self._lost_gpus:
             if new - self._lost_gpus:
                 log.error("GPU(s) %s answer GPU_IS_LOST/RESET_REQUIRED", sorted(new - self._lost_gpus))

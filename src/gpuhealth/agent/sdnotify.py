@@ -58,8 +58,14 @@ class SystemdNotifier:
         payload = "\n".join(f"{k.upper()}={v}" for k, v in fields.items()).encode()
         try:
             if self._sock is None:
+                # Non-blocking: a unix datagram send blocks while the receiver's queue is full, and
+                # the watchdog ping comes from the scheduler loop, which must never wait.
                 self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
+                self._sock.setblocking(False)
             self._sock.sendto(payload, _address(self.socket_path))
+        except BlockingIOError:
+            log.debug("systemd notify socket full; dropped %r", payload)
+            return False
         except OSError as exc:
             if not self._warned:
                 log.warning("cannot notify systemd at %s: %s", self.socket_path, exc)

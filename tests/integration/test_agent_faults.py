@@ -1,0 +1,143 @@
+"""A real agent process through faults over time: a GPU falls off the bus and comes back, the driver
+is unloaded and comes back; it keeps serving, reports each failure, recovers without a restart.
+Also: systemd notify + watchdog over a real socket, SIGHUP reload, JSON logs, graceful SIGTERM,
+and no torch in the agent process.
+
+Scenario ``agent_flaky.yaml`` (clock starts with the agent): GPU 1 lost at 3 s, back at 9 s; driver
+unloaded from 12 s to 16 s.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+import socket
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from agent_process import AgentProcess
+
+pytestmark = pytest.mark.integration
+
+SCENARIO = Path(__file__).parents[1] / "fixtures" / "scenarios" / "agent_flaky.yaml"
+OPENMETRICS = "application/openmetrics-text;version=1.0.0,text/plain;version=0.0.4;q=0.5"
+
+
+def _wait(fn: Any, timeout: float, what: str, agent: AgentProcess) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        out = fn()
+        if out:
+            return out
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}; agent log:\n{agent.log()[-4000:]}")
+
+
+def _codes(agent: AgentProcess) -> set[str]:
+    report = agent.health()
+    return {f["code"] for f in report["findings"]} | {f["code"] for g in report["gpus"] for f in g["findings"]}
+
+
+def _metric(text: str, pattern: str) -> float | None:
+    m = re.search(r"^" + pattern + r" (\S+)$", text, re.M)
+    return float(m.group(1)) if m else None
+
+
+def test_agent_survives_lost_gpu_and_driver_reload_and_shuts_down_cleanly(tmp_path: Path) -> None:
+    notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    notify.bind(str(tmp_path / "notify.sock"))
+    notify.settimeout(0.2)
+    heard: list[str] = []  # drained on a thread, as systemd does
+    done = threading.Event()
+
+    def drain() -> None:
+        while not done.is_set():
+            try:
+                heard.append(notify.recv(4096).decode())
+            except TimeoutError:
+                continue
+
+    drainer = threading.Thread(target=drain, daemon=True)
+    drainer.start()
+    cfg = tmp_path / "agent.yaml"
+    settings: dict[str, Any] = {"collectors": {"fast_interval_s": 0.5, "slow_interval_s": 1.0, "timeout_s": 2.0},
+                                "agent": {"json_logs": True, "pod_resources_socket": str(tmp_path / "none.sock")}}
+    cfg.write_text(yaml.safe_dump(settings))
+    agent = AgentProcess(tmp_path, ["--config", str(cfg), "--scenario", str(SCENARIO)],
+                         env={"NOTIFY_SOCKET": str(tmp_path / "notify.sock"), "WATCHDOG_USEC": "1000000"})
+    try:
+        agent.wait_ready()
+        # systemd: READY=1 after the first sweep, then watchdog pings at half of WATCHDOG_USEC
+        _wait(lambda: heard.count("WATCHDOG=1") >= 3, 5, "watchdog pings", agent)
+        ready = [m for m in heard if m.startswith("READY=1")]
+        assert ready and ready[0].startswith("READY=1\nSTATUS=SIMULATED, 2 GPUs: 2 healthy"), heard
+
+        assert agent.health()["node"]["simulated"] is True
+        # --- GPU 1 falls off the bus (3 s): reported, GPU 0 still read, scrape keeps working
+        _wait(lambda: "gpu.lost" in _codes(agent), 15, "gpu.lost", agent)
+        report = agent.health()
+        assert [g["health"] for g in report["gpus"]] == ["healthy", "unhealthy"]
+        text = agent.metrics()
+        assert _metric(text, r'gpuhealth_gpu_temperature_celsius\{gpu="0",[^}]*sensor="gpu"\}') is not None
+        assert _metric(text, r"gpuhealth_nvml_up") == 1.0
+        # --- it answers again (9 s)
+        _wait(lambda: "gpu.lost" not in _codes(agent), 15, "gpu.lost to clear", agent)
+        # --- driver unloaded (12 s): NVML down, GPU health unknown, still serving
+        _wait(lambda: _metric(agent.metrics(), "gpuhealth_nvml_up") == 0.0, 15, "NVML down", agent)
+        report = agent.health()
+        assert {g["health"] for g in report["gpus"]} == {"unknown"}
+        assert "nvml.unavailable" in {f["code"] for f in report["findings"]}
+        assert agent.get("/ready")[0] == 200  # the process is fine; the driver is not
+        # --- driver back (16 s): re-initialised in the same process
+        _wait(lambda: _metric(agent.metrics(), "gpuhealth_nvml_up") == 1.0, 20, "NVML re-initialised", agent)
+        _wait(lambda: agent.health()["node"]["health"] == "healthy", 10, "healthy again", agent)
+        text = agent.metrics()
+        assert (_metric(text, "gpuhealth_nvml_reinits_total") or 0) >= 1
+        assert _metric(text, r'gpuhealth_collector_success\{collector="telemetry"\}') == 1.0
+
+        # --- SIGHUP: reload the config (turn on dcgm-compat) without a restart
+        assert "DCGM_FI_DEV_GPU_TEMP" not in text
+        settings["agent"]["dcgm_compat"] = True
+        cfg.write_text(yaml.safe_dump(settings))
+        agent.signal(signal.SIGHUP)
+        _wait(lambda: "DCGM_FI_DEV_GPU_TEMP{" in agent.metrics(), 10, "dcgm series after SIGHUP", agent)
+        # a broken config on SIGHUP is refused and the agent keeps running on the old one
+        cfg.write_text("collectors: [not, a, mapping]\n")
+        agent.signal(signal.SIGHUP)
+        _wait(lambda: "reload failed" in agent.log(), 10, "the reload error in the log", agent)
+        assert agent.get("/ready")[0] == 200
+
+        # OpenMetrics when asked (Prometheus asks for it first)
+        code, body = agent.get("/metrics", headers={"Accept": OPENMETRICS})
+        assert code == 200 and body.endswith("# EOF\n")
+    finally:
+        rc = agent.stop()
+    assert rc == 0, agent.log()[-3000:]
+    assert not agent.imported_torch()
+    # systemd heard STOPPING=1; logs were JSON lines, each marked simulated
+    time.sleep(0.5)
+    done.set()
+    drainer.join(2)
+    assert heard[-1] == "STOPPING=1", heard[-5:]
+    assert any(m.startswith("STATUS=SIMULATED, 2 GPUs: 1 healthy, 1 unhealthy") for m in heard)
+    assert "RELOADING=1" in heard
+    records = [json.loads(line) for line in agent.log().splitlines() if line.startswith("{")]
+    assert records and all(r["simulated"] is True for r in records)
+    messages = " | ".join(r["msg"] for r in records)
+    assert "NVML went away" in messages and "NVML is back" in messages and "stopping" in messages
+    assert "Traceback" not in agent.log()
+
+
+def test_bad_scenario_file_is_one_clear_line_and_exit_3(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("recording: nvml_h200x2.json\nevents: [{at: 1, type: explode}]\n")
+    agent = AgentProcess(tmp_path, ["--scenario", str(bad)])
+    rc = agent.proc.wait(30)
+    out = agent.log()
+    assert rc == 3
+    assert "bad.yaml" in out and "events[0]" in out and "Traceback" not in out
