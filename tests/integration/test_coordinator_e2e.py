@@ -329,6 +329,12 @@ def test_fleet_and_jobs_cli_against_the_live_coordinator(cluster: Cluster) -> No
     assert isinstance(json.loads(res.output)["jobs"], list)
     res = runner.invoke(cli, ["jobs", "--coordinator", "127.0.0.1:1", "--json"])
     assert res.exit_code == 3 and "UNAVAILABLE" in res.output
+    # `gpuhealth triage --job` goes through query.live_triage: a finished job has no ranks to ask.
+    res = runner.invoke(cli, ["triage", "--job", "e2e-healthy", "--coordinator", cluster.coord.address, "--json"])
+    live = json.loads(res.output)
+    assert live["verdict"] == "incomplete" and live["ranks_seen"] == [], res.output
+    res = runner.invoke(cli, ["triage", "--job", "no-such-job", "--coordinator", cluster.coord.address, "--json"])
+    assert res.exit_code == 3 and "NOT_FOUND" in res.output
 
 
 if __name__ == "__main__" and len(sys.argv) > 2 and sys.argv[1] == "worker":
