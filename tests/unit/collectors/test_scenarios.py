@@ -6,9 +6,11 @@ from __future__ import annotations
 import importlib
 
 import pytest
-from collector_kit import SCENARIOS, Sweeper, problems, recording, scenario
+from collector_kit import SCENARIOS, Sweeper, context, problems, recording, scenario
 
 from gpuhealth.backends.nvml_fake import FakeNvml
+from gpuhealth.collectors.base import History
+from gpuhealth.collectors.runner import CollectorRunner
 from gpuhealth.model import Action, Finding, Severity
 
 MINE = ("ecc", "throttle", "telemetry", "pcie", "nvlink", "numa", "infiniband")
@@ -88,3 +90,23 @@ def test_faulty_node_has_eight_gpus_with_the_documented_faults(clock):
 def test_scenarios_load_through_the_public_loader():
     for path in sorted(SCENARIOS.glob("*.yaml")):
         FakeNvml.from_file(path)  # raises RecordingError with the file and key on a malformed file
+
+
+def test_through_the_runner_the_faulty_node_reports_and_samples(clock):
+    """The agent's own path: CollectorRunner → collect/evaluate/samples → history, for these collectors."""
+    b = scenario("faulty_node.yaml", clock)
+    runner = CollectorRunner(timeout_s=5.0)
+    try:
+        runs = {}
+        for n in MINE:
+            c = importlib.import_module(f"gpuhealth.collectors.{n}").create()
+            runs[n] = runner.run(c, context(b, clock), History())
+    finally:
+        runner.close()
+    assert all(r.success for r in runs.values()), {n: r.error for n, r in runs.items()}
+    codes = sorted((f.code, f.entity.gpu_index) for r in runs.values() for f in problems(r.findings))
+    assert codes == [("pcie.link_degraded", 3), ("throttle.hw_slowdown", 1)]
+    widths = {s.gpu: s.value for s in runs["pcie"].samples
+              if s.name == "gpu_pcie_link_width" and dict(s.labels)["which"] == "current"}
+    assert widths == {0: 16.0, 1: 16.0, 2: 16.0, 3: 8.0, 4: 16.0, 5: 16.0, 6: 16.0, 7: 16.0}
+    assert {s.gpu for s in runs["telemetry"].samples} == set(range(8))
