@@ -343,6 +343,7 @@ def test_all_rules_evaluate_and_xid_alert_fires(stack: Stack) -> None:
     alerts = wait_for(lambda: firing().get("GpuhealthXidFatal") and firing(), "GpuhealthXidFatal firing")
     (xid,) = alerts["GpuhealthXidFatal"]
     assert xid["code"] == "xid.79" and xid["gpu"] == "0" and xid["uuid"] == GPU0 and xid["severity"] == "critical"
+    assert xid["slurm_job_id"] == "4242"  # routed to the job that holds GPU 0
     assert "GpuhealthAgentDown" not in alerts
     assert "GpuhealthCollectorFailing" not in alerts
 

@@ -1,0 +1,63 @@
+"""The Grafana dashboard: generated from its builder, well formed (unique ids, panels that do not
+overlap, every query on the dashboard's data-source variable), templated by node and GPU, and it
+has the sections users look for. Queries are run against a real Prometheus in
+tests/integration/test_deploy_metrics.py."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[3]
+GRAFANA = REPO / "deploy" / "grafana"
+
+
+def dashboard() -> dict[str, Any]:
+    data: dict[str, Any] = json.loads((GRAFANA / "gpuhealth.json").read_text())
+    return data
+
+
+def test_json_is_what_the_builder_makes() -> None:
+    result = subprocess.run([sys.executable, str(GRAFANA / "build_dashboard.py"), "--check"], capture_output=True,
+                            text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+
+
+def test_panels_are_well_formed_and_do_not_overlap() -> None:
+    panels = dashboard()["panels"]
+    ids = [p["id"] for p in panels]
+    assert len(ids) == len(set(ids))
+    cells: dict[tuple[int, int], str] = {}
+    for p in panels:
+        g = p["gridPos"]
+        assert g["x"] >= 0 and g["x"] + g["w"] <= 24, p["title"]
+        for x in range(g["x"], g["x"] + g["w"]):
+            for y in range(g["y"], g["y"] + g["h"]):
+                assert (x, y) not in cells, f"{p['title']} overlaps {cells[(x, y)]}"
+                cells[(x, y)] = p["title"]
+        if p["type"] != "row":
+            assert p["targets"], p["title"]
+            for t in p["targets"]:
+                assert t["datasource"] == {"type": "prometheus", "uid": "${datasource}"}
+                assert t["expr"].strip()
+
+
+def test_templated_by_node_and_gpu() -> None:
+    variables = {v["name"]: v for v in dashboard()["templating"]["list"]}
+    assert variables["datasource"]["type"] == "datasource"
+    assert "gpuhealth_gpu_info" in variables["instance"]["definition"]
+    assert '$instance' in variables["gpu"]["definition"]
+    per_gpu = [t["expr"] for p in dashboard()["panels"] for t in p.get("targets", []) if 'gpu=~"$gpu"' in t["expr"]]
+    assert len(per_gpu) >= 10
+
+
+def test_has_the_sections_users_look_for() -> None:
+    rows = [p["title"] for p in dashboard()["panels"] if p["type"] == "row"]
+    assert rows == ["Fleet overview", "GPUs of $instance", "Findings", "Collective bandwidth and diagnostics",
+                    "Stragglers and hangs", "gpuhealth agent"]
+    titles = {p["title"] for p in dashboard()["panels"]}
+    assert {"SDC check results", "Bandwidth probes below threshold", "Straggler score by rank",
+            "Seconds since progress", "Active findings"} <= titles
