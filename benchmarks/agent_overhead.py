@@ -1,0 +1,183 @@
+"""Agent overhead: CPU and memory of a real ``gpuhealth agent`` process, and /metrics render time.
+
+1. Starts ``gpuhealth agent`` on a scenario of 8 simulated GPUs (cloned from the real H200
+   recording) at the default intervals (fast lane 5 s, slow lane 60 s), lets it warm up, then for
+   ``--seconds`` (default 120) scrapes ``/metrics`` every 15 s as Prometheus would, and reports CPU
+   seconds per minute (user + system, from /proc via psutil) and resident memory (RSS, max seen).
+   Goals: ≤ 1% of one core (0.6 CPU-s/min) and ≤ 80 MiB RSS.
+2. In this process: time to render ``/metrics`` for the same 8 GPUs from a warm cache, text format
+   and OpenMetrics, with and without ``--dcgm-compat`` (goal ≤ 5 ms).
+
+Note: the simulated backend polls for XID events every 50 ms where real NVML blocks in the driver,
+so the simulated CPU figure is, if anything, an over-estimate of the agent's own cost.
+
+    .venv/bin/python benchmarks/agent_overhead.py [--seconds 120] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+SCENARIO = "recording: nvml_h200x2.json\ngpu_count: 8\n"
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _get(url: str, accept: str | None = None) -> bytes:
+    req = urllib.request.Request(url, headers={"Accept": accept} if accept else {})
+    with urllib.request.urlopen(req, timeout=10) as resp:
+        return resp.read()  # type: ignore[no-any-return]
+
+
+def measure_process(seconds: float, warmup: float, dcgm_compat: bool) -> dict[str, Any]:
+    work = Path(tempfile.mkdtemp(prefix="gpuhealth-bench-"))
+    scenario = work / "eight.yaml"
+    scenario.write_text(SCENARIO)
+    cfg = work / "agent.yaml"
+    cfg.write_text(f"agent:\n  pod_resources_socket: {work / 'none.sock'}\n")
+    port = _free_port()
+    args = [sys.executable, "-m", "gpuhealth.cli.main", "agent", "--config", str(cfg), "--scenario", str(scenario),
+            "--listen", f"127.0.0.1:{port}"]
+    if dcgm_compat:
+        args.append("--dcgm-compat")
+    log = (work / "agent.log").open("wb")
+    proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                with urllib.request.urlopen(url + "/ready", timeout=1) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass
+            if time.monotonic() > deadline or proc.poll() is not None:
+                raise RuntimeError("agent did not become ready: " + (work / "agent.log").read_text()[-2000:])
+            time.sleep(0.2)
+        ps = psutil.Process(proc.pid)
+        time.sleep(warmup)
+        cpu0 = ps.cpu_times()
+        t0 = time.monotonic()
+        rss: list[int] = []
+        scrape_ms: list[float] = []
+        sizes: list[int] = []
+        next_scrape = t0
+        while time.monotonic() - t0 < seconds:
+            now = time.monotonic()
+            if now >= next_scrape:
+                s0 = time.perf_counter()
+                body = _get(url + "/metrics")
+                scrape_ms.append((time.perf_counter() - s0) * 1e3)
+                sizes.append(len(body))
+                next_scrape += 15.0
+            rss.append(ps.memory_info().rss)
+            time.sleep(1.0)
+        cpu1 = ps.cpu_times()
+        elapsed = time.monotonic() - t0
+        cpu_s = (cpu1.user - cpu0.user) + (cpu1.system - cpu0.system)
+        return {
+            "dcgm_compat": dcgm_compat,
+            "seconds": round(elapsed, 1),
+            "cpu_seconds_per_minute": round(cpu_s / elapsed * 60, 3),
+            "cpu_percent_of_one_core": round(cpu_s / elapsed * 100, 2),
+            "rss_mib_max": round(max(rss) / 2**20, 1),
+            "rss_mib_last": round(rss[-1] / 2**20, 1),
+            "threads": ps.num_threads(),
+            "scrapes": len(scrape_ms),
+            "scrape_ms_median": round(statistics.median(scrape_ms), 2),
+            "metrics_bytes": sizes[-1],
+        }
+    finally:
+        proc.terminate()
+        proc.wait(15)
+        log.close()
+
+
+def measure_render(repeat: int = 200) -> list[dict[str, Any]]:
+    from gpuhealth.agent.daemon import Agent
+    from gpuhealth.agent.sdnotify import SystemdNotifier
+    from gpuhealth.backends.nvml_fake import FakeNvml
+    from gpuhealth.config import Config
+    from gpuhealth.exporters.prometheus import MetricsEndpoint
+
+    work = Path(tempfile.mkdtemp(prefix="gpuhealth-bench-"))
+    (work / "eight.yaml").write_text(SCENARIO)
+    cfg = Config()
+    cfg.agent.pod_resources_socket = str(work / "none.sock")
+    cfg.collectors.fast_interval_s, cfg.collectors.slow_interval_s = 0.2, 0.4
+    agent = Agent(cfg, FakeNvml.from_file(work / "eight.yaml"), serve_http=False, extensions=[],
+                  notifier=SystemdNotifier(env={}))
+    agent.start()
+    try:
+        deadline = time.monotonic() + 30
+        while not agent.ready and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(1.0)  # a second pass of every collector: rates and history filled in
+        snap = agent.snapshot()
+    finally:
+        agent.stop()
+    rows = []
+    for compat in (False, True):
+        endpoint = MetricsEndpoint(lambda: snap, dcgm_compat=compat, process_metrics=True)
+        for fmt, accept in (("text 0.0.4", None), ("OpenMetrics", "application/openmetrics-text;version=1.0.0")):
+            for _ in range(10):
+                endpoint.render(accept)
+            times = []
+            for _ in range(repeat):
+                t0 = time.perf_counter()
+                body, _ = endpoint.render(accept)
+                times.append((time.perf_counter() - t0) * 1e3)
+            rows.append({"dcgm_compat": compat, "format": fmt, "ms_median": round(statistics.median(times), 2),
+                         "ms_p95": round(sorted(times)[int(0.95 * len(times))], 2),
+                         "series": body.count(b"\n") - body.count(b"\n#"), "bytes": len(body)})
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--seconds", type=float, default=120.0, help="measurement window per run (default 120)")
+    ap.add_argument("--warmup", type=float, default=10.0)
+    ap.add_argument("--skip-process", action="store_true", help="only the render-time measurement")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+    env = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "python": platform.python_version(),
+           "cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
+           "load_avg_1m": round(os.getloadavg()[0], 2)}
+    render = measure_render()
+    process = [] if args.skip_process else [measure_process(args.seconds, args.warmup, dcgm_compat=False)]
+    if args.json:
+        print(json.dumps({"env": env, "render": render, "process": process}, indent=1))
+        return
+    print(f"# agent overhead, 8 simulated GPUs — {env}")
+    for r in render:
+        print(f"render /metrics  dcgm_compat={r['dcgm_compat']!s:5}  {r['format']:11}  median {r['ms_median']:.2f} ms"
+              f"  p95 {r['ms_p95']:.2f} ms  ({r['series']} series, {r['bytes']} bytes)   goal ≤ 5 ms")
+    for p in process:
+        print(f"agent process ({p['seconds']} s, scraped every 15 s): {p['cpu_seconds_per_minute']} CPU-s/min = "
+              f"{p['cpu_percent_of_one_core']}% of one core (goal ≤ 1%), RSS max {p['rss_mib_max']} MiB "
+              f"(goal ≤ 80 MiB), {p['threads']} threads, scrape {p['scrape_ms_median']} ms median over HTTP, "
+              f"{p['metrics_bytes']} bytes")
+
+
+if __name__ == "__main__":
+    main()
