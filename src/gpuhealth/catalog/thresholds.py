@@ -57,6 +57,11 @@ class PcieThresholds:
     width_degraded_severity: str = "critical"
     gen_check_min_utilization_pct: float = 50
 
+    def __post_init__(self) -> None:
+        if self.width_degraded_severity not in ("info", "warning", "critical"):
+            raise ValueError(f"width_degraded_severity: expected info, warning or critical, "
+                             f"got {self.width_degraded_severity!r}")
+
 
 @dataclass(frozen=True, slots=True)
 class NvlinkThresholds:
@@ -117,7 +122,10 @@ def _section(cls: type[Any], data: Any, where: str) -> Any:
             values[key] = int(raw)
         else:
             values[key] = float(raw)
-    return cls(**values)
+    try:
+        return cls(**values)
+    except ValueError as exc:
+        raise ThresholdsError(f"{where}.{exc}") from exc
 
 
 def parse_thresholds(data: Any, source: str = "thresholds") -> Thresholds:

@@ -57,6 +57,7 @@ def test_parse_overrides_one_key_and_keeps_the_rest():
         ({"ecc": [1, 2]}, "ecc: must be a mapping"),
         ([1], "top level must be a mapping"),
         ({"pcie": {"width_degraded_severity": 3}}, "expected text"),
+        ({"pcie": {"width_degraded_severity": "fatal"}}, "pcie.width_degraded_severity: expected info, warning"),
     ],
 )
 def test_bad_data_names_the_key(data, message):
