@@ -157,7 +157,7 @@ def stack() -> Iterator[Stack]:
             "slurm_job_dir": str(jobs),
             "node_name": "node-a",
         }}))
-        s.spawn([GPUHEALTH, "agent", "--config", str(root / "agent.yaml"), "--nvml-snapshot",
+        s.spawn([GPUHEALTH, "agent", "--config", str(root / "agent.yaml"), "--dcgm-compat", "--nvml-snapshot",
                  str(root / "scenario.yaml"), "--listen", f"127.0.0.1:{s.agent_port}"], "agent")
         s.spawn([GPUHEALTH, "coordinator", "--listen", f"127.0.0.1:{s.coord_port}", "--metrics-listen",
                  f"127.0.0.1:{s.coord_metrics_port}", "--db", str(root / "coordinator.db"),
@@ -358,3 +358,32 @@ def test_gpu_series_carry_slurm_job_and_pod_attribution(stack: Stack) -> None:
     # and the alert on GPU 0 can be routed to the job's owner through the finding's labels
     findings = [line for line in text.splitlines() if line.startswith("gpuhealth_findings{") and GPU0 in line]
     assert findings and all('slurm_job_id="4242"' in line for line in findings)
+
+
+# The queries of dcgm-exporter's standard Grafana dashboard (NVIDIA "DCGM Exporter Dashboard",
+# grafana.com 12239) whose fields NVML provides. Its two other panels use DCGM profiling fields
+# (DCGM_FI_PROF_GR_ENGINE_ACTIVE, DCGM_FI_PROF_PIPE_TENSOR_ACTIVE) that exist only with DCGM's
+# profiling module, so they stay empty with --dcgm-compat.
+DCGM_DASHBOARD_QUERIES = {
+    "GPU Temperature": 'max(DCGM_FI_DEV_GPU_TEMP{Hostname=~"$Hostname", gpu=~"$gpu"}) by (Hostname, gpu, uuid)',
+    "GPU Avg. Temp": 'avg(DCGM_FI_DEV_GPU_TEMP{Hostname=~"$Hostname", gpu=~"$gpu"})',
+    "GPU Power Usage": 'max(DCGM_FI_DEV_POWER_USAGE{Hostname=~"$Hostname", gpu=~"$gpu"}) by (Hostname, gpu, uuid)',
+    "GPU Power Total": 'sum(max(DCGM_FI_DEV_POWER_USAGE{Hostname=~"$Hostname", gpu=~"$gpu"}) by (gpu))',
+    "GPU SM Clocks": 'max(DCGM_FI_DEV_SM_CLOCK{Hostname=~"$Hostname", gpu=~"$gpu"} * 1000000) by (Hostname, UUID, gpu)',
+    "GPU Framebuffer Mem Used":
+        'max(DCGM_FI_DEV_FB_USED{Hostname=~"$Hostname", gpu=~"$gpu"}) by (Hostname, gpu, GPU_I_ID, GPU_I_PROFILE)',
+    "variable Hostname": "count by (Hostname) (DCGM_FI_DEV_FB_FREE)",
+    "variable gpu": 'count by (gpu) (DCGM_FI_DEV_FB_FREE{Hostname=~"$Hostname"})',
+}
+
+
+@pytest.mark.parametrize("panel", sorted(DCGM_DASHBOARD_QUERIES))
+def test_dcgm_exporter_dashboard_works_with_dcgm_compat(stack: Stack, panel: str) -> None:
+    expr = DCGM_DASHBOARD_QUERIES[panel].replace("$Hostname", "node-a").replace("$gpu", ".+")
+    result = wait_for(lambda: stack.promql(expr)["data"]["result"], f"DCGM panel {panel}", timeout=20)
+    per_gpu = panel not in ("GPU Avg. Temp", "GPU Power Total", "variable Hostname")
+    assert len(result) == (2 if per_gpu else 1), result
+    for series in result:
+        assert float(series["value"][1]) > 0
+        if "by (Hostname" in expr:
+            assert series["metric"]["Hostname"] == "node-a"
