@@ -159,24 +159,55 @@ def load_dumps(
     *,
     tail_entries: int | None = None,
     max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
+    workers: int | None = None,
 ) -> LoadResult:
     """Load every dump under ``paths`` (a folder, a file, or a list of either).
 
     ``tail_entries``: read at least this many of the newest entries per JSON dump (more when a
-    group's frontier needs it) instead of the whole file. None reads everything."""
+    group's frontier needs it) instead of the whole file. None reads everything.
+    ``workers``: processes to read with (None: one per CPU for thousands of files read by their
+    tails, else 1). Workers are spawned, not forked, so a caller with threads is safe."""
     result = LoadResult()
-    files = list(_expand(paths, result))
-    for path in files:
+    files = [str(p) for p in _expand(paths, result)]
+    if workers is None:
+        workers = min(os.cpu_count() or 1, 8) if (tail_entries is not None and len(files) >= PARALLEL_MIN_FILES) else 1
+    if workers > 1 and len(files) > 1:
+        chunks = [files[i::workers] for i in range(workers)]
+        import concurrent.futures
+        import multiprocessing
+
+        ctx = multiprocessing.get_context("spawn")
         try:
-            dump = _load_file(path, tail_entries=tail_entries, max_file_bytes=max_file_bytes, problems=result.problems)
-        except UnsafePickleError as exc:
-            result.problems.append(Problem(str(path), str(exc)))
-            continue
-        except (DumpError, OSError) as exc:
-            result.problems.append(Problem(str(path), str(exc)))
-            continue
+            with concurrent.futures.ProcessPoolExecutor(max_workers=workers, mp_context=ctx) as pool:
+                parts = list(pool.map(_load_many, chunks, [tail_entries] * workers, [max_file_bytes] * workers))
+        except (OSError, RuntimeError, concurrent.futures.process.BrokenProcessPool):
+            parts = [_load_many(files, tail_entries, max_file_bytes)]  # no processes here: read inline
+        loaded = sorted((item for dumps, _ in parts for item in dumps), key=lambda d: d.path)
+        for _, problems in parts:
+            result.problems += problems
+    else:
+        loaded, problems = _load_many(files, tail_entries, max_file_bytes)
+        result.problems += problems
+    for dump in loaded:
         _merge(result, dump)
+    result.problems.sort(key=lambda p: p.path)
     return result
+
+
+PARALLEL_MIN_FILES = 2048
+
+
+def _load_many(files: Sequence[str], tail_entries: int | None, max_file_bytes: int
+               ) -> tuple[list[RankDump], list[Problem]]:
+    dumps: list[RankDump] = []
+    problems: list[Problem] = []
+    for name in files:
+        path = Path(name)
+        try:
+            dumps.append(_load_file(path, tail_entries=tail_entries, max_file_bytes=max_file_bytes, problems=problems))
+        except (UnsafePickleError, DumpError, OSError) as exc:
+            problems.append(Problem(str(path), str(exc)))
+    return dumps, problems
 
 
 def rank_from_filename(name: str) -> tuple[int, str | None] | None:
@@ -314,9 +345,9 @@ def _require_dump_keys(obj: Mapping[str, Any]) -> None:
         raise DumpError(f"not a flight-recorder dump (no version, entries, pg_status or pg_config; keys: {keys})")
 
 
-# A new entry object inside the entries array: "[" or "," then "{" then one of the entry keys.
-_ENTRY_START = re.compile(
-    rb'[\[,]\s*(\{\s*"(?:collective_seq_id|record_id|frames|pg_id|process_group|profiling_name|duration_ms|input_dtypes)")'
+# An entry object starts with one of the entry keys (whatever order the writer used).
+_ENTRY_KEY_AT = re.compile(
+    rb'\{"(?:collective_seq_id|record_id|frames|pg_id|process_group|profiling_name|duration_ms|input_dtypes)"'
 )
 _ENTRIES_KEY = re.compile(rb'"entries"\s*:\s*\[')
 
@@ -353,17 +384,13 @@ def _read_json_tail(path: Path, size: int, want: int) -> tuple[dict[str, Any], l
                 suffix, cut = found
                 suffix_len = len(buf) - cut
             body = buf[: len(buf) - suffix_len]
-            starts = [mm.start(1) for mm in _ENTRY_START.finditer(body)]
-            if start == entries_start:
-                lead = len(body) - len(body.lstrip())
-                if body[lead:lead + 1] == b"{" and (not starts or starts[0] != lead):
-                    starts.insert(0, lead)
             top = {**prefix, **suffix}
             status = _int_status(top.get("pg_status"))
             entries: list[Any] = []
             covered: dict[int, int] = {}
             done = False
-            for pos in reversed(starts):
+            pos = 0
+            for pos in _entry_starts_backwards(body, at_array_start=start == entries_start):
                 try:
                     obj = _decode_at(body, pos)
                 except ValueError:
@@ -379,10 +406,31 @@ def _read_json_tail(path: Path, size: int, want: int) -> tuple[dict[str, Any], l
                     break
             entries.reverse()
             if start == entries_start:
-                return top, entries, done and len(entries) < len(starts)
+                return top, entries, done and _entry_starts_exist_before(body, pos)
             if done:
                 return top, entries, True
             chunk *= 4
+
+
+def _entry_starts_backwards(body: bytes, *, at_array_start: bool) -> Iterator[int]:
+    """Offsets of the entry objects in ``body`` (a slice of the entries array), newest first. An
+    entry starts with '{"' + an entry key, after "," or (first entry) "["."""
+    pos = len(body)
+    while True:
+        i = body.rfind(b'{"', 0, pos)
+        if i < 0:
+            return
+        j = i - 1
+        while j >= 0 and body[j] in b" \t\r\n":
+            j -= 1
+        before = body[j : j + 1] if j >= 0 else (b"[" if at_array_start else b"")
+        if before in (b",", b"[") and _ENTRY_KEY_AT.match(body, i):
+            yield i
+        pos = i
+
+
+def _entry_starts_exist_before(body: bytes, pos: int) -> bool:
+    return any(True for _ in _entry_starts_backwards(body[:pos], at_array_start=True))
 
 
 def _decode_at(buf: bytes, pos: int) -> Any:
@@ -503,16 +551,18 @@ def _normalize(path: Path, fmt: str, raw: Mapping[str, Any], raw_entries: Any, t
 
 
 def _as_int(v: Any, default: int | None = None) -> int | None:
+    if type(v) is int:
+        return v
     if v is None or isinstance(v, bool):
         return default
     if isinstance(v, int):
-        return v
+        return int(v)
     try:
         return int(str(v).strip())
     except ValueError:
         try:
             return int(float(str(v)))
-        except ValueError:
+        except (ValueError, OverflowError):
             return default
 
 
@@ -524,6 +574,12 @@ def _time(v: Any) -> int | None:
 def _sizes(v: Any) -> tuple[tuple[int, ...], ...]:
     if not isinstance(v, list | tuple):
         return ()
+    try:  # the common case: a list of lists of ints
+        fast = tuple(tuple(shape) for shape in v)
+        if all(type(x) is int for shape in fast for x in shape):
+            return fast
+    except TypeError:
+        pass
     out = []
     for shape in v:
         if isinstance(shape, list | tuple):

@@ -24,6 +24,7 @@ that, a circular wait.
 
 from __future__ import annotations
 
+import itertools
 from collections import Counter, defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -473,9 +474,14 @@ def _fmt(ranks: Iterable[int]) -> str:
     return format_ranks(ranks)
 
 
-def format_ranks(ranks: Iterable[int]) -> str:
-    """Compact rank list: 0-3,7,9-12."""
+def format_ranks(ranks: Iterable[int], max_chars: int = 100) -> str:
+    """Compact rank list for people: "0-3,7,9-12", "5-1021 every 8th (128 ranks)", or a cut list
+    with the count when it would be long (evidence keeps the full list)."""
     rs = sorted(set(ranks))
+    if len(rs) >= 4:
+        stride = rs[1] - rs[0]
+        if stride > 1 and all(b - a == stride for a, b in itertools.pairwise(rs)):
+            return f"{rs[0]}-{rs[-1]} every {stride}th ({len(rs)} ranks)"
     parts = []
     i = 0
     while i < len(rs):
@@ -484,4 +490,13 @@ def format_ranks(ranks: Iterable[int]) -> str:
             j += 1
         parts.append(str(rs[i]) if i == j else f"{rs[i]}-{rs[j]}")
         i = j + 1
-    return ",".join(parts)
+    text = ",".join(parts)
+    if len(text) <= max_chars:
+        return text
+    shown, used = [], 0
+    for part in parts:
+        if used + len(part) + 1 > max_chars - 20:
+            break
+        shown.append(part)
+        used += len(part) + 1
+    return ",".join(shown) + f",… ({len(rs)} ranks)"

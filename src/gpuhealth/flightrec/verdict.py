@@ -24,7 +24,7 @@ SOURCE = "flightrec"
 VERDICTS = ("hang", "mismatch", "straggler", "healthy", "incomplete")
 # Above this many bytes of dumps, read each JSON dump's tail instead of the whole file.
 AUTO_TAIL_BYTES = 512 * 2**20
-DEFAULT_TAIL_ENTRIES = 24
+DEFAULT_TAIL_ENTRIES = 4
 MAX_STACK_FRAMES = 8
 
 Source = str | os.PathLike[str] | Sequence[str | os.PathLike[str]] | LoadResult | Mapping[int, RankDump]
@@ -81,7 +81,7 @@ def triage(
     group membership). ``tail_entries``: read only the newest entries of each dump (None: decide by
     total size — whole files up to 512 MiB of dumps, tails above)."""
     job = dict(job or {})
-    loaded = _load(source, tail_entries)
+    loaded, tail_used = _load(source, tail_entries)
     dumps = loaded.dumps
     result = match(dumps, job)
     roots = find_roots(result)
@@ -109,7 +109,7 @@ def triage(
         identity=loaded.identity_sources, notes=list(result.notes),
     )
     if any(d.tail_only for d in dumps.values()):
-        report.notes.append(f"large job: read the newest entries of each dump only (≥{tail_entries} per rank, "
+        report.notes.append(f"large job: read the newest entries of each dump only (≥{tail_used} per rank, "
                             "more where a group's frontier needed it); older history was not compared")
     report.summary = _summary(report)
     return report
@@ -118,14 +118,14 @@ def triage(
 # ---------------------------------------------------------------------------------------- loading
 
 
-def _load(source: Source, tail_entries: int | None) -> LoadResult:
+def _load(source: Source, tail_entries: int | None) -> tuple[LoadResult, int | None]:
     if isinstance(source, LoadResult):
-        return source
+        return source, None
     if isinstance(source, Mapping):
-        return LoadResult(dumps=dict(source))
+        return LoadResult(dumps=dict(source)), None
     if tail_entries is None and _total_bytes(source) > AUTO_TAIL_BYTES:
         tail_entries = DEFAULT_TAIL_ENTRIES
-    return load_dumps(source, tail_entries=tail_entries)
+    return load_dumps(source, tail_entries=tail_entries), tail_entries
 
 
 def _total_bytes(source: Any) -> int:

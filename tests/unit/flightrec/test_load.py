@@ -228,3 +228,14 @@ def test_fuzz_loader_never_crashes(tmp_path: Path, top: dict, entries: list, noi
         for d in r.dumps.values():
             for e in d.entries:
                 assert isinstance(e.seq, int) and isinstance(e.group, str)
+
+
+def test_parallel_loading_gives_the_same_result(tmp_path: Path) -> None:
+    for r in range(6):
+        write_json(tmp_path, f"rank{r}.json", dump(training(300, state_last="started")))
+    (tmp_path / "rank9.json").write_text("garbage")
+    one = load_dumps(tmp_path, tail_entries=4, workers=1)
+    two = load_dumps(tmp_path, tail_entries=4, workers=2)
+    assert one.ranks == two.ranks == list(range(6))
+    assert [p.message for p in one.problems] == [p.message for p in two.problems]
+    assert all([e.seq for e in one.dumps[r].entries] == [e.seq for e in two.dumps[r].entries] for r in range(6))
