@@ -236,10 +236,16 @@ class Agent:
 
     def reload(self, config: Config) -> None:
         """Apply a new config: intervals, timeouts, enabled collectors, labels, log level, compat."""
-        if config.collectors.thresholds_file:  # validate before changing anything (raises ThresholdsError)
+        # validate before changing anything: a bad reload leaves the agent as it was
+        if config.collectors.thresholds_file:
             from gpuhealth.catalog.thresholds import load_thresholds
 
-            load_thresholds(config.collectors.thresholds_file)
+            load_thresholds(config.collectors.thresholds_file)  # raises ThresholdsError
+        level = logging.getLevelName(config.agent.log_level.strip().upper())
+        if not isinstance(level, int):
+            raise ValueError(f"agent.log_level: unknown level {config.agent.log_level!r}")
+        if config.collectors.fast_interval_s <= 0 or config.collectors.slow_interval_s <= 0:
+            raise ValueError("collectors.fast_interval_s and slow_interval_s must be > 0")
         old = self.config
         self.config = config
         if config.agent.listen != old.agent.listen:
@@ -250,7 +256,7 @@ class Agent:
             self.http.set_dcgm_compat(config.agent.dcgm_compat)
         self.cache.update_facts(node_name=config.node_name)
         self._prepare_context()
-        logging.getLogger("gpuhealth").setLevel(config.agent.log_level.upper())
+        logging.getLogger("gpuhealth").setLevel(level)
         self._install_jobs()
         log.info("configuration reloaded", extra={"collectors": sorted(self._collectors)})
 

@@ -40,12 +40,32 @@ def command(config_file: str | None, listen: str | None, snapshot: str | None, d
     except ConfigError as exc:
         click.echo(f"gpuhealth agent: {exc}", err=True)
         sys.exit(3)
+    problem = check_config(config)
+    if problem:
+        click.echo(f"gpuhealth agent: {problem}", err=True)
+        sys.exit(3)
     sys.exit(run_agent(config, load))
+
+
+def check_config(config: Config) -> str | None:
+    """What the agent cannot start with, as one line (None when fine)."""
+    from gpuhealth.agent.http import parse_listen
+
+    try:
+        parse_listen(config.agent.listen)
+    except ValueError as exc:
+        return str(exc)
+    if not isinstance(logging.getLevelName(config.agent.log_level.strip().upper()), int):
+        return f"agent.log_level: unknown level {config.agent.log_level!r} (debug, info, warning, error)"
+    if config.collectors.fast_interval_s <= 0 or config.collectors.slow_interval_s <= 0:
+        return "collectors.fast_interval_s and collectors.slow_interval_s must be > 0"
+    if config.collectors.timeout_s <= 0:
+        return "collectors.timeout_s must be > 0"
+    return None
 
 
 def run_agent(config: Config, reload_config: Any = None) -> int:
     from gpuhealth.agent.daemon import Agent
-    from gpuhealth.agent.http import parse_listen
     from gpuhealth.agent.logs import setup_logging
     from gpuhealth.backends.base import NvmlBackend
     from gpuhealth.backends.errors import BackendUnavailable, NvmlError, RecordingError
@@ -53,11 +73,6 @@ def run_agent(config: Config, reload_config: Any = None) -> int:
     from gpuhealth.backends.nvml_real import RealNvml
 
     log = logging.getLogger("gpuhealth.agent")
-    try:
-        parse_listen(config.agent.listen)
-    except ValueError as exc:
-        click.echo(f"gpuhealth agent: {exc}", err=True)
-        return 3
     backend: NvmlBackend
     snapshot = config.agent.nvml_snapshot
     if snapshot:
@@ -81,8 +96,16 @@ def run_agent(config: Config, reload_config: Any = None) -> int:
     except (BackendUnavailable, NvmlError, ValueError) as exc:
         click.echo(f"gpuhealth agent: {exc}", err=True)
         return 3
+    def reload() -> Config:
+        new = reload_config() if reload_config is not None else config
+        problem = check_config(new)
+        if problem:
+            raise ValueError(problem)
+        setup_logging(json_lines=new.agent.json_logs, level=new.agent.log_level, simulated=backend.simulated)
+        return new
+
     try:
-        return agent.run_until_signalled(reload_config)
+        return agent.run_until_signalled(reload)
     except OSError as exc:  # the listen address is taken or not ours
         click.echo(f"gpuhealth agent: cannot listen on {config.agent.listen}: {exc.strerror or exc}", err=True)
         agent.stop()

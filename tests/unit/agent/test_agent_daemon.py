@@ -212,3 +212,17 @@ def test_reload_applies_new_intervals_and_disabled_collectors(agents: list[Agent
     assert [c.name for c in snap.collectors] == ["temp"]
     assert snap.collectors[0].interval_s == 0.25
     assert not any(f.code == "collector.failed" for f in snap.findings)
+
+
+def test_ready_is_503_until_the_first_sweep_completes(agents: list[Agent], clock: Any) -> None:
+    hang = HangingCollector()
+    cfg = fast_config(timeout_s=20.0)
+    agent = _start(agents, Agent(cfg, _scenario_backend(clock, []), collectors=[hang, TempCollector()],
+                                 extensions=[], notifier=QUIET))
+    wait_for(lambda: hang.calls == 1, what="the slow first run to start")
+    status, body = _get(agent, "/ready")
+    assert status == 503 and json.loads(body)["ready"] is False
+    status, _ = _get(agent, "/metrics")  # /metrics answers before the first sweep too
+    assert status == 200
+    hang.release.set()
+    wait_for(lambda: _get(agent, "/ready")[0] == 200, what="ready after the first sweep")

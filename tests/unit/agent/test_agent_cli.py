@@ -1,0 +1,46 @@
+"""`gpuhealth agent` refuses bad input with one clear line and exit code 3."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from gpuhealth.agent.http import parse_listen
+from gpuhealth.cli.agent import command
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["--listen", "nowhere"], "expected HOST:PORT"),
+        (["--listen", "127.0.0.1:99999"], "port must be 0..65535"),
+        (["--nvml-snapshot", "/nonexistent/rec.json"], "/nonexistent/rec.json"),
+        (["--config", "/nonexistent/agent.yaml"], "cannot read"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_3(args: list[str], needle: str) -> None:
+    result = CliRunner().invoke(command, args)
+    assert result.exit_code == 3, result.output
+    assert needle in result.output
+    assert "Traceback" not in result.output
+
+
+def test_bad_config_values_are_named(tmp_path: Path) -> None:
+    cfg = tmp_path / "agent.yaml"
+    cfg.write_text("collectors:\n  fast_interval_s: 0\n")
+    result = CliRunner().invoke(command, ["--config", str(cfg)])
+    assert result.exit_code == 3 and "fast_interval_s" in result.output
+    cfg.write_text("agent:\n  no_such_key: 1\n")
+    result = CliRunner().invoke(command, ["--config", str(cfg)])
+    assert result.exit_code == 3 and "agent.no_such_key" in result.output
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [("0.0.0.0:9400", ("0.0.0.0", 9400)), (":9400", ("0.0.0.0", 9400)), ("[::]:9400", ("::", 9400)),
+     ("127.0.0.1:0", ("127.0.0.1", 0))],
+)
+def test_listen_addresses(text: str, expected: tuple[str, int]) -> None:
+    assert parse_listen(text) == expected
