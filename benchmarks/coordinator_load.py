@@ -62,34 +62,33 @@ async def _client(args: argparse.Namespace, address: str, first_agent: int, n_ag
         await agent.register()
         await agent.connect()
         agents.append(agent)
-    sent = 0
-    window = 64
+    window = args.window
+    seqs = [0] * n_agents
+    counts = [0] * n_agents
 
-    async def run_agent(idx: int, agent: SimAgent) -> int:
+    async def send_one(idx: int, agent: SimAgent, step: int, now: float) -> None:
         a = first_agent + idx
         ranks = list(range(a * args.ranks_per_agent, (a + 1) * args.ranks_per_agent))
-        seq, step, records = 0, 0, 0
-        slow = 0 if a == 0 else None  # rank 0 straggles (after straggle_at)
-        while time.monotonic() < stop_at:
-            if seq - agent.acked >= window:
-                await agent.wait_acked(seq - window // 2, 30)
-            seq += 1
-            now = time.monotonic()
-            msg = _message(seq, "bench", ranks, step, args.steps_per_message,
-                           slow if straggle_at is not None and now >= straggle_at else None)
-            await agent.send(msg)
-            step += args.steps_per_message
-            records += len(ranks) * args.steps_per_message
-            # A second, small job on agent 0 that stops progressing at hang_job_stop.
-            if idx == 0 and first_agent == 0 and (hang_job_stop is None or now < hang_job_stop) and seq % 4 == 0:
-                seq += 1
-                await agent.send(_message(seq, "bench-hang", [0, 1, 2, 3], step, 1, None))
-                records += 4
-            await asyncio.sleep(0)
-        await agent.wait_acked(seq, 120)
-        return records
+        if seqs[idx] - agent.acked >= window:
+            await agent.wait_acked(seqs[idx] - window // 2, 30)
+        seqs[idx] += 1
+        slow = 0 if a == 0 and straggle_at is not None and now >= straggle_at else None  # rank 0 straggles
+        await agent.send(_message(seqs[idx], "bench", ranks, step, args.steps_per_message, slow))
+        counts[idx] += len(ranks) * args.steps_per_message
+        # A second, small job on agent 0 that stops progressing at hang_job_stop.
+        if a == 0 and (hang_job_stop is None or now < hang_job_stop) and seqs[idx] % 4 == 0:
+            seqs[idx] += 1
+            await agent.send(_message(seqs[idx], "bench-hang", [0, 1, 2, 3], step, 1, None))
+            counts[idx] += 4
 
-    results = await asyncio.gather(*(run_agent(i, ag) for i, ag in enumerate(agents)))
+    # Lockstep rounds, like a synchronous job: every agent sends step s before any sends s+1's batch.
+    step = 0
+    while time.monotonic() < stop_at:
+        now = time.monotonic()
+        await asyncio.gather(*(send_one(i, ag, step, now) for i, ag in enumerate(agents)))
+        step += args.steps_per_message
+    await asyncio.gather(*(ag.wait_acked(seqs[i], 120) for i, ag in enumerate(agents)))
+    results = counts
     sent = sum(results)
     for ag in agents:
         await ag.close()
@@ -110,6 +109,7 @@ def main() -> int:
     p.add_argument("--steps-per-message", type=int, default=4)
     p.add_argument("--seconds", type=float, default=10.0)
     p.add_argument("--clients", type=int, default=1, help="client processes (agents are split among them)")
+    p.add_argument("--window", type=int, default=8, help="unacknowledged messages per agent (like max_inflight)")
     args = p.parse_args()
     cpus = sorted(os.sched_getaffinity(0))
     coord_cpu, client_cpus = cpus[0], cpus[1:] or cpus
@@ -144,10 +144,10 @@ def main() -> int:
     t0 = time.monotonic()
     straggle_at = t0 + args.seconds * 0.4
     hang_stop = t0 + args.seconds * 0.3
-    detect: dict[str, float | None] = {"straggler": None, "hang": None}
+    detect: dict[str, float | None] = {"straggler": None, "hang": None, "hang_stall": None}
 
     async def watch() -> None:
-        while time.monotonic() < t0 + args.seconds + 15 and None in detect.values():
+        while time.monotonic() < t0 + args.seconds + 15 and (detect["straggler"] is None or detect["hang"] is None):
             doc = await asyncio.to_thread(list_jobs, address, "", timeout_s=10)
             now = time.monotonic()
             for j in doc["jobs"]:
@@ -155,6 +155,8 @@ def main() -> int:
                     detect["straggler"] = now - straggle_at
                 if j["job_id"] == "bench-hang" and j["hangs"] and detect["hang"] is None:
                     detect["hang"] = now - hang_stop
+                    # What the coordinator saw: seconds between the job's last progress and this answer.
+                    detect["hang_stall"] = j["seconds_since_progress"]
             await asyncio.sleep(0.1)
 
     async def both() -> dict[str, Any]:
@@ -189,7 +191,9 @@ def main() -> int:
         "coordinator_cpu_s": round(coord_cpu_s, 2), "coordinator_cores_used": round(coord_cpu_s / elapsed, 2),
         "straggler_detect_s": None if detect["straggler"] is None else round(detect["straggler"], 2),
         "hang_detect_s": None if detect["hang"] is None else round(detect["hang"], 2),
+        "hang_stalled_when_seen_s": detect["hang_stall"],
         "hang_threshold_s": 2.0,
+        "window_messages_per_agent": args.window,
     }
     print(json.dumps(result, indent=2))
     return 0 if result["lost"] == 0 else 1

@@ -28,6 +28,9 @@ class BudgetedStragglerFeed:
         self._window_records = 0
         self._window_start: float | None = None
         self._rate_window_s = rate_window_s
+        # Whether a step is judged is decided once, when the step is first seen, so a stride change
+        # never leaves a step fed by some ranks only (the detector would wait for the rest).
+        self._sampled: dict[int, bool] = {}
 
     def set_world_size(self, world_size: int) -> None:
         if world_size > 0:
@@ -49,6 +52,7 @@ class BudgetedStragglerFeed:
         stride = self.stride
         add = self.detector.add_value
         last = self._last_value
+        sampled = self._sampled
         for i in range(n):
             v = values[i]
             if v != v:  # NaN: derive compute from the wait when the hook measured only that
@@ -56,7 +60,13 @@ class BudgetedStragglerFeed:
                     continue
                 v = max(0.0, cols.wall_s[i] - comm[i])
             step = cols.step[i]
-            if stride > 1 and step % stride:
+            take = sampled.get(step)
+            if take is None:
+                take = sampled[step] = step % stride == 0
+                if len(sampled) > 4096:  # forget the oldest decisions (steps long judged)
+                    for old in sorted(sampled)[:2048]:
+                        del sampled[old]
+            if not take:
                 continue
             rank = cols.rank[i]
             last[rank] = v

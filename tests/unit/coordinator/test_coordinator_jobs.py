@@ -55,3 +55,19 @@ def test_feed_samples_steps_above_its_budget() -> None:
     feed.feed(_cols(0, ranks=100), now=0.0)
     feed.feed(_cols(1, ranks=100), now=1.0)  # 200 records in 1 s → every 2nd step
     assert feed.stride == 2
+
+
+def test_stride_change_in_the_middle_of_a_step_does_not_stall_detection() -> None:
+    feed = BudgetedStragglerFeed("j", budget_records_s=1000.0, rate_window_s=1.0)
+    t = 0.0
+    flagged_at = None
+    for step in range(200):
+        for half in (0, 1):  # each step arrives from two "agents"; the stride may change between them
+            ranks = list(range(half * 50, half * 50 + 50))
+            feed.feed(StepColumns("j", ranks, [step] * 50, [1.7e9] * 50, [1.0] * 50,
+                                  [0.2 if (r == 7 and step >= 100) else 0.1 for r in ranks], None), now=t)
+            t += 0.01
+        if feed.evaluate() and flagged_at is None:
+            flagged_at = step
+    assert feed.stride > 1
+    assert flagged_at is not None and flagged_at < 100 + 8 * feed.stride, (flagged_at, feed.stride)
