@@ -234,14 +234,159 @@ def check_cuda_split(one_step: Callable[[], None], nccl_timing: bool, steps: int
     }
 
 
+def hold_until_released(release: Path) -> None:
+    """The stuck rank of the NCCL job: busy on the host, never reaches the collective."""
+    while not release.exists():
+        time.sleep(0.02)
+
+
+def wait_in_allreduce(grad: Any) -> None:
+    """The other rank: its all_reduce is enqueued and never completes; the host waits in sync."""
+    import torch
+    import torch.distributed as dist
+
+    dist.all_reduce(grad)
+    if grad.is_cuda:
+        torch.cuda.synchronize()
+
+
+def _nccl_rank(rank: int, world: int, port: int, sock: str, release: str, steps: int, size: int) -> None:
+    import torch
+    import torch.distributed as dist
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port), GPUHEALTH_SOCKET=sock, GPUHEALTH_JOB_ID="nccl-straggler")
+    if torch.cuda.is_available():
+        dev = torch.device("cuda", rank)
+        torch.cuda.set_device(dev)
+        dist.init_process_group("nccl", device_id=dev, timeout=timedelta(seconds=300))
+    else:  # a dry run of the same job on CPU/Gloo
+        dev = torch.device("cpu")
+        dist.init_process_group("gloo", timeout=timedelta(seconds=300))
+        size = 256
+    tracker = Tracker(flush_interval_s=0.2)
+    tracker.wrap_collectives()
+    a = torch.randn(size, size, device=dev, dtype=torch.bfloat16)
+    w = torch.randn(size, size, device=dev, dtype=torch.bfloat16) / size**0.5
+    grad = torch.randn(16 << 20, device=dev)
+    n_mm = 8 if rank == world - 1 else 4  # the last rank does 2x the compute
+    for _ in range(steps):
+        with tracker.step():
+            x = a
+            for _ in range(n_mm):
+                x = torch.relu(x @ w)
+            dist.all_reduce(grad)
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+    sync()
+    if rank == world - 1:
+        hold_until_released(Path(release))
+        dist.all_reduce(grad)
+    else:
+        wait_in_allreduce(grad)
+    sync()
+    dist.barrier()
+    tracker.close()
+    dist.destroy_process_group()
+
+
+def nccl_job(world: int, steps: int, size: int, out: Path | None) -> dict[str, Any]:
+    """A real NCCL job (one process per GPU) with a 2x-compute straggler, then a hang: the hook's
+    per-rank split, an NCCL flight-recorder dump and Python stacks taken while a rank is blocked."""
+    import multiprocessing as mp
+    import socket as socketlib
+
+    from gpuhealth.agent.ranks import RankHub
+
+    os.environ.setdefault("TORCH_FR_BUFFER_SIZE", "2000")
+    tmp = Path(tempfile.mkdtemp(prefix="gh-nccl-"))
+    sock, release = tmp / "agent.sock", tmp / "release"
+    hub = RankHub(sock)
+    records: dict[int, list[Any]] = {r: [] for r in range(world)}
+    hub.add_listener(on_steps=lambda i, rs: [records[r.rank].append(r) for r in rs])
+    hub.start()
+    with socketlib.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_nccl_rank, args=(r, world, port, str(sock), str(release), steps, size))
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    res: dict[str, Any] = {"world": world, "steps": steps, "matmul_size": size,
+                           "nccl_timing_env": os.environ.get("TORCH_NCCL_ENABLE_TIMING", "")}
+    try:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline and any(len(v) < steps for v in records.values()):
+            time.sleep(0.1)
+        per_rank = {}
+        for r, recs in records.items():
+            recs = sorted(recs, key=lambda x: x.step)[3:]
+            split = [x for x in recs if x.compute_s is not None]
+            per_rank[r] = {
+                "records": len(recs) + 3, "with_split": len(split),
+                "median_wall_ms": statistics.median(x.wall_s for x in recs) * 1e3 if recs else None,
+                "median_compute_ms": statistics.median(x.compute_s for x in split) * 1e3 if split else None,
+                "median_comm_wait_ms": statistics.median(x.comm_wait_s for x in split) * 1e3 if split else None,
+            }
+        res["per_rank"] = per_rank
+        blocked = False
+        while time.monotonic() < deadline and not blocked:
+            st = hub.request_stacks("nccl-straggler", 0, timeout_s=5).get(0)
+            blocked = isinstance(st, dict) and "wait_in_allreduce" in st["text"]
+            time.sleep(0.2)
+        time.sleep(1.0)
+        t0 = time.perf_counter()
+        dumps = hub.request_dump("nccl-straggler", None, str(out or tmp / "fr"), timeout_s=60)
+        res["dump_seconds"] = time.perf_counter() - t0
+        res["dumps"] = {}
+        for r, path in dumps.items():
+            if isinstance(path, Exception):
+                res["dumps"][r] = repr(path)
+                continue
+            d = json.loads(Path(path).read_text())
+            entries = d.get("entries", [])
+            last = entries[-1] if entries else {}
+            res["dumps"][r] = {
+                "path": path, "version": d.get("version"), "comm_lib_version": d.get("comm_lib_version"),
+                "entries": len(entries), "pg_status": d.get("pg_status"),
+                "last": {k: last.get(k) for k in ("collective_seq_id", "profiling_name", "state", "duration_ms")},
+                "with_duration_ms": sum(1 for e in entries if e.get("duration_ms")),
+            }
+        stacks = hub.request_stacks("nccl-straggler", None, timeout_s=10)
+        res["stack_innermost_user_function"] = {
+            r: (v if isinstance(v, Exception) else
+                [f["function"] for t in v["threads"] if t["main"] for f in t["frames"]
+                 if f["function"] in ("wait_in_allreduce", "hold_until_released")])
+            for r, v in stacks.items()}
+    finally:
+        release.touch()
+        for p in procs:
+            p.join(120)
+        res["exit_codes"] = [p.exitcode for p in procs]
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+        hub.stop()
+    return json.loads(json.dumps(res, default=repr))
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", type=Path, help="write results here as JSON")
     ap.add_argument("--sink", choices=("agent", "jsonl"), default="agent")
     ap.add_argument("--quick", action="store_true", help="fewer steps (smoke run)")
     ap.add_argument("--no-cuda", action="store_true")
+    ap.add_argument("--nccl-job", type=int, metavar="WORLD", help="instead: a real NCCL straggler+hang job on "
+                    "WORLD GPUs (hook split, FR dump and stacks while blocked)")
+    ap.add_argument("--dump-dir", type=Path, help="--nccl-job: keep the flight-recorder dumps here")
     ap.add_argument("--cpu-size", type=int, default=768, help="matmul size of the CPU step (768: ~10 ms on 2 cores)")
     args = ap.parse_args()
+    if args.nccl_job:
+        res = nccl_job(args.nccl_job, 40, 8192, args.dump_dir)
+        print(json.dumps(res, indent=2))
+        if args.json:
+            args.json.write_text(json.dumps(res, indent=2))
+        return 0
 
     import torch
     import torch.distributed as dist
