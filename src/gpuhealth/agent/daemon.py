@@ -100,6 +100,7 @@ class Agent:
         self._ever_up = False
         self._down_since: float | None = None
         self._lost_gpus: frozenset[int] = frozenset()
+        self.lost_gpu_reinit_s = LOST_GPU_REINIT_S
         self._ready_sent = False
         self._last_watchdog = 0.0
         self._last_status = ""
@@ -369,7 +370,7 @@ class Agent:
             if facts.gpus:
                 log.warning("GPU list changed: %d → %d GPUs", len(facts.gpus), len(gpus))
             self.cache.update_facts(gpus=gpus)
-        if self._lost_gpus and time.monotonic() - (self._lost_since or 0.0) > LOST_GPU_REINIT_S:
+        if self._lost_gpus and time.monotonic() - (self._lost_since or 0.0) > self.lost_gpu_reinit_s:
             self._lost_since = time.monotonic()
             self._reinit_in_place()
 

@@ -90,8 +90,9 @@ def test_hung_collector_times_out_without_stalling_the_agent_and_recovers(agents
 def test_gpu_lost_mid_run_is_reported_and_clears_when_it_answers_again(agents: list[Agent], clock: Any
                                                                        ) -> None:
     backend = _scenario_backend(clock, [{"at": 5, "type": "lost", "gpu": 1}, {"at": 20, "type": "restore", "gpu": 1}])
-    agent = _start(agents, Agent(fast_config(), backend, collectors=all_collectors(fast_config()), extensions=[],
-                                 notifier=QUIET))
+    agent = Agent(fast_config(), backend, collectors=all_collectors(fast_config()), extensions=[], notifier=QUIET)
+    agent.lost_gpu_reinit_s = 0.3  # fresh NVML handles this often while a GPU is lost
+    _start(agents, agent)
     wait_for(lambda: agent.ready, what="first sweep")
     assert agent.node_report()["node"]["health"] == "healthy"
     clock.advance(6)
@@ -110,6 +111,9 @@ def test_gpu_lost_mid_run_is_reported_and_clears_when_it_answers_again(agents: l
     assert re.search(r'^gpuhealth_findings\{gpu="1",[^}]*code="gpu.lost",severity="critical"', text, re.M)
     assert 'gpuhealth_gpu_temperature_celsius{gpu="0"' in text  # the other GPU is still read
     assert agent.snapshot().nvml_up  # a lost GPU is not a lost driver
+    wait_for(lambda: agent.snapshot().nvml_reinits_total >= 1, what="NVML re-initialised for the lost GPU")
+    wait_for(lambda: any(s.name == "gpu_temperature_celsius" and s.gpu == 0 for s in agent.snapshot().samples),
+             what="GPU 0 still read after the re-init")
     clock.advance(15)
     wait_for(lambda: not lost(), what="gpu.lost to clear once the GPU answers")
     wait_for(lambda: agent.node_report()["gpus"][1]["health"] == "healthy", what="GPU 1 healthy again")
