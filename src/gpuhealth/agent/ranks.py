@@ -222,7 +222,9 @@ class RankHub:
         """Ask ranks (all of the job's ranks on this node when ``rank`` is None) to write their flight
         recorder into ``out_dir``. Returns each rank's dump path, or the Exception that stands in for
         it (RankRequestError, RankNotConnectedError, TimeoutError). Waits at most ``timeout_s``."""
-        results = self._request(job_id, rank, timeout_s, lambda rid: protocol.dump_fr_request(rid, str(out_dir)))
+        # Absolute: the rank resolves the folder from its own working directory, not the agent's.
+        folder = os.path.abspath(out_dir)
+        results = self._request(job_id, rank, timeout_s, lambda rid: protocol.dump_fr_request(rid, folder))
         out: dict[int, str | Exception] = {}
         for r, res in results.items():
             if isinstance(res, Exception):
@@ -298,10 +300,12 @@ class RankHub:
         while not self._stopping.is_set():
             try:
                 events = self._sel.select(1.0)
-            except OSError:
+            except (OSError, ValueError):
                 if self._stopping.is_set():
                     break
-                raise
+                log.exception("rank hub: select failed")  # keep serving; never let the thread die
+                time.sleep(0.1)
+                continue
             for key, _ in events:
                 obj = key.fileobj
                 try:
