@@ -44,13 +44,31 @@ def _coordinator(port: int, db: str, ready: str, cpu: int) -> None:
 def _message(seq: int, job: str, ranks: list[int], first_step: int, steps: int, slow_rank: int | None) -> bytes:
     n = len(ranks)
     batch = pb.StepBatch(job_id=job)
-    for s in range(first_step, first_step + steps):
+    for st in range(first_step, first_step + steps):
         batch.rank.extend(ranks)
-        batch.step.extend([s] * n)
-        batch.start_time.extend([1.7e9 + s * 0.1] * n)
+        batch.step.extend([st] * n)
+        batch.start_time.extend([1.7e9 + st * 0.1] * n)
         batch.wall_s.extend([0.1] * n)
         batch.compute_s.extend([0.12 if r == slow_rank else 0.06 for r in ranks])
     return pb.AgentMessage(record=pb.Record(seq=seq, steps=batch)).SerializeToString()
+
+
+class _Columns:
+    """Per-agent constant columns, so the client spends its core on sending, not on building."""
+
+    def __init__(self, ranks: list[int], steps: int) -> None:
+        n = len(ranks)
+        self.rank = ranks * steps
+        self.offsets = [i // n for i in range(n * steps)]
+        self.wall = [0.1] * (n * steps)
+        self.normal = [0.06] * (n * steps)
+        self.slow = [0.12 if r == ranks[0] else 0.06 for r in self.rank]
+
+    def message(self, seq: int, job: str, first_step: int, slow: bool) -> bytes:
+        step = [first_step + o for o in self.offsets]
+        batch = pb.StepBatch(job_id=job, rank=self.rank, step=step, start_time=[1.7e9 + first_step * 0.1] * len(step),
+                             wall_s=self.wall, compute_s=self.slow if slow else self.normal)
+        return pb.AgentMessage(record=pb.Record(seq=seq, steps=batch)).SerializeToString()
 
 
 async def _client(args: argparse.Namespace, address: str, first_agent: int, n_agents: int, stop_at: float,
@@ -65,16 +83,17 @@ async def _client(args: argparse.Namespace, address: str, first_agent: int, n_ag
     window = args.window
     seqs = [0] * n_agents
     counts = [0] * n_agents
+    columns = [_Columns(list(range(a * args.ranks_per_agent, (a + 1) * args.ranks_per_agent)), args.steps_per_message)
+               for a in range(first_agent, first_agent + n_agents)]
 
     async def send_one(idx: int, agent: SimAgent, step: int, now: float) -> None:
         a = first_agent + idx
-        ranks = list(range(a * args.ranks_per_agent, (a + 1) * args.ranks_per_agent))
         if seqs[idx] - agent.acked >= window:
             await agent.wait_acked(seqs[idx] - window // 2, 30)
         seqs[idx] += 1
-        slow = 0 if a == 0 and straggle_at is not None and now >= straggle_at else None  # rank 0 straggles
-        await agent.send(_message(seqs[idx], "bench", ranks, step, args.steps_per_message, slow))
-        counts[idx] += len(ranks) * args.steps_per_message
+        slow = a == 0 and straggle_at is not None and now >= straggle_at  # rank 0 straggles
+        await agent.send(columns[idx].message(seqs[idx], "bench", step, slow))
+        counts[idx] += args.ranks_per_agent * args.steps_per_message
         # A second, small job on agent 0 that stops progressing at hang_job_stop.
         if a == 0 and (hang_job_stop is None or now < hang_job_stop) and seqs[idx] % 4 == 0:
             seqs[idx] += 1
