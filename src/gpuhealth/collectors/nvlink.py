@@ -124,6 +124,11 @@ class NvlinkCollector:
             for link in chunk:
                 requests.extend((f, link) for f in COUNTER_FIELDS.values())
             values = read_fields(ctx, obs, i, requests)
+            if any(e.gpu == i and e.key == "field_values" for e in obs.errors):
+                # The whole batch failed (GPU lost, driver gone): the runner/presence report that;
+                # "no link answered" here must not read as "every link is down".
+                rec["unreadable"] = True
+                continue
             states: dict[int, int] = {}
             for link in range(n):
                 s = values.get((STATE_FIELD, link))
@@ -155,6 +160,8 @@ class NvlinkCollector:
     def evaluate(self, obs: Observations, history: History, ctx: CollectContext) -> list[Finding]:
         out: list[Finding] = []
         for i, rec in sorted(obs.per_gpu.items()):
+            if rec.get("unreadable"):
+                continue
             states: dict[int, int] = rec.get("link_states") or {}
             wanted = expected_links(rec, ctx)
             if wanted:

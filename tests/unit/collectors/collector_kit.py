@@ -43,9 +43,11 @@ def inline(clock: Any, overrides: Mapping[str, Any] | None = None, *, rec: str =
 
 
 def context(backend: Any, clock: Any, *, config: Config | None = None, sysfs: Any = None,
-            extras: Mapping[str, Any] | None = None) -> CollectContext:
+            extras: Mapping[str, Any] | None = None, previous: Any = ()) -> CollectContext:
+    """A context as the agent builds one; ``previous`` (the last sweep's GPUs) keeps the identity
+    of a GPU that stopped answering."""
     return CollectContext(
-        backend=backend, config=config or Config(), gpus=enumerate_gpus(backend), node_name=NODE,
+        backend=backend, config=config or Config(), gpus=enumerate_gpus(backend, previous), node_name=NODE,
         now=float(clock()), sysfs=sysfs, extras=dict(extras or {}),
     )
 
@@ -63,9 +65,12 @@ class Sweeper:
     history: History = field(default_factory=History)
     last_obs: Observations | None = None
     last_samples: list[Sample] = field(default_factory=list)
+    gpus: list[Any] = field(default_factory=list)
 
     def sweep(self) -> list[Finding]:
-        ctx = context(self.backend, self.clock, config=self.config, sysfs=self.sysfs, extras=self.extras)
+        ctx = context(self.backend, self.clock, config=self.config, sysfs=self.sysfs, extras=self.extras,
+                      previous=self.gpus)
+        self.gpus = list(ctx.gpus)
         obs = self.collector.collect(ctx)
         findings = list(self.collector.evaluate(obs, self.history, ctx))
         self.last_samples = list(self.collector.samples(obs, ctx))

@@ -141,3 +141,13 @@ def test_fabric_healthy_and_not_supported_are_quiet(clock):
     assert Sweeper(nvlink.create(), b, clock).sweep() == []
     h100 = recording("nvml_h100x1.json", clock)  # state NOT_SUPPORTED
     assert Sweeper(nvlink.create(), h100, clock).sweep() == []
+
+
+def test_a_lost_gpu_is_not_reported_as_all_links_down(clock):
+    b = inline(clock, events=[{"at": 60, "type": "lost", "gpu": 1}])
+    s = Sweeper(nvlink.create(), b, clock)
+    assert s.sweep() == []  # link count learnt and cached while the GPU answered
+    assert s.after(60) == []  # GPU 1 fell off the bus: presence reports gpu.lost, not 18 links down
+    assert s.last_obs.per_gpu[1] == {"link_count": 18, "nvswitch_links": 18, "unreadable": True}
+    assert {e.gpu for e in s.last_obs.errors} == {1}
+    assert len(s.last_obs.per_gpu[0]["link_states"]) == 18  # the other GPU is still read

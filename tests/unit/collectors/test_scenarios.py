@@ -110,3 +110,17 @@ def test_through_the_runner_the_faulty_node_reports_and_samples(clock):
               if s.name == "gpu_pcie_link_width" and dict(s.labels)["which"] == "current"}
     assert widths == {0: 16.0, 1: 16.0, 2: 16.0, 3: 8.0, 4: 16.0, 5: 16.0, 6: 16.0, 7: 16.0}
     assert {s.gpu for s in runs["telemetry"].samples} == set(range(8))
+
+
+def test_a_gpu_that_falls_off_the_bus_raises_no_false_hardware_findings(clock):
+    # GPU 1 answers at first, then every call on it fails with GPU_IS_LOST (presence → gpu.lost).
+    b = FakeNvml.from_scenario({"recording": "nvml_h200x2.json", "events": [{"at": 30, "type": "lost", "gpu": 1}]},
+                               clock=clock)
+    b.init()
+    sweepers = [Sweeper(importlib.import_module(f"gpuhealth.collectors.{n}").create(), b, clock) for n in MINE]
+    for s in sweepers:
+        assert problems(s.sweep()) == []
+    clock.advance(60)
+    for s in sweepers:
+        assert problems(s.sweep()) == [], s.collector.name
+        assert all(e.gpu == 1 and e.code == 15 for e in s.last_obs.errors), s.collector.name
