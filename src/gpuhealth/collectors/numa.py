@@ -12,9 +12,9 @@ A process allowed on every CPU is not misplaced by its affinity alone (the sched
 well); its memory placement is still checked.
 
 When the platform has no NUMA information (VMs report ``numa_node`` = -1 and NVML
-"Not Supported", as the real recordings do) or the GPU is local to every CPU, nothing can be
-misplaced: the collector records that as a node observation and one info finding
-(``numa.unknown``), never a warning.
+"Not Supported", as the real recordings do) nothing can be judged: the collector records that as a
+node observation and one info finding (``numa.unknown``), never a warning. A host with a single
+NUMA node (the kernel also reports -1 there) has nothing to misplace: no finding at all.
 """
 
 from __future__ import annotations
@@ -198,7 +198,7 @@ class NumaCollector:
                          "local_page_share": None if local_share is None else round(local_share, 3)},
                         NAME,
                     ))
-        if unknown:
+        if unknown and len(obs.node.get("numa_nodes") or {}) != 1:  # one node: nothing to misplace
             out.append(Finding(
                 "numa.unknown", Severity.INFO, node_entity(ctx),
                 f"the platform reports no NUMA node for GPU(s) {', '.join(map(str, unknown))} "

@@ -131,3 +131,13 @@ def test_system_inspector_reads_real_processes_and_a_proc_tree(tmp_path: Path):
     assert insp.numa_pages(pid + 1_000_000) is None
     gone = 2**22 + 12345  # above pid_max on Linux: no such process
     assert insp.name(gone) is None and insp.cpu_affinity(gone) is None
+
+
+def test_single_node_host_has_nothing_to_say(clock, tmp_path):
+    node0 = tmp_path / "sys" / "devices" / "system" / "node" / "node0"
+    node0.mkdir(parents=True)
+    (node0 / "cpulist").write_text("0-31\n")
+    s = Sweeper(numa.NumaCollector(TableInspector({}, {}, {})), recording("nvml_h200x2.json", clock), clock,
+                sysfs=RealSysfs(tmp_path))
+    assert s.sweep() == []
+    assert s.last_obs.node["numa_nodes"] == {0: "0-31"}
