@@ -2,8 +2,8 @@
 
 - A port that is not ACTIVE / LinkUp → ``ib.port_down``. A port that was up earlier in the
   history and went down is critical (``drain``: multi-node jobs on this node will hang or crawl);
-  a port down since the first look is a warning (it may simply not be cabled); an administratively
-  disabled port (phys_state Disabled) is info.
+  a port with a physical link that the subnet manager has not activated (INIT/ARMED) is a warning;
+  a port never seen up (not cabled, or disabled) is info only — nothing says it should carry traffic.
 - Error counters (symbol errors, link downed, receive errors, link error recovery, …) growing over
   the history window → ``ib.errors`` warning.
 A host without InfiniBand has no ports: no observations, no findings.
@@ -76,12 +76,14 @@ class InfinibandCollector:
                   "link_layer": p.get("link_layer")}
             if not _is_up(p):
                 was_up = any(_is_up((o.node.get("ports") or {}).get(pid) or {}) for o in history if o is not obs)
-                if p.get("phys_state") == "DISABLED":
-                    sev, action, how = Severity.INFO, Action.NONE, "administratively disabled"
-                elif was_up:
+                if was_up:
                     sev, action, how = Severity.CRITICAL, Action.DRAIN, "went down"
-                else:
-                    sev, action, how = Severity.WARNING, Action.MONITOR, "is not up"
+                elif p.get("phys_state") == "LINKUP":
+                    sev, action, how = Severity.WARNING, Action.MONITOR, "has a physical link but is not active"
+                elif p.get("phys_state") == "DISABLED":
+                    sev, action, how = Severity.INFO, Action.NONE, "is administratively disabled"
+                else:  # never up: possibly just not cabled; nothing says this port should carry traffic
+                    sev, action, how = Severity.INFO, Action.NONE, "is not up (not connected?)"
                 out.append(Finding(
                     "ib.port_down", sev, ent,
                     f"{pid} {how}: state {p.get('state') or '?'}, physical {p.get('phys_state') or '?'}",

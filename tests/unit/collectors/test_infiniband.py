@@ -48,14 +48,16 @@ def test_healthy_ports_and_samples(clock, tmp_path):
     assert not any(dict(x.labels)["counter"] == "port_rcv_data" for x in errs)  # traffic is not an error
 
 
-def test_port_that_went_down_is_critical_one_never_up_is_a_warning(clock, tmp_path):
+def test_port_that_went_down_is_critical_one_never_up_is_info(clock, tmp_path):
     write_port(tmp_path, "mlx5_0", 1)
-    write_port(tmp_path, "mlx5_2", 1, state="1: DOWN", phys="2: Polling")
+    write_port(tmp_path, "mlx5_2", 1, state="1: DOWN", phys="2: Polling")  # no cable / peer
     write_port(tmp_path, "mlx5_3", 1, state="1: DOWN", phys="3: Disabled")
+    write_port(tmp_path, "mlx5_4", 1, state="2: INIT", phys="5: LinkUp")  # cabled, SM has not activated it
     s = Sweeper(infiniband.create(), recording("nvml_h200x2.json", clock), clock, sysfs=RealSysfs(tmp_path))
     first = {f.entity.id: f for f in s.sweep()}
-    assert first["node-a/ib/mlx5_2/1"].severity is Severity.WARNING
+    assert first["node-a/ib/mlx5_2/1"].severity is Severity.INFO
     assert first["node-a/ib/mlx5_3/1"].severity is Severity.INFO  # administratively disabled
+    assert first["node-a/ib/mlx5_4/1"].severity is Severity.WARNING
     assert "node-a/ib/mlx5_0/1" not in first
     write_port(tmp_path, "mlx5_0", 1, state="1: DOWN", phys="2: Polling")
     later = {f.entity.id: f for f in s.after(60)}
