@@ -56,11 +56,13 @@ class TelemetryCollector:
         if cached is not None:
             return cached
         limits: dict[str, Any] = {}
+        errors_before = len(obs.errors)
         for key in _STATIC_KEYS:
             v = fetch(ctx, obs, index, key)
             if is_number(v):
                 limits[key] = v
-        self._static[uuid] = limits
+        if len(obs.errors) == errors_before:  # "Not Supported" is an answer; a failure is retried
+            self._static[uuid] = limits
         return limits
 
     def collect(self, ctx: CollectContext) -> Observations:

@@ -112,3 +112,13 @@ def test_costly_energy_counter_is_refreshed_every_60_s_and_carried_between(clock
     assert energy_batches == [1000.0, 1060.0]
     assert seen == [1000.0] * 12 + [2000.0] * 2  # the t=10 change shows at the t=60 refresh
     assert s.last_obs.per_gpu[0]["energy_read_at"] == 1060.0
+
+
+def test_a_failed_static_read_is_retried_not_cached(clock):
+    b = inline(clock, {"0": {"TemperatureThreshold_SLOWDOWN": {"error": "Unknown Error", "code": 999}}},
+               events=[{"at": 5, "type": "set", "gpu": 0, "key": "TemperatureThreshold_SLOWDOWN", "value": 89}])
+    s = Sweeper(telemetry.create(), b, clock)
+    s.sweep()
+    assert "TemperatureThreshold_SLOWDOWN" not in s.last_obs.per_gpu[0]
+    s.after(5)
+    assert s.last_obs.per_gpu[0]["TemperatureThreshold_SLOWDOWN"] == 89
