@@ -70,7 +70,7 @@ def _run(kind: str, args: list[str], device: str, force: bool, config_path: str 
         try:
             runner = DiagRunner(config.diag, state_dir=default_state_dir(config), backend=backend)
             outcome = runner.run(kind, args, gpus=gpus, force=force, timeout_s=config.diag.timeout_s,
-                                 min_gpus=min_gpus)
+                                 min_gpus=min_gpus, enforce_budget=False)
         finally:
             backend.shutdown()
     health = health_of(outcome.findings) if outcome.status == "ok" else Health.UNKNOWN

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import triton
 import triton.language as tl
 
@@ -13,12 +11,12 @@ C2: tl.constexpr = tl.constexpr(0xC2B2AE35)
 
 
 @triton.jit
-def _xor(a: Any, b: Any) -> Any:
+def _xor(a, b):  # type: ignore[no-untyped-def]  # triton resolves annotations: keep them off
     return a ^ b
 
 
 @triton.jit
-def hash_words(words_ptr: Any, n_words: Any, out_ptr: Any, BLOCK: tl.constexpr) -> None:
+def hash_words(words_ptr, n_words, out_ptr, BLOCK: tl.constexpr):  # type: ignore[no-untyped-def]
     """Each program strides over the words, mixes each one (position + murmur3 fmix32) and keeps
     a wrapping sum and an xor; two atomics per program fold them into ``out_ptr[0:2]``."""
     pid = tl.program_id(0)

@@ -259,8 +259,22 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _die_with_parent() -> None:
+    """Ask Linux to SIGKILL this process when its parent dies, so a killed agent (or a timed-out
+    launcher) never leaves ranks spinning in NCCL kernels on the GPUs."""
+    import ctypes
+    import signal
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass  # not Linux: the runner's process-group kill still applies
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    _die_with_parent()
     t0 = time.monotonic()
     handlers = {"probe": cmd_probe, "sdc": cmd_sdc, "busbw": cmd_busbw, "busbw-rank": cmd_busbw_rank,
                 "bandwidth": cmd_bandwidth}

@@ -216,7 +216,7 @@ def run_qualify(
             if step.diag == "sdc":
                 args += ["--golden-dir", golden]
             outcome = runner.run(step.diag, args, gpus=gpus, force=force, timeout_s=config.diag.timeout_s,
-                                 min_gpus=step.min_gpus)
+                                 min_gpus=step.min_gpus, enforce_budget=False)
         outcomes.append(outcome)
         if progress:
             progress(step.diag, f"{step.label or step.diag}: {outcome.status}")

@@ -167,7 +167,8 @@ class DiagRunner:
         self.locks = GpuLocks(Path(state_dir) / "locks")
         self.env = dict(os.environ if env is None else env)
 
-    def select(self, diag: str, gpus: Sequence[GpuIdentity], force: bool) -> tuple[list[GpuIdentity], dict[str, str]]:
+    def select(self, diag: str, gpus: Sequence[GpuIdentity], force: bool, enforce_budget: bool = True
+               ) -> tuple[list[GpuIdentity], dict[str, str]]:
         """GPUs this run may use, and why the others are left out."""
         chosen: list[GpuIdentity] = []
         skipped: dict[str, str] = {}
@@ -179,7 +180,7 @@ class DiagRunner:
                     continue
             need = self.budget.estimate(diag, g.uuid)
             left = self.budget.remaining(g.uuid)
-            if not force and need > left:
+            if enforce_budget and not force and need > left:
                 skipped[g.uuid] = (f"GPU-time budget: {left:.1f} s left of {self.config.gpu_seconds_per_hour:g} s/h, "
                                    f"the run needs ~{need:.1f} s")
                 continue
@@ -195,13 +196,16 @@ class DiagRunner:
         force: bool = False,
         timeout_s: float = 300.0,
         min_gpus: int = 1,
+        enforce_budget: bool = True,
     ) -> DiagOutcome:
         """``gpus`` None: a CPU run (no lock, no budget). Otherwise the child gets ``--device
-        cuda:i,…`` (CUDA enumerated in PCI order, as NVML does) or, for busbw, CUDA_VISIBLE_DEVICES."""
+        cuda:i,…`` (CUDA enumerated in PCI order, as NVML does) or, for busbw, CUDA_VISIBLE_DEVICES.
+        ``enforce_budget`` False (a person asked for this run: CLI, qualify): the run is charged
+        to the budget but never refused by it."""
         t0 = time.monotonic()
         if gpus is None:
             return self._spawn(diag, list(args), [], {}, timeout_s, t0)
-        chosen, skipped = self.select(diag, gpus, force)
+        chosen, skipped = self.select(diag, gpus, force, enforce_budget)
         with self.locks.hold([g.uuid for g in chosen]) as (locked, busy):
             for uuid in busy:
                 skipped[uuid] = "another diagnostic holds this GPU's lock"

@@ -1,0 +1,121 @@
+"""The child-process runner: GPU-time budget, per-GPU locks, busy GPUs, timeouts, bad children."""
+
+from __future__ import annotations
+
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from gpuhealth.backends.nvml_fake import FakeNvml
+from gpuhealth.collectors.base import GpuIdentity
+from gpuhealth.config import DiagConfig
+from gpuhealth.diag.runner import DiagRunner, GpuBudget, GpuLocks, user_processes
+
+GPUS = [GpuIdentity(0, "GPU-a", "NVIDIA H200", "00000000:00:06.0"),
+        GpuIdentity(1, "GPU-b", "NVIDIA H200", "00000000:00:07.0")]
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 10_000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def fake_child(tmp_path: Path, body: str) -> str:
+    """A stand-in interpreter: a script that accepts ``-m gpuhealth.diag ARGS`` and runs ``body``."""
+    script = tmp_path / "fakepython"
+    script.write_text(f"#!{sys.executable}\nimport json, sys, time, os\nargs = sys.argv[3:]\n"
+                      + textwrap.dedent(body))
+    script.chmod(0o755)
+    return str(script)
+
+
+OK_CHILD = """
+devs = args[args.index("--device") + 1].split(",") if "--device" in args else []
+uuids = {"cuda:0": "GPU-a", "cuda:1": "GPU-b"}
+print(json.dumps({"diag": args[0], "status": "ok", "reason": "", "findings": [],
+                  "gpu_seconds": {uuids[d]: 4.0 for d in devs}, "result": {"argv": args,
+                  "env": os.environ.get("CUDA_DEVICE_ORDER")}}))
+"""
+
+
+def test_budget_is_a_sliding_hour(tmp_path: Path) -> None:
+    clock = Clock()
+    b = GpuBudget(tmp_path / "b.json", per_hour=10.0, clock=clock)
+    assert b.remaining("g") == 10.0
+    b.charge("sdc", "g", 4.0)
+    clock.t += 1800
+    b.charge("sdc", "g", 5.0)
+    assert b.remaining("g") == pytest.approx(1.0)
+    assert b.estimate("sdc", "g") == 5.0  # the last measured run
+    clock.t += 1801  # the first charge left the window
+    assert b.remaining("g") == pytest.approx(5.0)
+
+
+def test_runs_are_refused_once_the_budget_is_spent_and_charged_what_the_child_reports(tmp_path: Path) -> None:
+    clock = Clock()
+    runner = DiagRunner(DiagConfig(gpu_seconds_per_hour=10.0), state_dir=tmp_path, clock=clock,
+                        python=fake_child(tmp_path, OK_CHILD))
+    first = runner.run("sdc", gpus=GPUS)
+    assert first.status == "ok" and first.gpus == ["GPU-a", "GPU-b"]
+    assert first.result["argv"][-2:] == ["--device", "cuda:0,cuda:1"]
+    assert first.result["env"] == "PCI_BUS_ID"  # CUDA numbering = NVML numbering
+    assert runner.budget.spent("GPU-a") == pytest.approx(4.0)
+    runner.run("sdc", gpus=GPUS)  # 8 of 10 s spent; the next needs ~4 s
+    third = runner.run("sdc", gpus=GPUS)
+    assert third.status == "skipped" and "budget" in third.reason
+    assert set(third.skipped_gpus) == {"GPU-a", "GPU-b"}
+    assert runner.budget.spent("GPU-a") == pytest.approx(8.0)  # a refused run costs nothing
+    forced = runner.run("sdc", gpus=GPUS, enforce_budget=False)  # a person asked: run, but charge it
+    assert forced.status == "ok" and runner.budget.spent("GPU-a") == pytest.approx(12.0)
+    clock.t += 3601
+    assert runner.run("sdc", gpus=GPUS).status == "ok"
+
+
+def test_a_locked_gpu_is_left_out(tmp_path: Path) -> None:
+    runner = DiagRunner(DiagConfig(), state_dir=tmp_path, python=fake_child(tmp_path, OK_CHILD))
+    with GpuLocks(tmp_path / "locks").hold(["GPU-a"]) as (mine, busy):
+        assert mine == ["GPU-a"] and busy == []
+        with GpuLocks(tmp_path / "locks").hold(["GPU-a", "GPU-b"]) as (mine2, busy2):
+            assert mine2 == ["GPU-b"] and busy2 == ["GPU-a"]
+        out = runner.run("sdc", gpus=GPUS)
+        assert out.gpus == ["GPU-b"] and "lock" in out.skipped_gpus["GPU-a"]
+        assert out.result["argv"][-1] == "cuda:1"
+    assert runner.run("sdc", gpus=GPUS).gpus == ["GPU-a", "GPU-b"]  # released
+
+
+def test_gpus_with_user_processes_are_skipped_unless_forced(tmp_path: Path) -> None:
+    backend = FakeNvml.from_scenario({"recording": "nvml_h200x2.json", "overrides": {
+        "1": {"ComputeRunningProcesses": [{"pid": 4242, "usedGpuMemory": 1 << 30}]}}})
+    backend.init()
+    assert user_processes(backend, 0) == [] and user_processes(backend, 1) == [4242]
+    runner = DiagRunner(DiagConfig(), state_dir=tmp_path, backend=backend, python=fake_child(tmp_path, OK_CHILD))
+    out = runner.run("sdc", gpus=GPUS)
+    assert out.gpus == ["GPU-a"] and "4242" in out.skipped_gpus["GPU-b"]
+    busbw = runner.run("busbw", gpus=GPUS, min_gpus=2)
+    assert busbw.status == "skipped" and "needs 2" in busbw.reason
+    assert runner.run("sdc", gpus=GPUS, force=True).gpus == ["GPU-a", "GPU-b"]
+    assert DiagRunner(DiagConfig(run_on_busy_gpus=True), state_dir=tmp_path / "other", backend=backend,
+                      python=fake_child(tmp_path, OK_CHILD)).run("sdc", gpus=GPUS).gpus == ["GPU-a", "GPU-b"]
+
+
+def test_a_hung_child_is_killed_and_charged_its_wall_time(tmp_path: Path) -> None:
+    runner = DiagRunner(DiagConfig(), state_dir=tmp_path, python=fake_child(tmp_path, "time.sleep(60)\n"))
+    out = runner.run("sdc", gpus=GPUS[:1], timeout_s=1.0)
+    assert out.status == "timeout" and out.wall_s < 10
+    assert runner.budget.spent("GPU-a") >= 1.0
+
+
+def test_a_child_that_prints_garbage_is_a_failure_with_its_stderr(tmp_path: Path) -> None:
+    body = "print('not json'); sys.stderr.write('boom: CUDA error\\n'); sys.exit(1)\n"
+    out = DiagRunner(DiagConfig(), state_dir=tmp_path, python=fake_child(tmp_path, body)).run("sdc", gpus=GPUS[:1])
+    assert out.status == "failed" and "boom: CUDA error" in out.reason
+
+
+def test_a_missing_interpreter_is_a_failure_not_an_exception(tmp_path: Path) -> None:
+    out = DiagRunner(DiagConfig(), state_dir=tmp_path, python=str(tmp_path / "nope")).run("sdc", gpus=GPUS)
+    assert out.status == "failed" and "cannot start" in out.reason
