@@ -86,3 +86,12 @@ def test_alerts_route_on_documented_finding_codes() -> None:
             assert literal.split(".")[0] in known_prefixes, literal
             if design.exists():
                 assert f"`{literal}`" in design.read_text(), literal
+
+
+def test_example_prometheus_config_is_valid_and_names_the_jobs_the_rules_use() -> None:
+    config = PROM / "prometheus.example.yml"
+    result = promtool("check", "config", str(config))
+    assert result.returncode == 0, result.stdout + result.stderr
+    jobs = {c["job_name"] for c in yaml.safe_load(config.read_text())["scrape_configs"]}
+    used = set(re.findall(r'job="([^"]+)"', RULES.read_text()))
+    assert used <= jobs
