@@ -108,7 +108,7 @@ class ThrottleCollector:
     def collect(self, ctx: CollectContext) -> Observations:
         obs = Observations(NAME, ctx.now)
         requests = [(f, 0) for f in VIOLATION_FIELDS.values()]
-        for g in ctx.gpus:
+        for position, g in enumerate(ctx.gpus):
             i = g.index
             rec = obs.gpu(i)
             mask = fetch(ctx, obs, i, "CurrentClocksEventReasons")
@@ -122,7 +122,8 @@ class ThrottleCollector:
                 return {label: int(v) for label, f in VIOLATION_FIELDS.items()
                         if is_number(v := values.get((f, 0)))}
 
-            read_at, violations = self._violations.get(g.uuid, ctx.now, read_violations)
+            phase = position / max(1, len(ctx.gpus))  # spread the GPUs' costly reads over sweeps
+            read_at, violations = self._violations.get(g.uuid, ctx.now, read_violations, phase)
             if violations:
                 rec["violation_read_at"] = read_at
                 for label, v in violations.items():

@@ -92,26 +92,27 @@ def test_costly_energy_counter_is_refreshed_every_60_s_and_carried_between(clock
     b = inline(clock, {"0": {"field_values": {"NVML_FI_DEV_TOTAL_ENERGY_CONSUMPTION": 1_000_000}}},
                events=[{"at": 10, "type": "set", "gpu": 0, "key": "field_values",
                         "value": {"NVML_FI_DEV_TOTAL_ENERGY_CONSUMPTION": 2_000_000}}])
-    energy_batches: list[float] = []
+    energy_reads: dict[int, list[float]] = {0: [], 1: []}
 
     class Counting:
         def __getattr__(self, name: str):
             return getattr(b, name)
 
         def field_values(self, index: int, requests):
-            if index == 0 and any(f == telemetry.ENERGY_FIELD for f, _ in requests):
-                energy_batches.append(clock())
+            if any(f == telemetry.ENERGY_FIELD for f, _ in requests):
+                energy_reads[index].append(clock() - 1000)
             return b.field_values(index, requests)
 
     s = Sweeper(telemetry.create(), Counting(), clock)
     seen = []
-    for _ in range(14):  # t = 0, 5, … 65
+    for _ in range(32):  # t = 0, 5, … 155
         s.sweep()
         seen.append(sample_values(s.last_samples, "gpu_energy_joules", 0)[0])
         clock.advance(5)
-    assert energy_batches == [1000.0, 1060.0]
-    assert seen == [1000.0] * 12 + [2000.0] * 2  # the t=10 change shows at the t=60 refresh
-    assert s.last_obs.per_gpu[0]["energy_read_at"] == 1060.0
+    # Every 60 s per GPU, the GPUs' phases spread (and half a period off the throttle reads).
+    assert energy_reads == {0: [0.0, 90.0, 150.0], 1: [0.0, 60.0, 120.0]}
+    assert seen == [1000.0] * 18 + [2000.0] * 14  # the t=10 change shows at GPU 0's t=90 read
+    assert s.last_obs.per_gpu[0]["energy_read_at"] == 1150.0
 
 
 def test_a_failed_static_read_is_retried_not_cached(clock):

@@ -83,3 +83,27 @@ def test_older_driver_without_event_reasons_uses_throttle_reasons(clock):
     (f,) = problems(s.sweep())
     assert f.code == "throttle.hw_thermal"
     assert s.last_obs.errors == []  # "Function Not Found" is unsupported, not an error
+
+
+def test_costly_violation_reads_are_spread_over_sweeps_on_a_big_node(clock):
+    b = scenario("faulty_node.yaml", clock)  # 8 GPUs
+    per_sweep: list[int] = []
+    current: list[int] = []
+
+    class Counting:
+        def __getattr__(self, name: str):
+            return getattr(b, name)
+
+        def field_values(self, index: int, requests):
+            current.append(index)
+            return b.field_values(index, requests)
+
+    s = Sweeper(throttle.create(), Counting(), clock)
+    for _ in range(18):  # t = 0, 5, … 85
+        current.clear()
+        s.sweep()
+        per_sweep.append(len(current))
+        clock.advance(5)
+    assert per_sweep[0] == 8  # first look: every GPU
+    assert max(per_sweep[1:]) <= 2  # afterwards ~8 GPUs / 6 sweeps, never all at once
+    assert sum(per_sweep[1:]) == 8 + 8  # each GPU re-read every 30 s
