@@ -318,6 +318,7 @@ def test_fleet_and_jobs_cli_against_the_live_coordinator(cluster: Cluster) -> No
 
     runner = CliRunner()
     res = runner.invoke(cli, ["fleet", "--coordinator", cluster.coord.address, "--json"])
+    assert res.output.startswith("{"), res.output
     doc = json.loads(res.output)
     assert res.exit_code == 1  # a degraded GPU in the fleet
     assert [(g["node"], g["gpu"], g["codes"]) for g in doc["unhealthy_gpus"]] == [
@@ -329,8 +330,23 @@ def test_fleet_and_jobs_cli_against_the_live_coordinator(cluster: Cluster) -> No
     assert isinstance(json.loads(res.output)["jobs"], list)
     res = runner.invoke(cli, ["jobs", "--coordinator", "127.0.0.1:1", "--json"])
     assert res.exit_code == 3 and "UNAVAILABLE" in res.output
-    # `gpuhealth triage --job` goes through query.live_triage: a finished job has no ranks to ask.
-    res = runner.invoke(cli, ["triage", "--job", "e2e-healthy", "--coordinator", cluster.coord.address, "--json"])
+    # A fleet-wide SDC check through the agents (CPU "devices" here): digests are stored and voted;
+    # two nodes are too few voters to accuse anyone.
+    res = runner.invoke(cli, ["fleet", "--coordinator", cluster.coord.address, "--sdc", "--device", "cpu",
+                              "--timeout", "120", "--json"])
+    assert res.output.startswith("{"), res.output
+    doc = json.loads(res.output)
+    run = doc["sdc_run"]
+    assert sorted(run["results"]) == ["n1", "n2"] and run["errors"] == {}, run["errors"]
+    assert run["sdc_digests_stored"] > 0 and doc["sdc_digests"]["votes"] == run["sdc_digests_stored"]
+    assert doc["sdc"] == []
+    # `gpuhealth triage --job` goes through query.live_triage: a job with no rank connected anywhere
+    # gets an "incomplete" verdict from what the agents (none) could give.
+    async def known_job() -> None:
+        cluster.coord.server.coord.jobs.get("e2e-no-ranks", time.monotonic())
+
+    asyncio.run_coroutine_threadsafe(known_job(), cluster.coord.loop).result(10)
+    res = runner.invoke(cli, ["triage", "--job", "e2e-no-ranks", "--coordinator", cluster.coord.address, "--json"])
     live = json.loads(res.output)
     assert live["verdict"] == "incomplete" and live["ranks_seen"] == [], res.output
     res = runner.invoke(cli, ["triage", "--job", "no-such-job", "--coordinator", cluster.coord.address, "--json"])

@@ -24,6 +24,7 @@ import json
 import logging
 import os
 import random
+import re
 import shutil
 import subprocess
 import sys
@@ -49,6 +50,7 @@ from gpuhealth.proto.options import API_VERSION, NODE_METADATA, SESSION_METADATA
 
 log = logging.getLogger("gpuhealth.agent.coordinator")
 
+_DEVICE = re.compile(r"cpu|cuda(:\d+(,cuda:\d+)*)?")  # the only parameter passed to `gpuhealth diag`
 MAX_DUMP_BYTES = 48 * 1024 * 1024  # under the gRPC message limit with room for the envelope
 CONNECT_METHOD = "/gpuhealth.v1.Coordinator/Connect"
 REGISTER_METHOD = "/gpuhealth.v1.Coordinator/Register"
@@ -438,6 +440,12 @@ class CoordinatorLink:
             emit(pb.RequestResult(request_id=req.request_id, rank=-1, ok=False, error=f"bad diagnostic {name!r}"))
             return
         cmd = [sys.executable, "-m", "gpuhealth.cli.main", "diag", name, "--json"]
+        device = req.params.get("device")
+        if device:
+            if not _DEVICE.fullmatch(device):
+                emit(pb.RequestResult(request_id=req.request_id, rank=-1, ok=False, error=f"bad device {device!r}"))
+                return
+            cmd += ["--device", device]
         try:
             proc = subprocess.run(cmd, capture_output=True, timeout=req.timeout_s or 300.0, check=False)
         except subprocess.TimeoutExpired:

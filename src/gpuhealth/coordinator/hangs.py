@@ -46,6 +46,7 @@ class PendingRequest:
     waiting: set[str]
     answers: dict[int, RankAnswer] = field(default_factory=dict)
     node_errors: dict[str, str] = field(default_factory=dict)
+    node_answers: dict[str, RankAnswer] = field(default_factory=dict)  # rank -1 answers (diagnostics)
     done: asyncio.Event = field(default_factory=asyncio.Event)
 
     def __post_init__(self) -> None:
@@ -65,6 +66,11 @@ class PendingRequest:
             self.answers[msg.rank] = answer
         elif not msg.ok and msg.error:
             self.node_errors[node] = msg.error[:2000]
+        elif msg.ok and msg.payload:
+            try:
+                self.node_answers[node] = RankAnswer(node, True, payload=json.loads(msg.payload))
+            except (ValueError, UnicodeDecodeError) as exc:
+                self.node_errors[node] = f"payload is not JSON: {exc}"
         if msg.final:
             self.node_lost(node)
 
@@ -178,3 +184,23 @@ async def investigate(
         doc["hang"] = {"stalled_s": round(hang.stalled_s, 3), "threshold_s": round(hang.threshold_s, 3),
                        "typical_step_s": hang.typical_step_s, "last_step": hang.last_step}
     return doc
+
+
+def sdc_digests_of(result: Any) -> list[tuple[str, str, str]]:
+    """(gpu_uuid, key, digest) from a ``gpuhealth diag sdc --json`` document: one vote per device
+    and case, keyed by the run's golden key id (GPU model, SM count, library versions, flags)."""
+    out: list[tuple[str, str, str]] = []
+    if not isinstance(result, dict) or result.get("diag") != "sdc":
+        return out
+    res = result.get("result") or {}
+    key_id = res.get("key_id") if isinstance(res, dict) else None
+    if not isinstance(key_id, str) or not key_id:
+        return out
+    for dev in res.get("devices") or []:
+        uuid = dev.get("uuid") if isinstance(dev, dict) else None
+        if not isinstance(uuid, str) or not uuid:
+            continue
+        for case in dev.get("cases") or []:
+            if isinstance(case, dict) and isinstance(case.get("digest"), str) and isinstance(case.get("case"), str):
+                out.append((uuid, f"{key_id}/{case['case']}", case["digest"]))
+    return out

@@ -64,3 +64,13 @@ def live_triage(address: str, job_id: str, token: str | None = None, *, tls: Tls
     # The coordinator gets a little less than our deadline so its partial answer arrives in time.
     request = pb.LiveTriageRequest(job_id=job_id, timeout_s=max(1.0, timeout_s - 5.0))
     return _call(address, "LiveTriage", request, token=token, tls=tls, timeout_s=timeout_s)
+
+
+def run_diagnostic(address: str, diagnostic: str, *, nodes: tuple[str, ...] = (), device: str | None = None,
+                   token: str | None = None, tls: TlsFiles | None = None, timeout_s: float = 300.0) -> dict[str, Any]:
+    """Run ``gpuhealth diag DIAGNOSTIC --json`` on agents (all connected ones by default) through the
+    coordinator; SDC digests are stored and voted. Returns per-node results and the fleet view."""
+    params = {"device": device} if device else {}
+    request = pb.RunDiagnosticRequest(nodes=list(nodes), diagnostic=diagnostic, params=params,
+                                      timeout_s=max(1.0, timeout_s - 5.0))
+    return _call(address, "RunDiagnostic", request, token=token, tls=tls, timeout_s=timeout_s)

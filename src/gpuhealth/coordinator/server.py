@@ -163,6 +163,20 @@ class CoordinatorServicer:
             raise
         return json_reply(doc)
 
+    async def run_diagnostic(self, raw: bytes, context: grpc.aio.ServicerContext) -> pb.JsonReply:
+        await self._authorise(context)
+        req = await _parse(raw, pb.RunDiagnosticRequest, context)
+        remaining = context.time_remaining()
+        budget = req.timeout_s or 300.0
+        if remaining is not None:
+            budget = min(budget, max(0.5, remaining - 1.0))
+        try:
+            doc = await self.coord.run_diagnostic(list(req.nodes), req.diagnostic, dict(req.params), budget)
+        except WireError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            raise
+        return json_reply(doc)
+
     def generic_handler(self) -> grpc.GenericRpcHandler:
         ser: Callable[[Any], bytes] = lambda m: m.SerializeToString()  # noqa: E731
         return grpc.method_handlers_generic_handler(SERVICE_NAME, {
@@ -171,6 +185,7 @@ class CoordinatorServicer:
             "ListJobs": grpc.unary_unary_rpc_method_handler(self.list_jobs, response_serializer=ser),
             "GetFleet": grpc.unary_unary_rpc_method_handler(self.get_fleet, response_serializer=ser),
             "LiveTriage": grpc.unary_unary_rpc_method_handler(self.live_triage, response_serializer=ser),
+            "RunDiagnostic": grpc.unary_unary_rpc_method_handler(self.run_diagnostic, response_serializer=ser),
         })
 
 

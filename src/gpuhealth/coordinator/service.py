@@ -419,6 +419,38 @@ class Coordinator:
             raise KeyError(job_id)
         return await hangs.investigate(self, job, reason="on_demand", timeout_s=timeout_s)
 
+    async def run_diagnostic(self, nodes: list[str], name: str, params: dict[str, str],
+                             timeout_s: float) -> dict[str, Any]:
+        """Run ``gpuhealth diag NAME`` on agents; SDC digests in the results are stored as votes."""
+        check_name(name, "diagnostic", 64)
+        wanted = set(nodes) or {n for n, s in self.by_node.items() if s.connected}
+        rid = next(self._request_ids)
+        targets = {n for n in wanted if (s := self.by_node.get(n)) is not None and s.connected}
+        pending = hangs.PendingRequest(rid, pb.RUN_DIAGNOSTIC, "", set(targets))
+        self.requests[rid] = pending
+        for n in targets:
+            self.by_node[n].push(pb.AgentRequest(request_id=rid, kind=pb.RUN_DIAGNOSTIC, diagnostic=name,
+                                                 params=params, timeout_s=max(1.0, timeout_s - 2.0), rank=-1))
+        try:
+            await pending.wait(timeout_s)
+        finally:
+            self.forget_request(rid)
+        now = self.clock()
+        stored = 0
+        with self.store.transaction():
+            for node, ans in pending.node_answers.items():
+                for uuid, key, digest in hangs.sdc_digests_of(ans.payload):
+                    self.store.add_sdc_digest(node, uuid, key, digest, now)
+                    stored += 1
+        return {
+            "diagnostic": name,
+            "results": {n: a.payload for n, a in sorted(pending.node_answers.items())},
+            "errors": {**pending.node_errors, **{n: "not connected" for n in sorted(wanted - targets)},
+                       **{n: "no answer before the deadline" for n in sorted(pending.waiting)}},
+            "sdc_digests_stored": stored,
+            "fleet": self.fleet_doc(),
+        }
+
     # -- query documents -------------------------------------------------------------------------
 
     def jobs_doc(self, job_id: str = "", include_finished: bool = True) -> dict[str, Any]:
@@ -441,7 +473,7 @@ class Coordinator:
         votes = [SdcVote(gpu, node, key, digest) for node, gpu, key, digest, _ in self.store.sdc_digests()]
         for n in nodes:
             votes += sdc_votes_from_findings(n)
-        unique = {(v.gpu_uuid, v.key): v for v in votes}
+        unique = {(v.node, v.gpu_uuid, v.key): v for v in votes}
         return {
             "nodes": [{
                 "name": n.name, "connected": n.connected, "health": n.health, "last_seen": n.last_seen,
@@ -449,6 +481,7 @@ class Coordinator:
             } for n in sorted(nodes, key=lambda n: n.name)],
             "version_drift": [f.to_dict() for f in version_drift(nodes)],
             "sdc": [f.to_dict() for f in sdc_votes(unique.values())],
+            "sdc_digests": {"votes": len(unique), "keys": len({v.key for v in unique.values()})},
             "unhealthy_gpus": unhealthy_gpus(nodes),
             "generated_at": self.clock(),
         }

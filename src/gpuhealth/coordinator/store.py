@@ -65,6 +65,17 @@ MIGRATIONS: tuple[str, ...] = (
     CREATE INDEX verdicts_job ON verdicts (job_id, id);
     CREATE INDEX verdicts_time ON verdicts (created_at);
     """,
+    # 1 → 2: SDC digests keyed per node too (simulated nodes, and CPU "devices", share ids).
+    """
+    CREATE TABLE sdc_digests_v2 (
+        node TEXT NOT NULL, gpu_uuid TEXT NOT NULL, key TEXT NOT NULL, digest TEXT NOT NULL,
+        at REAL NOT NULL, PRIMARY KEY (node, gpu_uuid, key)
+    );
+    INSERT INTO sdc_digests_v2 (node, gpu_uuid, key, digest, at)
+        SELECT node, gpu_uuid, key, digest, at FROM sdc_digests;
+    DROP TABLE sdc_digests;
+    ALTER TABLE sdc_digests_v2 RENAME TO sdc_digests;
+    """,
 )
 SCHEMA_VERSION = len(MIGRATIONS)
 
@@ -253,8 +264,8 @@ class Store:
         return {r[0]: (float(r[1]), [Finding.from_dict(d) for d in json.loads(r[2])]) for r in rows}
 
     def add_sdc_digest(self, node: str, gpu_uuid: str, key: str, digest: str, at: float) -> None:
-        self._db.execute("INSERT OR REPLACE INTO sdc_digests (gpu_uuid, key, node, digest, at) VALUES (?,?,?,?,?)",
-                         (gpu_uuid, key, node, digest, at))
+        self._db.execute("INSERT OR REPLACE INTO sdc_digests (node, gpu_uuid, key, digest, at) VALUES (?,?,?,?,?)",
+                         (node, gpu_uuid, key, digest, at))
 
     def sdc_digests(self) -> list[tuple[str, str, str, str, float]]:
         """(node, gpu_uuid, key, digest, at)."""

@@ -302,6 +302,25 @@ class LiveTriageRequest(_message.Message):
     timeout_s: float
     def __init__(self, job_id: _Optional[str] = ..., timeout_s: _Optional[float] = ...) -> None: ...
 
+class RunDiagnosticRequest(_message.Message):
+    __slots__ = ("nodes", "diagnostic", "params", "timeout_s")
+    class ParamsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    NODES_FIELD_NUMBER: _ClassVar[int]
+    DIAGNOSTIC_FIELD_NUMBER: _ClassVar[int]
+    PARAMS_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    nodes: _containers.RepeatedScalarFieldContainer[str]
+    diagnostic: str
+    params: _containers.ScalarMap[str, str]
+    timeout_s: float
+    def __init__(self, nodes: _Optional[_Iterable[str]] = ..., diagnostic: _Optional[str] = ..., params: _Optional[_Mapping[str, str]] = ..., timeout_s: _Optional[float] = ...) -> None: ...
+
 class JsonReply(_message.Message):
     __slots__ = ("json",)
     JSON_FIELD_NUMBER: _ClassVar[int]

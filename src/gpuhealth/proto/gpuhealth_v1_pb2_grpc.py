@@ -59,6 +59,11 @@ class CoordinatorStub:
                 request_serializer=gpuhealth_dot_proto_dot_gpuhealth__v1__pb2.LiveTriageRequest.SerializeToString,
                 response_deserializer=gpuhealth_dot_proto_dot_gpuhealth__v1__pb2.JsonReply.FromString,
                 _registered_method=True)
+        self.RunDiagnostic = channel.unary_unary(
+                '/gpuhealth.v1.Coordinator/RunDiagnostic',
+                request_serializer=gpuhealth_dot_proto_dot_gpuhealth__v1__pb2.RunDiagnosticRequest.SerializeToString,
+                response_deserializer=gpuhealth_dot_proto_dot_gpuhealth__v1__pb2.JsonReply.FromString,
+                _registered_method=True)
 
 
 class CoordinatorServicer:
@@ -98,6 +103,13 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RunDiagnostic(self, request, context):
+        """Run a diagnostic (`gpuhealth diag NAME --json`) on agents now; SDC digests are stored and voted.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CoordinatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -124,6 +136,11 @@ def add_CoordinatorServicer_to_server(servicer, server):
             'LiveTriage': grpc.unary_unary_rpc_method_handler(
                     servicer.LiveTriage,
                     request_deserializer=gpuhealth_dot_proto_dot_gpuhealth__v1__pb2.LiveTriageRequest.FromString,
+                    response_serializer=gpuhealth_dot_proto_dot_gpuhealth__v1__pb2.JsonReply.SerializeToString,
+            ),
+            'RunDiagnostic': grpc.unary_unary_rpc_method_handler(
+                    servicer.RunDiagnostic,
+                    request_deserializer=gpuhealth_dot_proto_dot_gpuhealth__v1__pb2.RunDiagnosticRequest.FromString,
                     response_serializer=gpuhealth_dot_proto_dot_gpuhealth__v1__pb2.JsonReply.SerializeToString,
             ),
     }
@@ -261,6 +278,33 @@ class Coordinator:
             target,
             '/gpuhealth.v1.Coordinator/LiveTriage',
             gpuhealth_dot_proto_dot_gpuhealth__v1__pb2.LiveTriageRequest.SerializeToString,
+            gpuhealth_dot_proto_dot_gpuhealth__v1__pb2.JsonReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RunDiagnostic(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/gpuhealth.v1.Coordinator/RunDiagnostic',
+            gpuhealth_dot_proto_dot_gpuhealth__v1__pb2.RunDiagnosticRequest.SerializeToString,
             gpuhealth_dot_proto_dot_gpuhealth__v1__pb2.JsonReply.FromString,
             options,
             channel_credentials,

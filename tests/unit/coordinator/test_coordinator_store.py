@@ -65,3 +65,20 @@ def test_retention_prunes_old_rows_only(tmp_path: Path) -> None:
     assert [v["job_id"] for v in s.verdicts()] == ["new"]
     assert s.ranks("old") == []
     assert s.node_findings()["n1"][1][0].code == "throttle.hw_slowdown"  # current state is not history
+
+
+def test_migration_from_version_1_keeps_sdc_digests(tmp_path: Path) -> None:
+    from gpuhealth.coordinator.store import MIGRATIONS, _split_sql
+
+    db = tmp_path / "v1.db"
+    with sqlite3.connect(db) as con:  # a database written by schema version 1
+        for statement in _split_sql(MIGRATIONS[0]):
+            con.execute(statement)
+        con.execute("INSERT INTO sdc_digests (gpu_uuid, key, node, digest, at) VALUES ('GPU-1', 'k', 'n1', 'aa', 1)")
+        con.execute("PRAGMA user_version=1")
+    s = Store(db)
+    assert s.schema_version == SCHEMA_VERSION == 2
+    assert s.sdc_digests() == [("n1", "GPU-1", "k", "aa", 1.0)]
+    with s.transaction():  # the same GPU id on another node is another vote now
+        s.add_sdc_digest("n2", "GPU-1", "k", "aa", 2.0)
+    assert len(s.sdc_digests()) == 2
