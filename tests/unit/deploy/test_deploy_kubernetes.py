@@ -81,7 +81,7 @@ def test_every_rendered_object_validates_offline(version: str) -> None:
         except (kubernetes_validate.ValidationError, jsonschema.ValidationError) as exc:
             pytest.fail(f"{kustomization or '.'}: {ident} invalid for Kubernetes {version}: {exc}")
         seen += 1
-    assert seen >= 4 * 13
+    assert seen >= 4 * 14
 
 
 def test_every_file_in_base_is_rendered_or_is_config() -> None:
