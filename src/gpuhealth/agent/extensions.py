@@ -1,11 +1,22 @@
-"""Which optional parts an agent starts, decided from config (wired by the lead; see daemon.py)."""
+"""Which optional parts an agent starts, decided from config.
+
+- ``agent.socket_path`` set (the default): a ``RankHub`` listens for instrumented training ranks.
+- ``agent.coordinator`` set: a ``CoordinatorLink`` streams findings and step records to the
+  coordinator and serves its requests through the rank hub (needs ``gpuhealth[coordinator]``).
+
+An extension that fails to start is logged by the agent, which keeps running without it.
+"""
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
+    from gpuhealth.agent.ranks import RankHub
     from gpuhealth.config import Config
+
+log = logging.getLogger("gpuhealth.agent")
 
 
 class AgentExtension(Protocol):
@@ -19,6 +30,51 @@ class AgentExtension(Protocol):
     def stop(self) -> None: ...
 
 
+class _RankHubGuard:
+    """Starts the rank hub, but a socket it cannot take (another agent holds it, no permission on
+    the folder) is one clear log line: the agent's health monitoring does not depend on it."""
+
+    name = "ranks"
+
+    def __init__(self, hub: RankHub) -> None:
+        self.hub = hub
+        self.error: str | None = None
+
+    def start(self, agent: object) -> None:
+        from gpuhealth.agent.ranks import RankHubError
+
+        try:
+            self.hub.start(agent)
+        except (RankHubError, OSError) as exc:
+            self.error = str(exc)
+            log.error("rank hub not started: %s (instrumented jobs on this node cannot reach the agent; "
+                      "set agent.socket_path)", exc)
+
+    def stop(self) -> None:
+        if self.error is None:
+            self.hub.stop()
+
+    def __getattr__(self, item: str) -> object:  # the coordinator link finds the hub's API through us
+        return getattr(self.hub, item)
+
+
 def default_extensions(config: Config) -> list[AgentExtension]:
-    """Extensions the config asks for. Filled in as the parts land (rank hub, coordinator link)."""
-    return []
+    """Extensions the config asks for, rank hub first (the coordinator link uses it)."""
+    extensions: list[AgentExtension] = []
+    hub = None
+    if config.agent.socket_path:
+        from gpuhealth.agent.ranks import RankHub
+
+        hub = RankHub(config.agent.socket_path)
+        extensions.append(_RankHubGuard(hub))
+    if config.agent.coordinator:
+        try:
+            from gpuhealth.agent.coordinator_link import link_from_config
+        except ImportError as exc:  # the gRPC extra is not installed
+            log.error("agent.coordinator is set but the coordinator link cannot load (%s); "
+                      "install gpuhealth[coordinator]", exc)
+        else:
+            link = link_from_config(config, rank_hub=hub)
+            if link is not None:
+                extensions.append(link)
+    return extensions
