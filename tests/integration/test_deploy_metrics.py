@@ -387,3 +387,15 @@ def test_dcgm_exporter_dashboard_works_with_dcgm_compat(stack: Stack, panel: str
         assert float(series["value"][1]) > 0
         if "by (Hostname" in expr:
             assert series["metric"]["Hostname"] == "node-a"
+
+
+def test_kubernetes_probe_targets_answer(stack: Stack) -> None:
+    # what the DaemonSet's liveness/readiness probes and the Deployment's gRPC probes ask
+    assert http_get(f"http://127.0.0.1:{stack.agent_port}/health")[0] == 200
+    assert http_get(f"http://127.0.0.1:{stack.agent_port}/ready")[0] == 200
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    with grpc.insecure_channel(f"127.0.0.1:{stack.coord_port}") as channel:
+        reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""), timeout=5)
+    assert reply.status == health_pb2.HealthCheckResponse.SERVING
