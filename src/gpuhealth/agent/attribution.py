@@ -18,8 +18,9 @@ unless an ``index_to_uuid`` callable was given to translate it. Consumers look u
 then by ``str(index)``.
 
 Results are cached for ``ttl_s``; any failure is logged (once per distinct error) and yields the
-last good answer for that source (or nothing), never an exception: a scrape must not fail
-because the kubelet is restarting. gRPC is an optional extra, imported only on the kubelet path.
+last good answer for that source for up to ``FAILURE_GRACE_S`` (then nothing), never an
+exception: a scrape must not fail, nor labels flap, because the kubelet is restarting. gRPC is
+an optional extra, imported only on the kubelet path.
 """
 
 from __future__ import annotations
@@ -50,6 +51,8 @@ KUBELET_TIMEOUT_S = 2.0
 # Big nodes list many pods; the kubelet's own client allows 16 MiB.
 KUBELET_MAX_MESSAGE = 16 * 1024 * 1024
 MAX_MAPPING_FILE_BYTES = 4096
+# How long a failing source's last good answer is still used (a kubelet restart takes seconds).
+FAILURE_GRACE_S = 120.0
 
 
 def is_gpu_resource(resource_name: str) -> bool:
@@ -174,22 +177,45 @@ class SlurmJobDirSource:
 
 
 class _Source:
-    """A source with its own last good answer and error log."""
+    """A source with its own last good answer and error log. While a source fails (a kubelet
+    restarting, its socket briefly gone) its last good answer is kept for ``grace_s``, so GPU
+    series do not lose and regain their labels (new series) on every blip; past that, it is
+    dropped rather than shown stale. A Slurm map directory that does not exist simply means no
+    job holds a GPU (``missing_means_empty``)."""
 
-    def __init__(self, name: str, impl: KubeletPodSource | SlurmJobDirSource) -> None:
+    def __init__(
+        self,
+        name: str,
+        impl: KubeletPodSource | SlurmJobDirSource,
+        *,
+        missing_means_empty: bool,
+        grace_s: float = FAILURE_GRACE_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.impl = impl
         self.errors = _ErrorOnce(name)
+        self.missing_means_empty = missing_means_empty
+        self.grace_s = grace_s
+        self.clock = clock
         self.last_good: dict[str, dict[str, str]] = {}
+        self.last_good_at = float("-inf")
 
     def read(self) -> dict[str, dict[str, str]]:
         try:
-            if not self.impl.available():
-                self.last_good = {}  # socket/dir gone: nobody is attributed any more
+            if self.impl.available():
+                self.last_good = self.impl.read()
+                self.last_good_at = self.clock()
+                self.errors.ok()
+                return self.last_good
+            if self.missing_means_empty:
+                self.last_good = {}
+                self.last_good_at = self.clock()
                 return {}
-            self.last_good = self.impl.read()
-            self.errors.ok()
-        except Exception as exc:  # never raise into a scrape; keep the last good answer
+            raise FileNotFoundError(f"{getattr(self.impl, 'socket_path', '')} is gone")
+        except Exception as exc:  # never raise into a scrape
             self.errors.failed(exc)
+        if self.clock() - self.last_good_at > self.grace_s:
+            self.last_good = {}
         return self.last_good
 
 
@@ -259,10 +285,12 @@ def build_label_provider(
     sources: list[_Source] = []
     socket_path = config.agent.pod_resources_socket
     if socket_path and os.path.exists(socket_path):
-        sources.append(_Source(f"kubelet PodResources List() on {socket_path}", KubeletPodSource(socket_path)))
+        sources.append(_Source(f"kubelet PodResources List() on {socket_path}", KubeletPodSource(socket_path),
+                               missing_means_empty=False, clock=clock))
     if config.agent.slurm_job_dir:
         directory = config.agent.slurm_job_dir
-        sources.append(_Source(f"Slurm job map {directory}", SlurmJobDirSource(directory)))
+        sources.append(_Source(f"Slurm job map {directory}", SlurmJobDirSource(directory),
+                               missing_means_empty=True, clock=clock))
     if not sources:
         return None
     return AttributionProvider(sources, ttl_s=ttl_s, index_to_uuid=index_to_uuid, clock=clock)

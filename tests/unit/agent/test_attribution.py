@@ -15,6 +15,7 @@ import grpc
 import pytest
 
 from gpuhealth.agent.attribution import (
+    FAILURE_GRACE_S,
     AttributionProvider,
     build_label_provider,
     normalize_device_id,
@@ -209,3 +210,35 @@ def test_both_sources_merge(kubelet: tuple[FakeKubelet, Path]) -> None:
 )
 def test_device_id_normalization(raw: str, key: str) -> None:
     assert normalize_device_id(raw) == key
+
+
+def test_kubelet_restart_keeps_labels_for_the_grace_period_then_drops_them(
+    kubelet: tuple[FakeKubelet, Path], clock: Any
+) -> None:
+    servicer, sock = kubelet
+    servicer.pods = [_pod("p", "n", [("c", [("nvidia.com/gpu", [UUID0])])])]
+    provider = build_label_provider(_config(sock), ttl_s=0.0, clock=clock)
+    assert provider is not None
+    assert provider()[UUID0]["pod"] == "p"
+    hidden = sock.with_name("moved.sock")
+    os.rename(sock, hidden)  # the kubelet is restarting: its socket is gone for a while
+    clock.advance(FAILURE_GRACE_S - 1)
+    assert provider()[UUID0]["pod"] == "p"  # no label flapping during a restart
+    os.rename(hidden, sock)
+    clock.advance(5)
+    assert provider()[UUID0]["pod"] == "p"
+    servicer.fail_with = grpc.StatusCode.UNAVAILABLE
+    clock.advance(FAILURE_GRACE_S + 1)
+    assert provider() == {}  # failing for longer than the grace: stale labels are dropped
+
+
+def test_slurm_dir_removed_means_no_job_at_once(short_tmp: Path, clock: Any) -> None:
+    jobs = short_tmp / "jobs"
+    jobs.mkdir()
+    (jobs / UUID0).write_text("9\n")
+    provider = build_label_provider(_config(short_tmp / "absent.sock", jobs), ttl_s=0.0, clock=clock)
+    assert provider is not None
+    assert provider() == {UUID0: {"slurm_job_id": "9"}}
+    (jobs / UUID0).unlink()
+    jobs.rmdir()
+    assert provider() == {}
