@@ -218,6 +218,9 @@ def test_service_monitors_select_services_and_their_ports(base: list[dict[str, A
         assert {e["port"] for e in sm["spec"]["endpoints"]} <= port_names
         # the Service (so the scrape job) is named as the alert rules expect: job="<name>"
         assert svc["metadata"]["name"] == name
+    agent_endpoint = find(base, "ServiceMonitor", "gpuhealth-agent")["spec"]["endpoints"][0]
+    assert {"sourceLabels": ["__meta_kubernetes_pod_node_name"], "targetLabel": "instance",
+            "action": "replace"} in agent_endpoint["relabelings"]
 
 
 def test_no_role_is_granted(base: list[dict[str, Any]]) -> None:
