@@ -202,3 +202,22 @@ def test_nothing_readable_is_incomplete(tmp_path: Path) -> None:
     (tmp_path / "rank0.json").write_text("garbage")
     rep = triage(tmp_path)
     assert rep.verdict == "incomplete" and rep.problems
+
+
+def test_mixed_versions_and_formats_in_one_job(tmp_path: Path) -> None:
+    from frbuild import write_pickle
+
+    for r in range(4):
+        es = training(6, json_style=(r != 0))
+        if r != 2:
+            es.append(entry(7, state="started", json_style=(r != 0)))
+        if r == 0:  # an old pickle: nccl_version, int pg_status, None times, tuples
+            d = dump(es, json_style=False, version="2.3")
+            d["nccl_version"] = d.pop("comm_lib_version")
+            write_pickle(tmp_path, "rank0.pkl", d)
+        else:
+            write_json(tmp_path, f"rank{r}.json", dump(es, version="2.10"))
+    rep = triage(tmp_path)
+    assert rep.verdict == "hang"
+    assert _codes(rep) == [("collective.missing_rank", 2)]
+    assert rep.findings[0].evidence["waiting_ranks"] == [0, 1, 3]
