@@ -65,6 +65,54 @@ def is_number(value: Any) -> TypeGuard[int | float]:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
+def earlier_reading(
+    history: History,
+    now: Observations,
+    *,
+    time_of: Callable[[Observations], Any] | None = None,
+    window_s: float | None = None,
+    latest: bool = False,
+    has: Callable[[Observations], bool] | None = None,
+) -> tuple[Observations, float] | None:
+    """The earlier observation to compare ``now`` with, and the seconds between the two readings.
+
+    The oldest one read within ``window_s`` (or the most recent, ``latest=True``) whose reading time
+    (``time_of``, default the observation's time) is before now's and that ``has`` accepts."""
+    t_now = now.time if time_of is None else time_of(now)
+    if not is_number(t_now):
+        return None
+    items = list(history)
+    best: tuple[Observations, float] | None = None
+    if latest or window_s is not None:  # newest first: stop at the window's edge
+        for past in reversed(items):
+            t_past = past.time if time_of is None else time_of(past)
+            if past is now or not is_number(t_past) or t_past >= t_now:
+                continue
+            if window_s is not None and t_now - t_past > window_s:
+                break
+            if has is not None and not has(past):
+                continue
+            best = (past, float(t_now - t_past))
+            if latest:
+                break
+        return best
+    for past in items:  # oldest first: the first usable one
+        t_past = past.time if time_of is None else time_of(past)
+        if past is now or not is_number(t_past) or t_past >= t_now:
+            continue
+        if has is None or has(past):
+            return past, float(t_now - t_past)
+    return None
+
+
+def increase(cur: Any, prev: Any) -> float | None:
+    """Growth of a counter from ``prev`` to ``cur``; one that went backwards (GPU reset, driver
+    reload) counts from zero."""
+    if not is_number(cur) or not is_number(prev):
+        return None
+    return float(cur - prev if cur >= prev else cur)
+
+
 def counter_delta(
     history: History,
     now: Observations,
@@ -81,21 +129,14 @@ def counter_delta(
     reload) counts from zero. ``latest`` compares with the most recent earlier reading instead of the
     oldest. None when there is no earlier reading."""
     cur = get(now)
-    t_now = now.time if time_of is None else time_of(now)
-    if not is_number(cur) or not is_number(t_now):
+    if not is_number(cur):
         return None
-    for past in reversed(list(history)) if latest else history:
-        t_past = past.time if time_of is None else time_of(past)
-        if past is now or not is_number(t_past) or t_past >= t_now:
-            continue
-        if window_s is not None and t_now - t_past > window_s:
-            continue
-        prev = get(past)
-        if not is_number(prev):
-            continue
-        delta = cur - prev if cur >= prev else cur
-        return float(delta), float(t_now - t_past)
-    return None
+    found = earlier_reading(history, now, time_of=time_of, window_s=window_s, latest=latest,
+                            has=lambda o: is_number(get(o)))
+    if found is None:
+        return None
+    delta = increase(cur, get(found[0]))
+    return None if delta is None else (delta, found[1])
 
 
 class Periodic:

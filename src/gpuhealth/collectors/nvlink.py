@@ -30,10 +30,11 @@ from typing import Any
 from gpuhealth.backends.base import NVLINK_MAX_LINKS
 from gpuhealth.catalog.thresholds import thresholds_from
 from gpuhealth.collectors._shared import (
-    counter_delta,
+    earlier_reading,
     fetch,
     gpu_entity,
     gpu_key,
+    increase,
     is_number,
     link_entity,
     read_fields,
@@ -198,27 +199,32 @@ class NvlinkCollector:
         growth → critical."""
         th = thresholds_from(ctx).nvlink
         grown: dict[str, Any] = {}
-        window = 0.0
         severity = Severity.WARNING
+        read_at = gpu_key(i, f"link{link}.read_at")
+        # Growth since the link's previous read (reads of one link are a rotation apart).
+        past = earlier_reading(history, obs, time_of=read_at, latest=True, has=lambda o: read_at(o) is not None)
+        if past is None or past[1] < th.min_window_s:
+            return None
+        window = past[1]
+        before = past[0].per_gpu.get(i, {})
+        now_rec = obs.per_gpu.get(i, {})
         for label in COUNTER_FIELDS:
-            # Growth since the link's previous read (reads of one link are a rotation apart).
-            d = counter_delta(history, obs, gpu_key(i, f"link{link}.{label}"),
-                              time_of=gpu_key(i, f"link{link}.read_at"), latest=True)
-            if d is None or d[1] < th.min_window_s or d[0] <= 0:
+            key = f"link{link}.{label}"
+            d = increase(now_rec.get(key), before.get(key))
+            if d is None or d <= 0:
                 continue
-            window = max(window, d[1])
             if label == "crc":
-                if d[0] < th.crc_per_window_warning:
+                if d < th.crc_per_window_warning:
                     continue
-                grown["crc_increase"] = int(d[0])
-                grown["crc_per_second"] = round(d[0] / d[1], 2)
-                if d[0] / d[1] >= th.crc_per_second_critical:
+                grown["crc_increase"] = int(d)
+                grown["crc_per_second"] = round(d / window, 2)
+                if d / window >= th.crc_per_second_critical:
                     severity = Severity.CRITICAL
             else:
                 limit = th.replay_per_window_critical if label == "replay" else th.recovery_per_window_critical
-                if d[0] < limit:
+                if d < limit:
                     continue
-                grown[f"{label}_increase"] = int(d[0])
+                grown[f"{label}_increase"] = int(d)
                 severity = Severity.CRITICAL
         if not grown:
             return None

@@ -17,17 +17,18 @@ wall time, catches it (DCGM's thermal/power watches warn on any growth). A share
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
 from gpuhealth.catalog.thresholds import thresholds_from
 from gpuhealth.collectors._shared import (
     Periodic,
-    counter_delta,
+    earlier_reading,
     fetch,
     gpu_entity,
     gpu_key,
+    increase,
     is_number,
     read_fields,
 )
@@ -135,11 +136,19 @@ class ThrottleCollector:
         out: list[Finding] = []
         for i, rec in sorted(obs.per_gpu.items()):
             shares: dict[str, float] = {}
-            for label in VIOLATION_FIELDS:
-                d = counter_delta(history, obs, gpu_key(i, f"violation_ns.{label}"), VIOLATION_WINDOW_S,
-                                  time_of=gpu_key(i, "violation_read_at"))
-                if d is not None and d[1] >= th.violation_min_window_s:
-                    shares[label] = d[0] / 1e9 / d[1]
+            read_at = gpu_key(i, "violation_read_at")
+
+            def has_reading(o: Observations, read_at: Callable[[Observations], Any] = read_at) -> bool:
+                return read_at(o) is not None
+
+            past = earlier_reading(history, obs, time_of=read_at, window_s=VIOLATION_WINDOW_S, has=has_reading)
+            if past is not None and past[1] >= th.violation_min_window_s:
+                before = past[0].per_gpu.get(i, {})
+                for label in VIOLATION_FIELDS:
+                    key = f"violation_ns.{label}"
+                    grew = increase(rec.get(key), before.get(key))
+                    if grew is not None:
+                        shares[label] = grew / 1e9 / past[1]
             mask = rec.get("reasons")
             active = problem_reasons(int(mask)) if is_number(mask) else []
             seen = {r.bit for r in active}
