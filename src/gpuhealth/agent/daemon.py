@@ -9,7 +9,9 @@ extension's ``start(agent)`` gets this object and may use only:
 - ``agent.node_report()`` → ``dict``: the ``gpuhealth status --json`` shape
   (``{"node": {...}, "gpus": [{"index", "uuid", "name", "health", "findings"}], "findings": [...]}``)
 - ``agent.add_findings_listener(cb)``: ``cb(findings: list[Finding])`` is called (on an agent
-  thread; keep it quick, never block) whenever the set of active findings changes
+  thread; keep it quick, never block) whenever the active findings change. Extensions start
+  before the first sweep, so a listener added in ``start`` sees every change; ``agent.gpus`` is
+  empty until NVML has been initialised.
 - ``agent.set_gpu_label_provider(fn)``: ``fn() -> {gpu_uuid_or_index: {label: value}}`` adds
   labels (``pod``, ``namespace``, ``container``, ``slurm_job_id``) to every GPU series, as
   dcgm-exporter does. It is called from the agent's own thread every fast interval, never from a
@@ -170,8 +172,7 @@ class Agent:
             self.http = AgentHttpServer(self, self.config.agent.listen, dcgm_compat=self.config.agent.dcgm_compat)
             self.http.start()
             log.info("serving /metrics, /health, /ready on %s", self.http.url)
-        self._loop = threading.Thread(target=self.scheduler.run_forever, name="gpuhealth-scheduler", daemon=True)
-        self._loop.start()
+        # Extensions start before the first sweep, so their listeners see every change from the start.
         for ext in self.extensions:
             try:
                 ext.start(self)
@@ -179,6 +180,8 @@ class Agent:
             except Exception:
                 log.exception("extension %s failed to start; the agent runs without it",
                               getattr(ext, "name", type(ext).__name__))
+        self._loop = threading.Thread(target=self.scheduler.run_forever, name="gpuhealth-scheduler", daemon=True)
+        self._loop.start()
 
     def stop(self) -> None:
         self.notifier.stopping()
