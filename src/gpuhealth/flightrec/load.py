@@ -201,10 +201,12 @@ def _load_many(files: Sequence[str], tail_entries: int | None, max_file_bytes: i
                ) -> tuple[list[RankDump], list[Problem]]:
     dumps: list[RankDump] = []
     problems: list[Problem] = []
+    hint: dict[str, int] = {}
     for name in files:
         path = Path(name)
         try:
-            dumps.append(_load_file(path, tail_entries=tail_entries, max_file_bytes=max_file_bytes, problems=problems))
+            dumps.append(_load_file(path, tail_entries=tail_entries, max_file_bytes=max_file_bytes, problems=problems,
+                                    hint=hint))
         except (UnsafePickleError, DumpError, OSError) as exc:
             problems.append(Problem(str(path), str(exc)))
     return dumps, problems
@@ -281,7 +283,8 @@ def _copy_frames(target: RankDump, source: RankDump) -> None:
 # ---------------------------------------------------------------------------------- one file
 
 
-def _load_file(path: Path, *, tail_entries: int | None, max_file_bytes: int, problems: list[Problem]) -> RankDump:
+def _load_file(path: Path, *, tail_entries: int | None, max_file_bytes: int, problems: list[Problem],
+               hint: dict[str, int] | None = None) -> RankDump:
     size = path.stat().st_size
     if size == 0:
         raise DumpError("empty file")
@@ -297,7 +300,7 @@ def _load_file(path: Path, *, tail_entries: int | None, max_file_bytes: int, pro
     raw: dict[str, Any] | None = None
     tail_info: tuple[dict[str, Any], list[Any], bool] | None = None
     if fmt == "json" and tail_entries is not None and size > 64 * 1024:
-        tail_info = _read_json_tail(path, size, tail_entries)
+        tail_info = _read_json_tail(path, size, tail_entries, hint)
     if tail_info is None:
         if size > max_file_bytes:
             raise DumpError(f"file is {size / 2**20:.0f} MiB, over the {max_file_bytes / 2**20:.0f} MiB limit for a "
@@ -352,7 +355,8 @@ _ENTRY_KEY_AT = re.compile(
 _ENTRIES_KEY = re.compile(rb'"entries"\s*:\s*\[')
 
 
-def _read_json_tail(path: Path, size: int, want: int) -> tuple[dict[str, Any], list[Any], bool] | None:
+def _read_json_tail(path: Path, size: int, want: int, hint: dict[str, int] | None = None
+                    ) -> tuple[dict[str, Any], list[Any], bool] | None:
     """(top-level blocks, newest entries, tail_only) read from the end of a JSON dump, or None when
     the layout is not the one torch writes (sorted keys: "entries" before "pg_status")."""
     with path.open("rb") as fh:
@@ -367,7 +371,9 @@ def _read_json_tail(path: Path, size: int, want: int) -> tuple[dict[str, Any], l
         if not isinstance(prefix, dict):
             return None
         entries_start = m.end()
-        chunk = 64 * 1024 + want * 1024
+        # Dumps of one job have the same layout: start from the previous file's suffix size so a
+        # large pg_config (the world's rank list) is read in one go.
+        chunk = max(64 * 1024, (hint or {}).get("suffix", 0) + 16 * 1024) + want * 1024
         suffix: dict[str, Any] | None = None
         suffix_len = 0
         while True:
@@ -383,6 +389,8 @@ def _read_json_tail(path: Path, size: int, want: int) -> tuple[dict[str, Any], l
                     continue
                 suffix, cut = found
                 suffix_len = len(buf) - cut
+                if hint is not None:
+                    hint["suffix"] = suffix_len
             body = buf[: len(buf) - suffix_len]
             top = {**prefix, **suffix}
             status = _int_status(top.get("pg_status"))
