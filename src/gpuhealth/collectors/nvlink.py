@@ -28,7 +28,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from gpuhealth.backends.base import NVLINK_MAX_LINKS
-from gpuhealth.catalog.thresholds import thresholds_from
+from gpuhealth.catalog.thresholds import NvlinkThresholds, thresholds_from
 from gpuhealth.collectors._shared import (
     earlier_reading,
     fetch,
@@ -159,6 +159,7 @@ class NvlinkCollector:
         return obs
 
     def evaluate(self, obs: Observations, history: History, ctx: CollectContext) -> list[Finding]:
+        th = thresholds_from(ctx).nvlink
         out: list[Finding] = []
         for i, rec in sorted(obs.per_gpu.items()):
             if rec.get("unreadable"):
@@ -185,7 +186,7 @@ class NvlinkCollector:
                             Action.REBOOT, {"link": link, "state": state, "expected": wanted, "up": up}, NAME,
                         ))
             for link in sorted(states):
-                f = self._error_finding(i, link, obs, history, ctx)
+                f = self._error_finding(i, link, obs, history, ctx, th)
                 if f is not None:
                     out.append(f)
             out.extend(self._fabric_findings(i, rec, ctx))
@@ -193,11 +194,10 @@ class NvlinkCollector:
 
     @staticmethod
     def _error_finding(
-        i: int, link: int, obs: Observations, history: History, ctx: CollectContext
+        i: int, link: int, obs: Observations, history: History, ctx: CollectContext, th: NvlinkThresholds
     ) -> Finding | None:
         """DCGM's NVLink watch: CRC growth → warning, ≥ 100/s → critical; replay or recovery
         growth → critical."""
-        th = thresholds_from(ctx).nvlink
         grown: dict[str, Any] = {}
         severity = Severity.WARNING
         read_at = gpu_key(i, f"link{link}.read_at")
