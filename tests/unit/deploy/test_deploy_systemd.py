@@ -3,6 +3,7 @@ properties users rely on (notify + watchdog, restart, hardening, NVML-only devic
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 import sys
@@ -133,3 +134,16 @@ def test_exec_start_flags_exist_on_the_real_command(unit: str) -> None:
     assert help_text.returncode == 0, help_text.stdout + help_text.stderr
     for flag in (a for a in argv[2:] if a.startswith("--")):
         assert flag in help_text.stdout, f"{unit}: 'gpuhealth {sub}' has no {flag}"
+
+
+@pytest.mark.parametrize(("unit", "max_exposure"), [(UNITS[0], 3.0), (UNITS[1], 2.0)])
+def test_systemd_security_exposure_stays_low(tmp_path: Path, unit: str, max_exposure: float) -> None:
+    # systemd's own hardening score (0 = locked down, 10 = exposed), for the unit without drop-ins.
+    # The agent needs NVML devices, /dev/kmsg and the network; the coordinator needs only the network.
+    copy = tmp_path / unit
+    copy.write_text((SYSTEMD / unit).read_text())
+    result = subprocess.run(["systemd-analyze", "security", "--offline=yes", "--no-pager", str(copy)],
+                            capture_output=True, text=True, timeout=60)
+    match = re.search(r"Overall exposure level for \S+: ([0-9.]+)", result.stdout)
+    assert match, result.stdout + result.stderr
+    assert float(match.group(1)) <= max_exposure, result.stdout
