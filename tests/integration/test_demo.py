@@ -1,0 +1,27 @@
+"""The README's run command: agent + coordinator on the bundled recording, labelled SIMULATED, with
+the demo job's slow rank found by the coordinator."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+
+@pytest.mark.integration
+def test_demo_runs_simulated_and_finds_the_slow_rank(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    out = subprocess.run(
+        [sys.executable, "-m", "gpuhealth.cli.main", "demo", "--simulate", "--duration", "1",
+         "--state-dir", str(tmp_path)],
+        capture_output=True, text=True, timeout=240, check=False,
+        env={"COLUMNS": "200", "PATH": "/usr/bin:/bin"},
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    lines = [line for line in out.stdout.splitlines() if line.strip()]
+    assert lines[0].startswith("[SIMULATED]") and "nvml_h200x2.json" in lines[0]
+    assert "agent registered with the coordinator" in out.stdout
+    assert "GPU 0 NVIDIA H200" in out.stdout and "healthy" in out.stdout
+    # the job's straggler (rank 2, twice the compute) is named by the coordinator
+    assert "straggler rank 2" in out.stdout, out.stdout
+    assert (tmp_path / "coordinator.db").exists()
