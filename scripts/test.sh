@@ -3,10 +3,14 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ./scripts/bootstrap.sh
-if ! command -v prometheus >/dev/null || ! command -v promtool >/dev/null; then
+# Debian packages the tests drive for real: Prometheus + promtool, systemd-analyze.
+missing=()
+command -v prometheus >/dev/null && command -v promtool >/dev/null || missing+=(prometheus)
+command -v systemd-analyze >/dev/null || missing+=(systemd)
+if [ ${#missing[@]} -gt 0 ]; then
   if [ "$(id -u)" = 0 ]; then SUDO=""; else SUDO="sudo"; fi
   $SUDO apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq prometheus >/dev/null
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${missing[@]}" >/dev/null
 fi
 # Debian's package starts a system Prometheus on :9090; tests start their own on free ports.
 .venv/bin/ruff check src tests benchmarks
