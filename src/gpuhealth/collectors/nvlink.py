@@ -4,8 +4,8 @@ Cost: the per-link getters cost ~1 ms per link per counter (18 links × 5 counte
 MEASUREMENTS.md). Everything per-link is read here in ONE ``field_values`` batch per GPU (scope =
 link number), on the slow lane. Inside a batch the error counters cost ~0.9 ms per *link* (all
 counters of a link come together), so 18 links would still be ~16 ms: every sweep reads all link
-states (cheap) and the counters of a rotating third of the links; each link's last counters are
-carried with the time they were read, so rates and findings stay steady between its reads.
+states (cheap) and the counters of four links in rotation; each link's last counters are carried
+with the time they were read, so rates and findings stay steady between its reads.
 
 Expected link count: ``config.collectors.expected_nvlinks`` when set, else the GPU's own
 ``NVML_FI_DEV_NVLINK_LINK_COUNT``. One inactive link among the expected ones →
@@ -54,10 +54,11 @@ COUNTER_FIELDS = {
     "recovery": "NVML_FI_DEV_NVLINK_ERROR_DL_RECOVERY",
 }
 
-# Reading one link's error counters costs ~0.9 ms on H200 whatever the number of counters (measured:
-# 18 links × 3 counters in one batch 16 ms, 18 links × 1 counter 15.8 ms). Six links per sweep keeps
-# the slow lane near 6 ms per GPU; every link is read every third sweep.
-COUNTER_LINKS_PER_SWEEP = 6
+# Reading one link's error counters costs ~0.9-1.3 ms on H200 whatever the number of counters
+# (measured: 18 links × 3 counters in one batch 16 ms, 18 links × 1 counter 15.8 ms; 6 links 4-8 ms
+# on two hosts). Four links per sweep keep the slow lane under 10 ms per GPU; every link is read
+# at least every fifth sweep (5 min at the default 60 s).
+COUNTER_LINKS_PER_SWEEP = 4
 
 # nvmlGpuFabricState_t
 FABRIC_NOT_SUPPORTED, FABRIC_NOT_STARTED, FABRIC_IN_PROGRESS, FABRIC_COMPLETED = 0, 1, 2, 3

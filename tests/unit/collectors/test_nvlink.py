@@ -69,7 +69,7 @@ def test_one_batch_per_gpu_with_rotating_counter_links(clock):
             singles.append(key)
             return b.nvlink(index, link, key)
 
-    c = nvlink.create()
+    c = nvlink.NvlinkCollector(counter_links_per_sweep=6)
     read: list[list[int]] = []
     for _ in range(4):
         obs = c.collect(context(Counting(), clock))
@@ -83,10 +83,19 @@ def test_one_batch_per_gpu_with_rotating_counter_links(clock):
     assert all(f"link{n}.crc" in obs.per_gpu[1] for n in range(18))
 
 
+def test_default_rotation_reads_every_link_within_five_sweeps(clock):
+    c = nvlink.create()
+    b = recording("nvml_h200x2.json", clock)
+    chunks = [c.collect(context(b, clock)).per_gpu[0]["counter_links_read"] for _ in range(6)]
+    assert [len(x) for x in chunks] == [4, 4, 4, 4, 4, 4]
+    assert set().union(*chunks[:5]) == set(range(18))
+    assert chunks[4] == [16, 17, 0, 1] and chunks[5] == [2, 3, 4, 5]
+
+
 def test_rotating_reads_keep_rates_and_findings_steady(clock):
     b = inline(clock, events=[{"at": 30, "type": "set", "gpu": 0, "key": "nvlink",
                                "value": {"4": {"err_DL_CRC_FLIT": 60}}}])
-    s = Sweeper(nvlink.create(), b, clock)
+    s = Sweeper(nvlink.NvlinkCollector(counter_links_per_sweep=6), b, clock)
     assert s.sweep() == []  # t=0: links 0-5 read (link 4 = 0)
     assert s.after(60) == [] and s.after(60) == []  # links 6-17: link 4 not read again yet
     (f,) = s.after(60)  # t=180: link 4 read again: +60 in 180 s
@@ -111,8 +120,8 @@ def test_crc_growth_warns_then_critical_at_100_per_second_and_replay_is_critical
     assert (replay.severity, replay.action, replay.evidence["replay_increase"]) == (Severity.CRITICAL,
                                                                                     Action.DRAIN, 2)
     (crc2,) = [x for x in s.after(20) if x.entity.id.endswith("/nvlink/3")]
-    assert crc2.severity is Severity.CRITICAL  # +10000 in the 20 s since the last read: 500/s ≥ 100/s
-    assert crc2.evidence["crc_per_second"] == pytest.approx(500.0)
+    assert crc2.severity is Severity.CRITICAL  # +30000 in the 20 s since the last read: 1500/s ≥ 100/s
+    assert crc2.evidence["crc_per_second"] == pytest.approx(1500.0)
 
 
 def test_error_counters_that_do_not_move_are_quiet(clock):

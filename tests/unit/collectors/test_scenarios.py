@@ -40,8 +40,8 @@ EXPECTED = {
     "hw_slowdown.yaml": ("throttle.hw_slowdown", Severity.WARNING, Action.MONITOR, 1, ()),
     "hw_power_brake.yaml": ("throttle.hw_power_brake", Severity.WARNING, Action.DRAIN, 0, (30.0,)),
     "nvlink_down.yaml": ("nvlink.link_down", Severity.CRITICAL, Action.REBOOT, 0, ()),
-    # Counters rotate over three sweeps: link 3 is read again at t=60 (+10100 in 60 s ≈ 168/s).
-    "nvlink_crc_ramp.yaml": ("nvlink.errors", Severity.CRITICAL, Action.DRAIN, 1, (20.0, 20.0, 20.0)),
+    # Counters rotate four links a sweep: link 3, read at t=0, is read again at t=100: +30100 in 100 s.
+    "nvlink_crc_ramp.yaml": ("nvlink.errors", Severity.CRITICAL, Action.DRAIN, 1, (20.0,) * 5),
     "pcie_replay_ramp.yaml": ("pcie.replay_rate", Severity.WARNING, Action.MONITOR, 0, (60.0,)),
     "sbe_ramp.yaml": ("ecc.sbe_rate", Severity.WARNING, Action.MONITOR, 1, (60.0,)),
     "fabric_degraded.yaml": ("fabric.degraded", Severity.CRITICAL, Action.REBOOT, 0, ()),
