@@ -286,6 +286,7 @@ def _nccl_rank(rank: int, world: int, port: int, sock: str, release: str, steps:
     sync()
     dist.barrier()
     tracker.close()
+    print(json.dumps({"rank": rank, "tracker_stats": tracker.stats()}), flush=True)
     dist.destroy_process_group()
 
 
@@ -315,7 +316,7 @@ def nccl_job(world: int, steps: int, size: int, out: Path | None) -> dict[str, A
     res: dict[str, Any] = {"world": world, "steps": steps, "matmul_size": size,
                            "nccl_timing_env": os.environ.get("TORCH_NCCL_ENABLE_TIMING", "")}
     try:
-        deadline = time.monotonic() + 240
+        deadline = time.monotonic() + 120
         while time.monotonic() < deadline and any(len(v) < steps for v in records.values()):
             time.sleep(0.1)
         per_rank = {}

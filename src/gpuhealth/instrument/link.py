@@ -68,11 +68,15 @@ class AgentLink:
         batch_size: int = 512,
         reconnect_s: float = 2.0,
         send_timeout_s: float = 5.0,
+        on_tick: Callable[[], None] | None = None,
     ) -> None:
+        """``on_tick`` runs on the link's thread before each flush (the Tracker resolves finished
+        CUDA steps there, so records keep coming while the training thread is stuck)."""
         self.identity = identity
         self.socket_path = socket_path
         self.jsonl_path = jsonl_path.replace("{rank}", str(identity.rank)) if jsonl_path else None
         self._handler = handler
+        self._on_tick = on_tick
         self._flush_interval = flush_interval_s
         self._batch_size = batch_size
         self._reconnect_s = reconnect_s
@@ -164,6 +168,11 @@ class AgentLink:
             elif key.fileobj is self._sock:
                 self._read()
         if time.monotonic() >= self._last_flush + self._flush_interval or len(self._queue) >= self._batch_size:
+            if self._on_tick is not None:
+                try:
+                    self._on_tick()
+                except Exception as exc:
+                    self._error(exc)
             self._flush()
 
     def _connect(self) -> None:
@@ -191,10 +200,14 @@ class AgentLink:
             self._next_connect = time.monotonic() + self._reconnect_s
 
     def _send(self, message: Mapping[str, Any]) -> bool:
+        """Raises ProtocolError when the message cannot be encoded (the link stays up)."""
+        return self._send_line(protocol.encode(message))
+
+    def _send_line(self, line: bytes) -> bool:
         if self._sock is None:
             return False
         try:
-            self._sock.sendall(protocol.encode(message))
+            self._sock.sendall(line)
             return True
         except OSError as exc:  # agent went away or stopped reading: reconnect later
             self._error(exc)
@@ -252,7 +265,15 @@ class AgentLink:
             batch = self._drain(self._batch_size)
             if not batch:
                 return
-            if self._sock is not None and self._send(protocol.steps(batch, self.stats.dropped)):
+            line = b""
+            if self._sock is not None:
+                try:
+                    line = protocol.encode(protocol.steps(batch, self.stats.dropped))
+                except protocol.ProtocolError as exc:  # a record that is not JSON: drop the batch, keep the link
+                    self._error(exc)
+                    self.stats.dropped += len(batch)
+                    continue
+            if self._sock is not None and self._send_line(line):
                 self.stats.sent += len(batch)
             elif self.jsonl_path is not None:
                 self._append_jsonl(batch)

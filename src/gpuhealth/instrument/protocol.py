@@ -44,8 +44,11 @@ class ProtocolError(ValueError):
 
 
 def encode(message: Mapping[str, Any]) -> bytes:
-    """One message as one line (with the trailing newline). Raises ProtocolError when too long."""
-    line = json.dumps(message, separators=(",", ":"), allow_nan=False, default=str).encode() + b"\n"
+    """One message as one line (with the trailing newline). ProtocolError when too long or not JSON."""
+    try:
+        line = json.dumps(message, separators=(",", ":"), allow_nan=False, default=str).encode() + b"\n"
+    except ValueError as exc:  # NaN/inf: not JSON, and the other side could not parse it
+        raise ProtocolError(f"message of type {message.get('type')!r} cannot be encoded: {exc}") from exc
     if len(line) > MAX_LINE_BYTES:
         raise ProtocolError(f"message of type {message.get('type')!r} is {len(line)} bytes, over {MAX_LINE_BYTES}")
     return line

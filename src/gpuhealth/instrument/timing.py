@@ -16,6 +16,7 @@ drive the lazy logic with a small fake at the hardware boundary.
 
 from __future__ import annotations
 
+import math
 import time
 from collections import deque
 from collections.abc import Callable
@@ -107,7 +108,10 @@ class WorkSpan:
 
     def seconds(self) -> float:
         getter = getattr(self.work, "_get_duration", None) or self.work.get_duration
-        return float(getter()) / 1000.0
+        ms = float(getter())
+        if not math.isfinite(ms) or ms < 0:
+            raise ValueError(f"collective duration {ms} ms is not a time")
+        return ms / 1000.0
 
     def wait(self) -> None:
         self.work.wait()
@@ -199,6 +203,7 @@ class LazyEventTimer:
         self._max_pending = max_pending
         self.dropped = 0
         self.span_errors = 0  # collective spans whose timing could not be read
+        self.invalid = 0  # steps whose events gave no usable wall time (not reported)
 
     def _event(self) -> TimingEvent:
         return self._pool.pop() if self._pool else self._new_event()
@@ -260,21 +265,32 @@ class LazyEventTimer:
     def _ready(p: _PendingStep) -> bool:
         return p.end is not None and p.end.query() and all(s.ready() for s in p.spans)
 
-    def _resolve(self, p: _PendingStep) -> StepTiming:
+    def _resolve(self, p: _PendingStep) -> StepTiming | None:
         assert p.end is not None
-        wall = p.start.elapsed_time(p.end) / 1000.0
         try:
-            comm = min(sum(s.seconds() for s in p.spans), wall)
+            wall = p.start.elapsed_time(p.end) / 1000.0
+        except Exception:
+            wall = math.nan
+        if not math.isfinite(wall) or wall < 0:
+            self.invalid += 1  # nothing trustworthy to report for this step
+            return None
+        try:
+            comm = sum(s.seconds() for s in p.spans)
+            if not math.isfinite(comm) or comm < 0:
+                raise ValueError(f"collective wait {comm} s is not a time")
         except Exception:  # e.g. a Work without timing: keep the wall time, say the split is unknown
             self.span_errors += 1
             return StepTiming(p.step, p.start_time, wall, None, None)
+        comm = min(comm, wall)
         return StepTiming(p.step, p.start_time, wall, wall - comm, comm)
 
     def poll(self) -> list[StepTiming]:
         out: list[StepTiming] = []
         while self._pending and self._ready(self._pending[0]):
             p = self._pending.popleft()
-            out.append(self._resolve(p))
+            timing = self._resolve(p)
+            if timing is not None:
+                out.append(timing)
             self._release(p)
         return out
 

@@ -20,6 +20,7 @@ import atexit
 import functools
 import os
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
@@ -132,9 +133,12 @@ class Tracker:
         self.nccl_timing = bool(nccl_timing) and not isinstance(self._timer, HostTimer)
         jsonl = str(path) if path is not None else (env.get(JSONL_ENV) or None)
         sock = default_socket_path(env) if socket_path is None else (socket_path or None)
+        # Guards the timer between the training thread (end of step) and the link thread, which
+        # resolves finished steps too: records keep coming while the training thread is stuck.
+        self._timer_lock = threading.Lock()
         self._link = AgentLink(
             self.identity, socket_path=sock, jsonl_path=jsonl, handler=handle_request if control else None,
-            flush_interval_s=flush_interval_s, max_queue=max_queue,
+            flush_interval_s=flush_interval_s, max_queue=max_queue, on_tick=self._background_poll,
         )
         self._step_no = 0
         self._explicit_step: int | None = None
@@ -201,8 +205,9 @@ class Tracker:
         atexit.unregister(self.close)
         self.unwrap_collectives()
         try:
-            for timing in self._timer.flush(timeout_s):
-                self._submit(timing)
+            with self._timer_lock:
+                for timing in self._timer.flush(timeout_s):
+                    self._submit(timing)
         except Exception:
             self._errors += 1
         self._link.close(timeout_s)
@@ -212,6 +217,7 @@ class Tracker:
         out.update(
             steps=self._step_no, steps_failed=self._steps_failed, pending=self._timer.pending,
             unresolved_dropped=getattr(self._timer, "dropped", 0), hook_errors=self._errors,
+            span_errors=self._span_errors(), invalid_steps=int(getattr(self._timer, "invalid", 0)),
             connected=self._link.connected, timing=self.timing, nccl_timing=self.nccl_timing,
         )
         return out
@@ -240,17 +246,28 @@ class Tracker:
         self._in_step = False
         self._step_no += 1
         try:
-            if failed:  # an exception left the step: its timing would mislead
-                self._steps_failed += 1
-                self._timer.abort_step()
-            else:
-                self._timer.end_step()
-            for timing in self._timer.poll():
-                self._submit(timing)
+            with self._timer_lock:
+                if failed:  # an exception left the step: its timing would mislead
+                    self._steps_failed += 1
+                    self._timer.abort_step()
+                else:
+                    self._timer.end_step()
+                for timing in self._timer.poll():
+                    self._submit(timing)
             if self.nccl_timing and self._span_errors() > 0:
                 self.nccl_timing = False  # this backend gives no timing: bracket with events instead
         except Exception:  # the hook must never break the training loop
             self._errors += 1
+
+    def _background_poll(self) -> None:
+        """On the link thread: report steps whose events completed since the last step ended."""
+        if self._closed or not self._timer_lock.acquire(blocking=False):
+            return  # the training thread is at it right now; next tick
+        try:
+            for timing in self._timer.poll():
+                self._submit(timing)
+        finally:
+            self._timer_lock.release()
 
     def _span_errors(self) -> int:
         return int(getattr(self._timer, "span_errors", 0))

@@ -190,3 +190,29 @@ def test_lazy_timer_asks_for_the_stream_once_per_step(gpu: Any) -> None:
     _step(timer, gpu, 0, 1.0, 1.0)
     assert len(asked) == 1
     assert [ev.stream for ev in made] == ["stream-1"] * 4  # every event of the step on that stream
+
+
+def test_non_finite_durations_never_become_records(gpu: Any) -> None:
+    timer = LazyEventTimer(gpu.event)
+    nan_work = FakeWork(float("nan"))
+    nan_work.done = True
+    timer.begin_step(0, 0.0)
+    gpu.launch(3.0)
+    timer.add_span(WorkSpan(nan_work))
+    timer.end_step()
+
+    class BrokenEvent:
+        def record(self, stream: object = None) -> None: ...
+        def query(self) -> bool:
+            return True
+        def elapsed_time(self, end_event: object) -> float:
+            raise RuntimeError("CUDA error: device not ready")
+        def synchronize(self) -> None: ...
+
+    gpu.run(10.0)
+    (t,) = timer.poll()
+    assert t.wall_s == pytest.approx(0.003) and t.comm_wait_s is None and timer.span_errors == 1
+    broken = LazyEventTimer(BrokenEvent)
+    broken.begin_step(0, 0.0)
+    broken.end_step()
+    assert broken.poll() == [] and broken.invalid == 1 and broken.pending == 0

@@ -125,6 +125,40 @@ def test_lazy_event_timer_inside_tracker_resolves_on_close(tmp_path: Path, gpu: 
     assert all(r.wall_s == pytest.approx(0.010) and r.comm_wait_s == pytest.approx(0.002) for r in recs)
 
 
+def test_finished_steps_are_reported_while_the_training_thread_is_stuck(tmp_path: Path, gpu: Any) -> None:
+    out = tmp_path / "bg.jsonl"
+    t = Tracker(out, socket_path="", env=ENV, timer=LazyEventTimer(gpu.event), flush_interval_s=0.05)
+    for _ in range(3):
+        with t.step():
+            gpu.launch(5.0)
+    # The loop now hangs (say, in a collective); the GPU finishes what it was given.
+    gpu.run(100.0)
+    until(lambda: out.exists() and len(out.read_text().splitlines()) == 3)
+    assert [r.step for r in read_jsonl(out)] == [0, 1, 2]
+    t.close()
+    assert len(read_jsonl(out)) == 3
+
+
+def test_unencodable_records_are_dropped_and_the_link_stays_up(sock_path: Path) -> None:
+    hub = RankHub(sock_path)
+    got: list[StepRecord] = []
+    hub.add_listener(on_steps=lambda i, rs: got.extend(rs))
+    hub.start()
+    link = AgentLink(RankIdentity("j", 0, 1, "h", 1), socket_path=str(sock_path), jsonl_path=None, handler=None,
+                     flush_interval_s=0.05)
+    link.start()
+    try:
+        until(lambda: link.connected)
+        link.submit(StepRecord("j", 0, 0, 0.0, float("nan")))
+        until(lambda: link.stats.dropped == 1)
+        link.submit(StepRecord("j", 0, 1, 0.0, 0.5))
+        until(lambda: len(got) == 1)
+        assert got[0].step == 1 and link.stats.connects == 1 and "cannot be encoded" in link.stats.last_error
+    finally:
+        link.close()
+        hub.stop()
+
+
 def test_timing_argument_is_checked() -> None:
     with pytest.raises(ValueError, match="timing"):
         Tracker(socket_path="", env=ENV, timing="gpu")
