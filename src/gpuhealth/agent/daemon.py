@@ -106,6 +106,7 @@ class Agent:
         self._ready_sent = False
         self._last_watchdog = 0.0
         self._last_status = ""
+        self._last_tick_snapshot: ExportSnapshot | None = None
         self._loop: threading.Thread | None = None
         self._stop = threading.Event()
         self._reload_requested = threading.Event()
@@ -507,14 +508,17 @@ class Agent:
 
     def _on_tick(self) -> None:
         snap = self.cache.snapshot()
-        if snap.ready and not self._ready_sent:
-            self._ready_sent = True
-            log.info("first sweep done: %s", self._status_line())
-            self.notifier.ready(self._status_line())
-        status = self._status_line()
-        if status != self._last_status and self._ready_sent:
-            self._last_status = status
-            self.notifier.status(status)
+        if snap is not self._last_tick_snapshot:  # the status line changes only with the snapshot
+            self._last_tick_snapshot = snap
+            status = self._status_line()
+            if snap.ready and not self._ready_sent:
+                self._ready_sent = True
+                self._last_status = status
+                log.info("first sweep done: %s", status)
+                self.notifier.ready(status)
+            elif status != self._last_status and self._ready_sent:
+                self._last_status = status
+                self.notifier.status(status)
         interval = self.notifier.watchdog_interval_s
         if interval is not None:
             now = time.monotonic()

@@ -136,3 +136,16 @@ def test_every_mapped_source_is_a_sample_some_collector_emits(h200_recording: Pa
                     emitted.add(first.value)
     unmapped = sorted({f.source for f in FIELDS} - emitted)
     assert not unmapped, f"dcgm mapping reads samples no collector emits: {unmapped}"
+
+
+def test_dcgm_compat_output_is_valid_openmetrics() -> None:
+    from prometheus_client.openmetrics.parser import text_string_to_metric_families as parse_openmetrics
+
+    from gpuhealth.exporters.prometheus import MetricsEndpoint
+
+    scenario = Path(__file__).parents[2] / "fixtures" / "scenarios" / "agent_faulty_node.yaml"
+    snap = real_snapshot(scenario)
+    body, ctype = MetricsEndpoint(lambda: snap, dcgm_compat=True).render("application/openmetrics-text")
+    fams = {f.name: f for f in parse_openmetrics(body.decode())}  # strict: raises on any format error
+    assert fams["DCGM_FI_DEV_PCIE_REPLAY_COUNTER"].type == "unknown"
+    assert len(fams["DCGM_FI_DEV_GPU_TEMP"].samples) == 8
