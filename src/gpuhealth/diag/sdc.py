@@ -13,6 +13,7 @@ words (the pair a weighted sum can miss), a whole 32-bit word, a whole 16×16 wa
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import enum
 import importlib.metadata
 import platform
@@ -27,12 +28,14 @@ import torch
 
 from gpuhealth.diag import hashing
 from gpuhealth.diag.compare import (
+    Basis,
     CaseInfo,
     DeviceRef,
     Persistence,
     classify,
     find_suspects,
     golden_disagreement_finding,
+    majority,
     self_inconsistency_finding,
     suspect_finding,
 )
@@ -451,12 +454,24 @@ def run_sdc(
         })
 
     suspects, golden_disagrees = find_suspects(per_device, golden)
+    rerun_digests = {(s.device, s.case_id): [one(by_key[s.device], case_by_id[s.case_id]).digest
+                                             for _ in range(reruns)] for s in suspects}
     for suspect in suspects:
         spec = by_key[suspect.device]
         case = case_by_id[suspect.case_id]
-        rerun_digests = [one(spec, case).digest for _ in range(reruns)]
-        persistence = classify(suspect.observed, suspect.expected, rerun_digests)
-        findings.append(suspect_finding(suspect, spec.ref, case.info(), persistence, rerun_digests))
+        again = rerun_digests[(suspect.device, suspect.case_id)]
+        if suspect.basis is Basis.UNDECIDED and reruns:
+            # No majority the first time (e.g. two of three devices wrong at once): vote again on
+            # every device's latest answer; a device that was right all along is cleared.
+            latest = [rerun_digests.get((dev, case.case_id), [per[case.case_id]])[-1]
+                      for dev, per in per_device.items()]
+            second = majority(latest)
+            if second is not None:
+                if suspect.observed == second and all(d == second for d in again):
+                    continue
+                suspect = dataclasses.replace(suspect, expected=second, basis=Basis.PEERS)
+        persistence = classify(suspect.observed, suspect.expected, again)
+        findings.append(suspect_finding(suspect, spec.ref, case.info(), persistence, again))
     kid = key_id(key)
     if golden_disagrees:
         findings.append(golden_disagreement_finding(node, golden_disagrees, kid))

@@ -1,0 +1,67 @@
+"""The SDC check end to end on the CPU, through the real child process and runner."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from gpuhealth.cli.main import cli
+from gpuhealth.config import DiagConfig
+from gpuhealth.diag.runner import DiagRunner
+
+pytestmark = pytest.mark.integration
+
+
+def _sdc(tmp_path: Path, *extra: str) -> dict:
+    runner = DiagRunner(DiagConfig(), state_dir=tmp_path / "state")
+    out = runner.run("sdc", ["--device", "cpu", "--golden-dir", str(tmp_path / "golden"), *extra], timeout_s=120)
+    assert out.status in ("ok", "failed"), out.reason
+    return {"outcome": out, "result": out.result}
+
+
+def test_identical_devices_agree_record_a_golden_then_match_it(tmp_path: Path) -> None:
+    first = _sdc(tmp_path, "--cpu-peers", "3")
+    assert first["outcome"].status == "ok" and first["outcome"].findings == []
+    devices = first["result"]["devices"]
+    digests = [{c["case"]: c["digest"] for c in d["cases"]} for d in devices]
+    assert len(digests[0]) == 8 and digests[0] == digests[1] == digests[2]
+    assert first["result"]["golden"]["status"] == "recorded"
+    assert set(first["result"]["skipped_datapaths"]) == {"tf32", "fp8_e4m3"}
+    again = _sdc(tmp_path, "--cpu-peers", "1")  # a lone device is now judged against the golden
+    assert again["result"]["golden"]["status"] == "compared" and again["outcome"].findings == []
+    bad = _sdc(tmp_path, "--cpu-peers", "1", "--corrupt-peer", "0:word")
+    assert {f.evidence["basis"] for f in bad["outcome"].findings} == {"golden"}
+    assert len(bad["outcome"].findings) == 8  # every case of the bad device
+
+
+def test_a_corrupted_peer_is_outvoted_and_a_transient_one_is_told_apart(tmp_path: Path) -> None:
+    run = _sdc(tmp_path, "--cpu-peers", "3", "--corrupt-peer", "1:paired_bits", "--corrupt-peer", "2:single_bit:1")
+    findings = run["outcome"].findings
+    persistent = [f for f in findings if f.entity.id == "cpu-1"]
+    transient = [f for f in findings if f.entity.id == "cpu-2"]
+    assert len(persistent) == 8 and all(f.evidence["persistence"] == "persistent" for f in persistent)
+    assert all(f.severity.name == "CRITICAL" and f.evidence["basis"] == "peers" for f in persistent)
+    # device 2 was wrong only on its first run: one case, and its re-runs agree with the peers
+    assert len(transient) == 1 and transient[0].evidence["persistence"] == "transient"
+    assert transient[0].severity.name == "WARNING"
+    assert not [f for f in findings if f.entity.id == "cpu-0"]
+    assert run["result"]["golden"]["status"] == "absent"  # never learn a golden from a disagreeing node
+    msg = persistent[0].message
+    assert "GPU 1" in msg and persistent[0].evidence["datapath"] in msg and persistent[0].evidence["shape"] in msg
+
+
+def test_cli_self_test_detects_every_injected_fault(tmp_path: Path) -> None:
+    res = CliRunner().invoke(cli, ["diag", "sdc", "--device", "cpu", "--inject-fault", "--json",
+                                   "--golden-dir", str(tmp_path / "g")],
+                             env={"GPUHEALTH_DIAG_STATE_DIR": str(tmp_path / "s")})
+    assert res.exit_code == 0, res.output
+    doc = json.loads(res.output)
+    st = doc["result"]["selftest"]
+    assert st["passed"] and st["injected"] == st["detected"] == 32
+    assert set(st["faults"]) == {"single_bit", "paired_bits", "word", "warp_tile"}
+    assert st["findings_named"] == 32
+    example = st["example_findings"][0]
+    assert example["code"] == "sdc.mismatch" and example["evidence"]["injected"] is True
