@@ -220,6 +220,11 @@ def test_gloo_job_steps_straggler_dump_and_stacks(sock_dir: Path, tmp_path: Path
             last_enqueued[r] = int(dump["pg_status"]["0"]["last_enqueued_collective"])
         # The healthy ranks enqueued one more collective than the stuck rank: a dump shows the hang.
         assert {last_enqueued[r] for r in range(WORLD) if r != STUCK} == {last_enqueued[STUCK] + 1}, last_enqueued
+        # And triage, fed the hook's dumps, names the stuck rank.
+        from gpuhealth.flightrec.verdict import triage
+
+        report = triage(dump_dir)
+        assert report.verdict == "hang" and report.culprits == [STUCK], report.summary
 
         stacks = hub.request_stacks(job, None, timeout_s=10)
         assert sorted(stacks) == list(range(WORLD))

@@ -426,3 +426,18 @@ def test_flight_recorder_dump_is_the_real_json(gloo_world: Any, tmp_path: Path) 
     assert Path(res["path"]).name == "rank6.json"
     assert any(e["profiling_name"] == "gloo:all_reduce" for e in dump["entries"])
     assert [p.name for p in (tmp_path / "d").iterdir()] == ["rank6.json"]  # no temp file left behind
+
+
+# -- the dumps the hook writes feed triage ----------------------------------------------------------
+
+
+def test_real_nccl_dumps_from_the_hook_triage_to_the_right_rank() -> None:
+    """Dumps our hook took on 2 x H200 (data/…/README.md): triage names the hung rank and the straggler."""
+    from gpuhealth.flightrec.verdict import triage
+
+    folder = Path(__file__).parent / "data" / "nccl_h200x2_straggler_hang"
+    report = triage(folder)
+    assert report.verdict == "hang" and report.culprits == [1]
+    codes = {(f.code, int(f.evidence["rank"])) for f in report.findings}
+    assert ("collective.missing_rank", 1) in codes and ("rank.straggler", 1) in codes
+    assert report.identity == {0: "filename", 1: "filename"}  # the rank comes from the hook's file name
