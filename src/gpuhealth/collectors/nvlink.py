@@ -4,8 +4,9 @@ Cost: the per-link getters cost ~1 ms per link per counter (18 links × 5 counte
 MEASUREMENTS.md). Everything per-link is read here in ONE ``field_values`` batch per GPU (scope =
 link number), on the slow lane. Inside a batch the error counters cost ~0.9 ms per *link* (all
 counters of a link come together), so 18 links would still be ~16 ms: every sweep reads all link
-states (cheap) and the counters of four links in rotation; each link's last counters are carried
-with the time they were read, so rates and findings stay steady between its reads.
+states (cheap) and the counters of four links in rotation (all links at the first look at a GPU);
+each link's last counters are carried with the time they were read, so rates and findings stay
+steady between its reads.
 
 Expected link count: ``config.collectors.expected_nvlinks`` when set, else the GPU's own
 ``NVML_FI_DEV_NVLINK_LINK_COUNT``. One inactive link among the expected ones →
@@ -106,7 +107,9 @@ class NvlinkCollector:
     def _counter_links(self, uuid: str, n: int) -> list[int]:
         if n <= 0:
             return []
-        if self._chunk is None or self._chunk >= n:
+        if self._chunk is None or self._chunk >= n or not self._counters.get(uuid):
+            # First look at a GPU (and one-shot ``status``): every link, so metrics are complete and
+            # every link has a baseline from the start; the rotation follows.
             return list(range(n))
         start = self._cursor.get(uuid, 0) % n
         self._cursor[uuid] = (start + self._chunk) % n

@@ -76,34 +76,34 @@ def test_one_batch_per_gpu_with_rotating_counter_links(clock):
         read.append(obs.per_gpu[0]["counter_links_read"])
         assert len(obs.per_gpu[0]["link_states"]) == 18  # every link's state, every sweep
     assert singles == []  # never the ~1 ms-per-call per-link getters
-    # First sweep: link count (cached after), then 18 states + 6 links × 3 counters, per GPU.
-    assert batches == [2, 36, 2, 36] + [36, 36] * 3
-    assert read == [list(range(0, 6)), list(range(6, 12)), list(range(12, 18)), list(range(0, 6))]
-    # After one rotation every link's counters are known, with the time they were read.
+    # First look: link count (cached after), then 18 states + every link's 3 counters, per GPU;
+    # afterwards 18 states + 6 links × 3 counters.
+    assert batches == [2, 72, 2, 72] + [36, 36] * 3
+    assert read == [list(range(18)), list(range(0, 6)), list(range(6, 12)), list(range(12, 18))]
     assert all(f"link{n}.crc" in obs.per_gpu[1] for n in range(18))
 
 
 def test_default_rotation_reads_every_link_within_five_sweeps(clock):
     c = nvlink.create()
     b = recording("nvml_h200x2.json", clock)
-    chunks = [c.collect(context(b, clock)).per_gpu[0]["counter_links_read"] for _ in range(6)]
-    assert [len(x) for x in chunks] == [4, 4, 4, 4, 4, 4]
-    assert set().union(*chunks[:5]) == set(range(18))
-    assert chunks[4] == [16, 17, 0, 1] and chunks[5] == [2, 3, 4, 5]
+    chunks = [c.collect(context(b, clock)).per_gpu[0]["counter_links_read"] for _ in range(7)]
+    assert [len(x) for x in chunks] == [18, 4, 4, 4, 4, 4, 4]
+    assert set().union(*chunks[1:6]) == set(range(18))
+    assert chunks[5] == [16, 17, 0, 1] and chunks[6] == [2, 3, 4, 5]
 
 
 def test_rotating_reads_keep_rates_and_findings_steady(clock):
     b = inline(clock, events=[{"at": 30, "type": "set", "gpu": 0, "key": "nvlink",
-                               "value": {"4": {"err_DL_CRC_FLIT": 60}}}])
+                               "value": {"8": {"err_DL_CRC_FLIT": 60}}}])
     s = Sweeper(nvlink.NvlinkCollector(counter_links_per_sweep=6), b, clock)
-    assert s.sweep() == []  # t=0: links 0-5 read (link 4 = 0)
-    assert s.after(60) == [] and s.after(60) == []  # links 6-17: link 4 not read again yet
-    (f,) = s.after(60)  # t=180: link 4 read again: +60 in 180 s
-    assert f.entity.id.endswith("/nvlink/4") and f.severity is Severity.WARNING
-    assert f.evidence["crc_increase"] == 60 and f.evidence["window_s"] == 180.0
-    (again,) = s.after(60)  # link 4 not re-read: its last reading still stands
+    assert s.sweep() == []  # t=0: every link read (link 8 = 0)
+    assert s.after(60) == []  # t=60: links 0-5
+    (f,) = s.after(60)  # t=120: links 6-11: link 8 +60 since its read at t=0
+    assert f.entity.id.endswith("/nvlink/8") and f.severity is Severity.WARNING
+    assert f.evidence["crc_increase"] == 60 and f.evidence["window_s"] == 120.0
+    (again,) = s.after(60)  # t=180: links 12-17; link 8's last reading still stands
     assert again.evidence == f.evidence
-    assert s.after(60) and s.after(60) == []  # t=360: re-read, no growth since t=180: quiet
+    assert s.after(60) and s.after(60) == []  # t=300: link 8 re-read, no growth since t=120: quiet
 
 
 def test_crc_growth_warns_then_critical_at_100_per_second_and_replay_is_critical(clock):
