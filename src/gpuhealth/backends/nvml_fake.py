@@ -416,7 +416,9 @@ class FakeNvml:
 
     @staticmethod
     def _field(fields: Mapping[str, Any], links: Mapping[str, Any], name: str, scope: int) -> FieldResult:
-        link_key = _PER_LINK_FIELDS.get(name) if scope else None
+        # Per-link fields take the link as scope id, link 0 included (the recorder read them with
+        # scope 0, so its device-level copy is link 0's value): serve them from the per-link data.
+        link_key = _PER_LINK_FIELDS.get(name) if str(scope) in links else None
         link = scope
         if link_key is None:
             for prefix, lk in _NVLINK_ERROR_FIELD_PREFIXES.items():

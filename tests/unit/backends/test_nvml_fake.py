@@ -87,3 +87,15 @@ def test_malformed_files_name_file_and_key(tmp_path: Path) -> None:
     scen.write_text("recording: nvml_h200x2.json\noverrides: {'9': {Name: x}}\n")
     with pytest.raises(RecordingError, match="GPU 9 does not exist"):
         FakeNvml.from_file(scen)
+
+
+def test_per_link_fields_on_link_0_follow_link_overrides(tmp_path: Path) -> None:
+    scenario = tmp_path / "s.yaml"
+    scenario.write_text(
+        "recording: nvml_h200x2.json\noverrides: {'0': {nvlink: {'0': {err_DL_CRC_FLIT: 77, state: 0}}}}\n")
+    fake = FakeNvml.from_file(scenario)
+    fake.init()
+    crc0, state0, state1 = fake.field_values(
+        0, [("NVML_FI_DEV_NVLINK_ERROR_DL_CRC", 0), ("NVML_FI_DEV_NVLINK_GET_STATE", 0),
+            ("NVML_FI_DEV_NVLINK_GET_STATE", 1)])
+    assert (crc0, state0, state1) == (77, 0, 1)
