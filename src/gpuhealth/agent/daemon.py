@@ -50,7 +50,8 @@ GpuLabelProvider = Callable[[], Mapping[str, Mapping[str, str]]]
 NVML_UNAVAILABLE = "nvml.unavailable"
 REINIT_BACKOFF_MIN_S = 1.0
 REINIT_BACKOFF_MAX_S = 60.0
-LOST_GPU_REINIT_S = 30.0  # re-initialise NVML this often while a GPU answers GPU_IS_LOST
+LOST_GPU_REINIT_S = 30.0  # first re-init of NVML after a GPU answers GPU_IS_LOST; doubles while it stays lost
+LOST_GPU_REINIT_MAX_S = 600.0
 _ENUMERATE, _REINIT, _LABELS = "_enumerate", "_nvml_reinit", "_gpu_labels"
 
 
@@ -374,11 +375,13 @@ class Agent:
             if facts.gpus:
                 log.warning("GPU list changed: %d → %d GPUs", len(facts.gpus), len(gpus))
             self.cache.update_facts(gpus=gpus)
-        if self._lost_gpus and time.monotonic() - (self._lost_since or 0.0) > self.lost_gpu_reinit_s:
+        if self._lost_gpus and time.monotonic() - (self._lost_since or 0.0) > self._lost_wait_s:
             self._lost_since = time.monotonic()
+            self._lost_wait_s = min(self._lost_wait_s * 2, LOST_GPU_REINIT_MAX_S)
             self._reinit_in_place()
 
     _lost_since: float | None = None
+    _lost_wait_s: float = LOST_GPU_REINIT_S
 
     def _reinit_in_place(self) -> None:
         """A GPU answers GPU_IS_LOST: fresh NVML handles in case it came back after a reset."""
@@ -452,6 +455,7 @@ class Agent:
             if new - self._lost_gpus:
                 log.error("GPU(s) %s answer GPU_IS_LOST/RESET_REQUIRED", sorted(new - self._lost_gpus))
                 self._lost_since = time.monotonic()
+                self._lost_wait_s = self.lost_gpu_reinit_s
             if self._lost_gpus - new:
                 log.warning("GPU(s) %s answer again", sorted(self._lost_gpus - new))
             self._lost_gpus = new
