@@ -1,8 +1,8 @@
 """A real Prometheus server scrapes a real agent process running a faulty 8-GPU scenario; the
 alert-relevant series are in Prometheus with the right labels (queried through its HTTP API).
 
-Scenario ``agent_faulty_node.yaml``: 8 H200s (cloned from the real recording), GPU 3 trained down
-to PCIe x8, GPU 1 in HW slowdown, XID 79 on GPU 5.
+Scenario ``faulty_node.yaml`` (the shared fault fixture): 8 H200s cloned from the real recording,
+GPU 3 trained down to PCIe x8, GPU 1 in HW slowdown, XID 79 on GPU 5 (at 1 s).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from agent_process import AgentProcess, free_port, http_get
 
 pytestmark = pytest.mark.integration
 
-SCENARIO = Path(__file__).parents[1] / "fixtures" / "scenarios" / "agent_faulty_node.yaml"
+SCENARIO = Path(__file__).parents[1] / "fixtures" / "scenarios" / "faulty_node.yaml"
 PROMETHEUS = shutil.which("prometheus") or "/usr/bin/prometheus"
 
 
