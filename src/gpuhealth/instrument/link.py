@@ -69,14 +69,17 @@ class AgentLink:
         reconnect_s: float = 2.0,
         send_timeout_s: float = 5.0,
         on_tick: Callable[[], None] | None = None,
+        tick_interval_s: float = 0.1,
     ) -> None:
-        """``on_tick`` runs on the link's thread before each flush (the Tracker resolves finished
-        CUDA steps there, so records keep coming while the training thread is stuck)."""
+        """``on_tick`` runs on the link's thread every ``tick_interval_s`` (the Tracker resolves
+        finished CUDA steps there: off the training thread, and while that thread is stuck)."""
         self.identity = identity
         self.socket_path = socket_path
         self.jsonl_path = jsonl_path.replace("{rank}", str(identity.rank)) if jsonl_path else None
         self._handler = handler
         self._on_tick = on_tick
+        self._tick_interval = tick_interval_s
+        self._last_tick = 0.0
         self._flush_interval = flush_interval_s
         self._batch_size = batch_size
         self._reconnect_s = reconnect_s
@@ -160,19 +163,23 @@ class AgentLink:
         now = time.monotonic()
         if self._sock is None and self.socket_path and now >= self._next_connect:
             self._connect()
-        timeout = max(0.0, self._last_flush + self._flush_interval - time.monotonic())
+        next_flush = self._last_flush + self._flush_interval
+        next_tick = self._last_tick + self._tick_interval if self._on_tick is not None else next_flush
+        timeout = max(0.0, min(next_flush, next_tick) - time.monotonic())
         for key, _ in self._sel.select(timeout):
             if key.fileobj is self._wake_r:
                 with contextlib.suppress(OSError):
                     self._wake_r.recv(4096)
             elif key.fileobj is self._sock:
                 self._read()
-        if time.monotonic() >= self._last_flush + self._flush_interval or len(self._queue) >= self._batch_size:
-            if self._on_tick is not None:
-                try:
-                    self._on_tick()
-                except Exception as exc:
-                    self._error(exc)
+        now = time.monotonic()
+        if self._on_tick is not None and now >= next_tick:
+            self._last_tick = now
+            try:
+                self._on_tick()
+            except Exception as exc:
+                self._error(exc)
+        if now >= next_flush or len(self._queue) >= self._batch_size:
             self._flush()
 
     def _connect(self) -> None:

@@ -45,6 +45,7 @@ _ASYNC_CAPABLE = frozenset({
     "all_to_all", "all_to_all_single", "broadcast", "reduce", "gather", "scatter", "barrier",
 })
 _WRAPPED_MARK = "__gpuhealth_original__"
+_MAIN_THREAD_POLL_AT = 256  # unresolved device steps before the training thread resolves them itself
 
 
 def _torch() -> Any:
@@ -127,6 +128,10 @@ class Tracker:
         use_cuda = timing == "cuda" or (timing == "auto" and timer is None and _cuda_usable())
         self.timing = "custom" if timer is not None else ("cuda" if use_cuda else "cpu")
         self._timer: StepTimer = timer or (self._cuda_timer() if use_cuda else HostTimer())
+        # Host timings are final at once and cheap to collect: take them every step. Lazy device
+        # timings are resolved by the link thread (every 0.1 s) so the training thread pays only
+        # for recording events; it helps out only when that thread falls behind.
+        self._poll_threshold = 1 if isinstance(self._timer, HostTimer) else _MAIN_THREAD_POLL_AT
         if nccl_timing is None:
             nccl_timing = use_cuda and env.get("TORCH_NCCL_ENABLE_TIMING") == "1"
         # On the host clock a collective's wait is already measured directly.
@@ -252,10 +257,8 @@ class Tracker:
                     self._timer.abort_step()
                 else:
                     self._timer.end_step()
-                for timing in self._timer.poll():
-                    self._submit(timing)
-            if self.nccl_timing and self._span_errors() > 0:
-                self.nccl_timing = False  # this backend gives no timing: bracket with events instead
+                if self._timer.pending >= self._poll_threshold:
+                    self._collect()
         except Exception:  # the hook must never break the training loop
             self._errors += 1
 
@@ -264,10 +267,16 @@ class Tracker:
         if self._closed or not self._timer_lock.acquire(blocking=False):
             return  # the training thread is at it right now; next tick
         try:
-            for timing in self._timer.poll():
-                self._submit(timing)
+            self._collect()
         finally:
             self._timer_lock.release()
+
+    def _collect(self) -> None:
+        """Submit resolved timings (the caller holds the timer lock)."""
+        for timing in self._timer.poll():
+            self._submit(timing)
+        if self.nccl_timing and self._span_errors() > 0:
+            self.nccl_timing = False  # this backend gives no timing: bracket with events instead
 
     def _span_errors(self) -> int:
         return int(getattr(self._timer, "span_errors", 0))

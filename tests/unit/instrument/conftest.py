@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 
 
@@ -14,6 +16,7 @@ class FakeGpu:
         self.events_created = 0
         self.syncs = 0
         self.queries = 0
+        self.query_threads: set[int] = set()
 
     def launch(self, ms: float) -> None:
         self.queued_until_ms = max(self.queued_until_ms, self.now_ms) + ms
@@ -38,6 +41,7 @@ class FakeEvent:
 
     def query(self) -> bool:
         self.gpu.queries += 1
+        self.gpu.query_threads.add(threading.get_ident())
         assert self.stamp_ms is not None, "query on an event never recorded"
         return self.gpu.now_ms >= self.stamp_ms
 

@@ -139,6 +139,21 @@ def test_finished_steps_are_reported_while_the_training_thread_is_stuck(tmp_path
     assert len(read_jsonl(out)) == 3
 
 
+def test_device_timings_are_resolved_off_the_training_thread(tmp_path: Path, gpu: Any) -> None:
+    out = tmp_path / "off.jsonl"
+    t = Tracker(out, socket_path="", env=ENV, timer=LazyEventTimer(gpu.event), flush_interval_s=0.05)
+    for _ in range(20):
+        with t.step():
+            gpu.launch(2.0)
+            with t.collective():
+                gpu.launch(1.0)
+        gpu.run(3.0)  # the GPU keeps up
+    until(lambda: out.exists() and len(out.read_text().splitlines()) == 20)
+    assert threading.get_ident() not in gpu.query_threads  # the training thread never asked the GPU
+    assert gpu.syncs == 0
+    t.close()
+
+
 def test_unencodable_records_are_dropped_and_the_link_stays_up(sock_path: Path) -> None:
     hub = RankHub(sock_path)
     got: list[StepRecord] = []
@@ -402,10 +417,9 @@ def test_nccl_timing_falls_back_when_the_backend_has_no_timing(gloo_world: Any, 
         gpu.launch(5.0)
         assert dist.all_reduce(x) is None  # a sync call stays sync for the caller
     gpu.run(10.0)
-    with t.step():  # Gloo's Work has no timing: this step's split is unknown, later ones use events
-        gpu.launch(5.0)
-        dist.all_reduce(x)
-    assert t.nccl_timing is False
+    # Gloo's Work has no timing: once that step is resolved, its split is unknown and later steps
+    # bracket collectives with events instead.
+    until(lambda: t.nccl_timing is False)
     with t.step():
         gpu.launch(5.0)
         dist.all_reduce(x)
