@@ -242,16 +242,11 @@ class Agent:
 
     def reload(self, config: Config) -> None:
         """Apply a new config: intervals, timeouts, enabled collectors, labels, log level, compat."""
-        # validate before changing anything: a bad reload leaves the agent as it was
-        if config.collectors.thresholds_file:
-            from gpuhealth.catalog.thresholds import load_thresholds
-
-            load_thresholds(config.collectors.thresholds_file)  # raises ThresholdsError
+        known = None if self._given_collectors is None else [c.name for c in self._given_collectors]
+        problem = config_problem(config, known)  # a bad reload leaves the agent as it was
+        if problem:
+            raise ValueError(problem)
         level = logging.getLevelName(config.agent.log_level.strip().upper())
-        if not isinstance(level, int):
-            raise ValueError(f"agent.log_level: unknown level {config.agent.log_level!r}")
-        if config.collectors.fast_interval_s <= 0 or config.collectors.slow_interval_s <= 0:
-            raise ValueError("collectors.fast_interval_s and slow_interval_s must be > 0")
         old = self.config
         self.config = config
         if config.agent.listen != old.agent.listen:
@@ -614,6 +609,39 @@ def build_node_report(snap: ExportSnapshot, versions: Mapping[str, Any] | None =
         ],
     })
     return out
+
+
+def config_problem(config: Config, known_collectors: Sequence[str] | None = None) -> str | None:
+    """Why the agent cannot run with ``config``, as one line; None when it can. ``known_collectors``
+    defaults to the registry's names."""
+    from gpuhealth.agent.http import parse_listen
+
+    try:
+        parse_listen(config.agent.listen)
+    except ValueError as exc:
+        return str(exc)
+    if not isinstance(logging.getLevelName(config.agent.log_level.strip().upper()), int):
+        return f"agent.log_level: unknown level {config.agent.log_level!r} (debug, info, warning, error)"
+    cc = config.collectors
+    if cc.fast_interval_s <= 0 or cc.slow_interval_s <= 0:
+        return "collectors.fast_interval_s and collectors.slow_interval_s must be > 0"
+    if cc.timeout_s <= 0:
+        return "collectors.timeout_s must be > 0"
+    if known_collectors is None:
+        from gpuhealth.collectors.registry import COLLECTOR_MODULES
+
+        known_collectors = COLLECTOR_MODULES
+    unknown = sorted(set(cc.disabled) - set(known_collectors))
+    if unknown:
+        return f"collectors.disabled: unknown collector(s) {unknown}; known: {', '.join(known_collectors)}"
+    if cc.thresholds_file:
+        from gpuhealth.catalog.thresholds import load_thresholds
+
+        try:
+            load_thresholds(cc.thresholds_file)
+        except (OSError, ValueError) as exc:  # ThresholdsError is a ValueError
+            return str(exc)
+    return None
 
 
 def _interval_of(col: Collector, fast: float, slow: float) -> float:

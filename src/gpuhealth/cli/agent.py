@@ -49,19 +49,9 @@ def command(config_file: str | None, listen: str | None, snapshot: str | None, d
 
 def check_config(config: Config) -> str | None:
     """What the agent cannot start with, as one line (None when fine)."""
-    from gpuhealth.agent.http import parse_listen
+    from gpuhealth.agent.daemon import config_problem
 
-    try:
-        parse_listen(config.agent.listen)
-    except ValueError as exc:
-        return str(exc)
-    if not isinstance(logging.getLevelName(config.agent.log_level.strip().upper()), int):
-        return f"agent.log_level: unknown level {config.agent.log_level!r} (debug, info, warning, error)"
-    if config.collectors.fast_interval_s <= 0 or config.collectors.slow_interval_s <= 0:
-        return "collectors.fast_interval_s and collectors.slow_interval_s must be > 0"
-    if config.collectors.timeout_s <= 0:
-        return "collectors.timeout_s must be > 0"
-    return None
+    return config_problem(config)
 
 
 def run_agent(config: Config, reload_config: Any = None) -> int:

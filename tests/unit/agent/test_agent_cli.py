@@ -35,6 +35,9 @@ def test_bad_config_values_are_named(tmp_path: Path) -> None:
     cfg.write_text("agent:\n  no_such_key: 1\n")
     result = CliRunner().invoke(command, ["--config", str(cfg)])
     assert result.exit_code == 3 and "agent.no_such_key" in result.output
+    cfg.write_text("collectors:\n  disabled: [eccc]\n")
+    result = CliRunner().invoke(command, ["--config", str(cfg)])
+    assert result.exit_code == 3 and "eccc" in result.output and "Traceback" not in result.output
 
 
 @pytest.mark.parametrize(

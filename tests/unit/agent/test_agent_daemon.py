@@ -216,6 +216,9 @@ def test_reload_applies_new_intervals_and_disabled_collectors(agents: list[Agent
     assert [c.name for c in snap.collectors] == ["temp"]
     assert snap.collectors[0].interval_s == 0.25
     assert not any(f.code == "collector.failed" for f in snap.findings)
+    with pytest.raises(ValueError, match="nope"):
+        agent.reload(fast_config(disabled=["nope"]))
+    assert agent.config is new  # a refused reload changes nothing
 
 
 def test_ready_is_503_until_the_first_sweep_completes(agents: list[Agent], clock: Any) -> None:
