@@ -43,6 +43,9 @@ from gpuhealth.diag.golden import GoldenStore, key_id
 from gpuhealth.model import Finding
 
 HASH_VERSION = "fmix32-sum-xor-v1"
+# Bump when the shapes, the input generation or the matmul call change: goldens of an older case
+# definition must not be compared with (the key would otherwise match and every GPU would "fail").
+CASES_VERSION = "2"
 DEFAULT_SEED = 20261126
 
 
@@ -174,7 +177,7 @@ def _driver_version() -> str:
 
 def environment_key(device: torch.device, seed: int) -> dict[str, Any]:
     """Everything that may legitimately change the bits of a matmul on this device."""
-    key: dict[str, Any] = {"hash": HASH_VERSION, "seed": seed, "torch": torch.__version__}
+    key: dict[str, Any] = {"hash": HASH_VERSION, "cases": CASES_VERSION, "seed": seed, "torch": torch.__version__}
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
         key.update({
