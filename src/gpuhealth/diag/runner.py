@@ -254,8 +254,9 @@ class DiagRunner:
             return DiagOutcome(diag, "failed", f"child exited {proc.returncode} without a result: {' | '.join(tail)}",
                                gpus=uuids, wall_s=wall)
         gpu_seconds = {str(k): float(v) for k, v in (doc.get("gpu_seconds") or {}).items()}
+        unreported = 0.0 if doc.get("status") == "skipped" else wall  # a child that skipped used no GPU
         for u in uuids:
-            self.budget.charge(diag, u, gpu_seconds.get(u, wall))
+            self.budget.charge(diag, u, gpu_seconds.get(u, unreported))
         findings = []
         for f in doc.get("findings") or []:
             with contextlib.suppress(KeyError, ValueError):

@@ -373,12 +373,14 @@ class SdcReport:
     golden: dict[str, Any]
     skipped: dict[str, str]
     selftest: dict[str, Any] | None = None
+    hash_impl: str = "torch"  # "triton" when the fused kernel ran (CUDA with triton installed)
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {
             "key": self.key, "key_id": self.key_id, "devices": self.devices,
             "findings": [f.to_dict() for f in self.findings], "golden": self.golden,
             "skipped_datapaths": self.skipped,
+            "hash_impl": self.hash_impl,
         }
         if self.selftest is not None:
             out["selftest"] = self.selftest
@@ -491,7 +493,8 @@ def run_sdc(
     selftest_result = None
     if selftest:
         selftest_result = _selftest_findings(selftest_doc, specs, cases, per_device, device_docs)
-    return SdcReport(key, kid, device_docs, findings, golden_doc, skipped, selftest_result)
+    impl = "triton" if first.type == "cuda" and hashing.triton_available() else "torch"
+    return SdcReport(key, kid, device_docs, findings, golden_doc, skipped, selftest_result, impl)
 
 
 def _selftest_findings(counts: dict[str, Any], specs: Sequence[DeviceSpec], cases: Sequence[Case],

@@ -119,3 +119,12 @@ def test_a_child_that_prints_garbage_is_a_failure_with_its_stderr(tmp_path: Path
 def test_a_missing_interpreter_is_a_failure_not_an_exception(tmp_path: Path) -> None:
     out = DiagRunner(DiagConfig(), state_dir=tmp_path, python=str(tmp_path / "nope")).run("sdc", gpus=GPUS)
     assert out.status == "failed" and "cannot start" in out.reason
+
+
+def test_a_child_that_skipped_costs_no_gpu_time(tmp_path: Path) -> None:
+    body = ('print(json.dumps({"diag": "sdc", "status": "skipped", "reason": "CUDA is not available", '
+            '"findings": [], "gpu_seconds": {}, "result": {}}))\n')
+    runner = DiagRunner(DiagConfig(), state_dir=tmp_path, python=fake_child(tmp_path, body))
+    out = runner.run("sdc", gpus=GPUS)
+    assert out.status == "skipped" and out.reason == "CUDA is not available"
+    assert runner.budget.spent("GPU-a") == 0.0
