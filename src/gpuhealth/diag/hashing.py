@@ -41,8 +41,8 @@ def words_of(t: torch.Tensor) -> torch.Tensor:
     nbytes = flat.numel() * flat.element_size()
     if nbytes % 4:
         raise HashError(f"{nbytes} bytes is not a whole number of 32-bit words")
-    if nbytes // 4 >= 2**31:
-        raise HashError("tensors over 8 GiB are not hashed in one call")
+    if nbytes // 4 >= 2**31 - 2**16:  # the kernel's int32 offsets must not wrap past the last block
+        raise HashError("tensors of 8 GiB or more are not hashed in one call")
     return flat.view(torch.uint8).view(torch.int32)
 
 
