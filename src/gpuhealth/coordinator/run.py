@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Callable
 from pathlib import Path
@@ -59,7 +60,10 @@ async def run_coordinator(
     stop = asyncio.Event()
     try:
         endpoints = await server.start()
-    except (OSError, RuntimeError, SecurityConfigError) as exc:
+    except (OSError, RuntimeError, ValueError, SecurityConfigError) as exc:
+        with contextlib.suppress(Exception):  # whatever did start (the gRPC port) is released
+            await server.stop(0)
+        server.coord.store.close()
         raise CoordinatorStartError(f"cannot start: {exc}") from exc
     if install_signals is not None:
         install_signals(asyncio.get_running_loop(), stop)

@@ -27,6 +27,8 @@ def server_options() -> list[tuple[str, int]]:
         ("grpc.keepalive_permit_without_calls", 1),
         ("grpc.http2.min_ping_interval_without_data_ms", MIN_PING_INTERVAL_MS),
         ("grpc.http2.max_ping_strikes", 2),
+        # A second coordinator on a busy port must fail, not silently share it (gRPC's default).
+        ("grpc.so_reuseport", 0),
     ]
 
 
