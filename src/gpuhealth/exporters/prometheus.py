@@ -241,9 +241,10 @@ def _value_text(v: float) -> str:
     return repr(float(v))
 
 
-def encode_text(families: Iterable[Family], *, openmetrics: bool = False) -> bytes:
+def encode_text(families: Iterable[Family], *, openmetrics: bool = False, end: bool = True) -> bytes:
     """Text exposition format 0.0.4, or OpenMetrics 1.0 (family names without the counter/info
-    suffix in ``# TYPE``, ``# EOF`` at the end). Families without series are left out."""
+    suffix in ``# TYPE``, ``# EOF`` at the end). Families without series are left out. ``end=False``
+    leaves the OpenMetrics ``# EOF`` off, for a body assembled from parts."""
     lines: list[str] = []
     prefix_text: dict[int, str] = {}
     for fam in families:
@@ -269,7 +270,7 @@ def encode_text(families: Iterable[Family], *, openmetrics: bool = False) -> byt
                 lines.append(f"{name}{{{labels}}} {_value_text(value)}")
             else:
                 lines.append(f"{name} {_value_text(value)}")
-    lines.append("# EOF\n" if openmetrics else "")
+    lines.append("# EOF\n" if openmetrics and end else "")
     return "\n".join(lines).encode()
 
 
@@ -289,14 +290,14 @@ class SnapshotCollector:
     """prometheus-client custom collector: ``collect()`` renders the newest snapshot from ``source``."""
 
     def __init__(self, source: SnapshotSource, *, dcgm_compat: bool = False) -> None:
-        self._source = source
+        self.source = source
         self.dcgm_compat = dcgm_compat
 
     def describe(self) -> list[Metric]:
         return []  # dynamic families: registering must not trigger a collect
 
     def families(self) -> FamilySet:
-        return build_families(self._source(), dcgm_compat=self.dcgm_compat)
+        return build_families(self.source(), dcgm_compat=self.dcgm_compat)
 
     def collect(self) -> Iterator[Metric]:
         for fam in self.families():
@@ -314,6 +315,7 @@ class MetricsEndpoint:
         self.registry = CollectorRegistry(auto_describe=False)
         self.collector = SnapshotCollector(source, dcgm_compat=dcgm_compat)
         self.registry.register(self.collector)
+        self._cached: tuple[ExportSnapshot, tuple[int, bool, bool], bytes] | None = None
         self._process: ProcessCollector | None = None
         if process_metrics:
             self._process = ProcessCollector(registry=self.registry)
@@ -327,15 +329,24 @@ class MetricsEndpoint:
         self.collector.dcgm_compat = enabled
 
     def render(self, accept_header: str | None = None) -> tuple[bytes, str]:
-        """Text format 0.0.4 by default (fast path); OpenMetrics when ``Accept`` asks for it."""
+        """Text format 0.0.4 by default; OpenMetrics when ``Accept`` asks for it. The snapshot part
+        is cached per snapshot, so scrapes between two collector runs (a second Prometheus, a
+        curl) cost only the process metrics."""
         _, content_type = choose_encoder(accept_header or "")
         openmetrics = content_type.startswith("application/openmetrics-text")
-        families = list(self.collector.families())
+        snap = self.collector.source()
+        key = (id(snap), self.collector.dcgm_compat, openmetrics)
+        cached = self._cached
+        if cached is not None and cached[0] is snap and cached[1] == key:
+            body = cached[2]
+        else:
+            body = encode_text(build_families(snap, dcgm_compat=self.collector.dcgm_compat),
+                               openmetrics=openmetrics, end=False)
+            self._cached = (snap, key, body)
+        tail = b"# EOF\n" if openmetrics else b""
         if self._process is not None:
-            families.extend(_from_metric(m) for m in self._process.collect())
-        if openmetrics:
-            return encode_text(families, openmetrics=True), OPENMETRICS_CONTENT_TYPE
-        return encode_text(families), TEXT_CONTENT_TYPE
+            tail = encode_text([_from_metric(m) for m in self._process.collect()], openmetrics=openmetrics)
+        return body + tail, OPENMETRICS_CONTENT_TYPE if openmetrics else TEXT_CONTENT_TYPE
 
 
 def _from_metric(m: Metric) -> Family:

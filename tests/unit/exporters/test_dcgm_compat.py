@@ -145,7 +145,7 @@ def test_dcgm_compat_output_is_valid_openmetrics() -> None:
 
     scenario = Path(__file__).parents[2] / "fixtures" / "scenarios" / "agent_faulty_node.yaml"
     snap = real_snapshot(scenario)
-    body, ctype = MetricsEndpoint(lambda: snap, dcgm_compat=True).render("application/openmetrics-text")
+    body, _ = MetricsEndpoint(lambda: snap, dcgm_compat=True).render("application/openmetrics-text")
     fams = {f.name: f for f in parse_openmetrics(body.decode())}  # strict: raises on any format error
     assert fams["DCGM_FI_DEV_PCIE_REPLAY_COUNTER"].type == "unknown"
     assert len(fams["DCGM_FI_DEV_GPU_TEMP"].samples) == 8

@@ -169,3 +169,16 @@ def test_promtool_with_dcgm_compat_flags_only_dcgm_exporters_own_names(scenario:
                           r"|metric name should not include type 'counter')$")
     unexpected = [p for p in problems if not inherent.match(p)]
     assert problems and not unexpected, unexpected
+
+
+def test_rendering_follows_each_new_snapshot() -> None:
+    current = {"snap": _snapshot()}
+    endpoint = MetricsEndpoint(lambda: current["snap"], process_metrics=False)
+    first, _ = endpoint.render(None)
+    assert endpoint.render(None)[0] == first
+    current["snap"] = _snapshot(nvml_up=False)
+    changed, _ = endpoint.render(None)
+    assert b"gpuhealth_nvml_up 0.0" in changed and b"gpuhealth_nvml_up 1.0" in first
+    endpoint.dcgm_compat = True
+    current["snap"] = _snapshot(samples=(Sample("gpu_power_watts", 300.0, "p", gpu=0),))
+    assert b"DCGM_FI_DEV_POWER_USAGE{" in endpoint.render("application/openmetrics-text")[0]
