@@ -110,6 +110,7 @@ class Agent:
         self._last_tick_snapshot: ExportSnapshot | None = None
         self._loop: threading.Thread | None = None
         self._stop = threading.Event()
+        self._stopping = False
         self._reload_requested = threading.Event()
         self.cache.add_listener(self._on_snapshot)
 
@@ -186,6 +187,7 @@ class Agent:
         self._loop.start()
 
     def stop(self) -> None:
+        self._stopping = True  # from here on, NVML errors are ours (shutdown), not the driver's
         self.notifier.stopping()
         log.info("stopping")
         for ext in reversed(self.extensions):
@@ -421,7 +423,7 @@ class Agent:
 
     def _nvml_lost(self, why: str) -> None:
         with self._state_lock:
-            if not self.cache.facts.nvml_up:
+            if self._stopping or not self.cache.facts.nvml_up:
                 return
             log.error("NVML went away (%s); re-initialising with backoff", why)
             self._nvml_down(why)

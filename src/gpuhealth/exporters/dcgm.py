@@ -17,7 +17,6 @@ from dataclasses import dataclass
 
 from gpuhealth.exporters import ExportSnapshot
 from gpuhealth.exporters.prometheus import FamilySet, Labels, clean_extra_labels
-from gpuhealth.model import Sample
 
 MIB = float(1 << 20)
 DCGM_LABELS = ("gpu", "UUID", "pci_bus_id", "device", "modelName", "Hostname", "DCGM_FI_DRIVER_VERSION")
@@ -127,13 +126,6 @@ for _f in FIELDS:
     _BY_SOURCE[_f.source] = (*_BY_SOURCE.get(_f.source, ()), _f)
 
 
-def _matches(sample: Sample, field: DcgmField) -> bool:
-    if not field.match:
-        return True
-    labels = dict(sample.labels)
-    return all(labels.get(k) == v for k, v in field.match)
-
-
 def dcgm_label_sets(snap: ExportSnapshot) -> dict[int, Labels]:
     extra = clean_extra_labels(snap.gpu_labels)
     out: dict[int, Labels] = {}
@@ -161,12 +153,15 @@ def add_dcgm_families(fams: FamilySet, snap: ExportSnapshot) -> None:
             if bit is not None:
                 clock_masks[s.gpu] = clock_masks.get(s.gpu, 0) | (bit if s.value else 0)
             continue
-        for field in _BY_SOURCE.get(s.name, ()):
-            if not _matches(s, field):
+        fields = _BY_SOURCE.get(s.name)
+        if not fields:
+            continue
+        own = dict(s.labels) if s.labels else {}
+        for field in fields:
+            if field.match and any(own.get(k) != v for k, v in field.match):
                 continue
             kept: Labels = ()
             if field.keep_labels:
-                own = dict(s.labels)
                 kept = tuple((k, own.get(k, "")) for k in field.keep_labels)
             key = (s.gpu, kept)
             acc = values.setdefault(field.name, {})
