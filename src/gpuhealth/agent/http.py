@@ -4,6 +4,7 @@
   ``Accept`` asks for it; rendered from the cache, never from NVML.
 - ``GET /health``: JSON, the ``gpuhealth status --json`` shape (node verdict, GPUs, findings).
 - ``GET /ready``: 200 once every collector completed its first run, 503 before.
+- ``GET /healthz``: 200 while the process serves (a liveness probe that never depends on GPUs).
 - ``GET /``: a short index.
 """
 
@@ -69,6 +70,8 @@ class _Handler(BaseHTTPRequestHandler):
                 snap = owner.agent.snapshot()
                 code = 200 if snap.ready else 503
                 self._json(code, {"ready": snap.ready, "nvml_up": snap.nvml_up, "simulated": snap.simulated})
+            elif path == "/healthz":
+                self._json(200, {"status": "ok"})
             elif path == "/":
                 self._send(200, _INDEX.encode(), "text/html; charset=utf-8")
             else:
@@ -101,7 +104,7 @@ class _Handler(BaseHTTPRequestHandler):
 
 _INDEX = """<html><head><title>gpuhealth agent</title></head><body><h1>gpuhealth agent</h1>
 <ul><li><a href="/metrics">/metrics</a></li><li><a href="/health">/health</a></li>
-<li><a href="/ready">/ready</a></li></ul></body></html>
+<li><a href="/ready">/ready</a></li><li><a href="/healthz">/healthz</a></li></ul></body></html>
 """
 
 

@@ -231,5 +231,7 @@ def test_ready_is_503_until_the_first_sweep_completes(agents: list[Agent], clock
     assert status == 503 and json.loads(body)["ready"] is False
     status, _ = _get(agent, "/metrics")  # /metrics answers before the first sweep too
     assert status == 200
+    assert _get(agent, "/healthz") == (200, b'{\n "status": "ok"\n}')  # liveness never waits on GPUs
+    assert _get(agent, "/nope")[0] == 404
     hang.release.set()
     wait_for(lambda: _get(agent, "/ready")[0] == 200, what="ready after the first sweep")
