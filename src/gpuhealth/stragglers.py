@@ -101,6 +101,11 @@ class StragglerDetector:
             out += self._judge(first_step, vals)
         return out
 
+    def judge_step(self, step: int, values: Mapping[int, float]) -> list[Finding]:
+        """Judge one complete step (or collective) at once: {rank: value}. For batch callers that
+        already grouped the values; steps must come in increasing order."""
+        return self._judge(step, values)
+
     def flush(self) -> list[Finding]:
         """Judge every pending step (end of a batch)."""
         out: list[Finding] = []
@@ -279,13 +284,11 @@ def detect_from_durations(
             continue
         med = _upper_median(sorted(vals.values()))
         # Lateness is "how much less this rank waited than the typical rank", turned into a
-        # larger-is-slower value that the step machinery can compare: median + lateness.
-        for rank, d in vals.items():
-            lateness = med - d
-            for f in det.add_value(rank, idx, med + max(0.0, lateness)):
-                latest[int(f.evidence["rank"])] = f
-    for f in det.flush():
-        latest[int(f.evidence["rank"])] = f
+        # larger-is-slower value that the step machinery can compare: median + lateness. Each
+        # collective is complete here (only its group's members took part), so judge it whole.
+        scored = {rank: med + max(0.0, med - d) for rank, d in vals.items()}
+        for f in det.judge_step(idx, scored):
+            latest[int(f.evidence["rank"])] = f
     for f in det.active_findings():
         latest[int(f.evidence["rank"])] = f
     return [latest[r] for r in sorted(latest)]

@@ -381,7 +381,7 @@ def _read_json_tail(path: Path, size: int, want: int, hint: dict[str, int] | Non
             fh.seek(start)
             buf = fh.read(size - start)
             if suffix is None:
-                found = _split_suffix(buf)
+                found = _split_suffix(buf, (hint or {}).get("suffix"))
                 if found is None:
                     if start == entries_start:
                         return None
@@ -455,20 +455,43 @@ def _decode_at(buf: bytes, pos: int) -> Any:
     raise ValueError("unterminated entry")
 
 
-def _split_suffix(buf: bytes) -> tuple[dict[str, Any], int] | None:
-    """(the top-level keys after the entries array, offset of the array's closing "]") or None."""
+def _split_suffix(buf: bytes, hint: int | None = None) -> tuple[dict[str, Any], int] | None:
+    """(the top-level keys after the entries array, offset of the array's closing "]") or None.
+    ``hint``: the suffix length of a sibling dump, to look there first instead of scanning back
+    through a large pg_config. Only a "]," followed by a known top-level key is tried."""
+    if hint:
+        lo, hi = max(0, len(buf) - hint - 512), len(buf) - hint + 512
+        m = _TOP_KEY_AFTER_ENTRIES.search(buf, lo, hi)
+        if m is not None:
+            parsed = _try_suffix(buf, m.start())
+            if parsed is not None:
+                return parsed, m.start()
     close = buf.rfind(b'],"')
     tries = 0
-    while close != -1 and tries < 8:
-        try:
-            suffix = json.loads(b"{" + buf[close + 2:])
-        except ValueError:
-            suffix = None
-        if isinstance(suffix, dict) and ("pg_status" in suffix or "version" in suffix or "pg_config" in suffix):
-            return suffix, close
+    while close != -1 and tries < 64:
+        if _TOP_KEY_AFTER_ENTRIES.match(buf, close):
+            parsed = _try_suffix(buf, close)
+            if parsed is not None:
+                return parsed, close
         close = buf.rfind(b'],"', 0, close)
         tries += 1
     return None
+
+
+def _try_suffix(buf: bytes, close: int) -> dict[str, Any] | None:
+    try:
+        suffix = json.loads(b"{" + buf[close + 2:])
+    except ValueError:
+        return None
+    if isinstance(suffix, dict) and ("pg_status" in suffix or "version" in suffix or "pg_config" in suffix):
+        return suffix
+    return None
+
+
+_TOP_KEY_AFTER_ENTRIES = re.compile(
+    rb'\],"(?:nccl_comm_state|pg_config|pg_status|version|comm_lib_version|nccl_version|rank|host|gpuhealth|'
+    rb'dump_time_ns)":'
+)
 
 
 def _frontier_covered(status: Mapping[int, PgStatus], covered: Mapping[int, int]) -> bool:

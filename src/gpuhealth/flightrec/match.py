@@ -30,7 +30,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from gpuhealth.flightrec.load import Entry, RankDump
+from gpuhealth.flightrec.load import Entry, PgStatus, RankDump
 
 # Ops whose sizes legitimately differ across ranks (uneven splits, root-only buffers).
 _SIZE_FREE_OPS = {"all_to_all", "alltoall", "alltoall_base", "all_to_all_single", "gather", "scatter",
@@ -159,9 +159,13 @@ def build_groups(
             per_group[e.group][rank].append(e)
             desc.setdefault(e.group, e.group_desc)
     cfg_members: dict[str, set[int]] = defaultdict(set)
+    merged: set[tuple[str, int]] = set()
     for d in dumps.values():
         for key, cfg in d.pg_config.items():
-            if key and cfg.ranks:
+            # Every rank repeats the world's list (the loader hands out one shared tuple per
+            # distinct list): merge each list once, not once per rank (16k × 16k at 16k ranks).
+            if key and cfg.ranks and (key, id(cfg.ranks)) not in merged:
+                merged.add((key, id(cfg.ranks)))
                 cfg_members[key].update(cfg.ranks)
     world = int(job.get("world_size") or 0)
     for name, ranks in cfg_members.items():
@@ -170,6 +174,7 @@ def build_groups(
     if dumps:
         world = max(world, max(dumps) + 1)
     groups: dict[str, GroupView] = {}
+    statuses: dict[int, dict[str, PgStatus]] = {}
     for name in sorted(set(per_group) | set(job_groups), key=_group_sort_key):
         if name in job_groups:
             members, source = job_groups[name], "job"
@@ -183,7 +188,9 @@ def build_groups(
         view = GroupView(name=name, desc=desc.get(name, ""), members=members, membership_source=source,
                          dumped=dumped, missing_dumps=tuple(r for r in members if r not in dumps))
         for rank in dumped:
-            _fill_progress(view, rank, dumps[rank], per_group[name].get(rank, []))
+            if rank not in statuses:
+                statuses[rank] = dumps[rank].group_status()
+            _fill_progress(view, rank, statuses[rank].get(name), per_group[name].get(rank, []))
         groups[name] = view
     return groups, world
 
@@ -192,8 +199,7 @@ def _group_sort_key(name: str) -> tuple[int, int | str]:
     return (0, int(name)) if name.isdigit() else (1, name)
 
 
-def _fill_progress(view: GroupView, rank: int, dump: RankDump, entries: Sequence[Entry]) -> None:
-    status = dump.group_status().get(view.name)
+def _fill_progress(view: GroupView, rank: int, status: PgStatus | None, entries: Sequence[Entry]) -> None:
     enq = status.enqueued if status and status.enqueued is not None else 0
     done = status.completed if status and status.completed is not None else 0
     seqs: dict[int, Entry] = {}

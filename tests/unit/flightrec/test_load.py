@@ -223,7 +223,7 @@ def test_fuzz_loader_never_crashes(tmp_path: Path, top: dict, entries: list, noi
     res = load_dumps(folder, tail_entries=2)
     res2 = load_dumps(folder)
     for r in (res, res2):
-        assert set(r.ranks) <= {0, 1, 2}
+        assert all(isinstance(x, int) and x >= 0 for x in r.ranks)
         assert len(r.ranks) + len([p for p in r.problems if p.severity == "error"]) >= 1
         for d in r.dumps.values():
             for e in d.entries:
