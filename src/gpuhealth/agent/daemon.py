@@ -52,6 +52,7 @@ REINIT_BACKOFF_MIN_S = 1.0
 REINIT_BACKOFF_MAX_S = 60.0
 LOST_GPU_REINIT_S = 30.0  # first re-init of NVML after a GPU answers GPU_IS_LOST; doubles while it stays lost
 LOST_GPU_REINIT_MAX_S = 600.0
+EVENT_WAIT_DRAIN_S = 0.6  # > the XID pump's 500 ms wait_xid_events timeout
 _ENUMERATE, _REINIT, _LABELS = "_enumerate", "_nvml_reinit", "_gpu_labels"
 
 
@@ -380,9 +381,22 @@ class Agent:
     _lost_since: float | None = None
     _lost_wait_s: float = LOST_GPU_REINIT_S
 
+    def _quiesce_event_readers(self) -> None:
+        """Stop threads that block inside NVML (the XID event pump) before NVML is shut down: freeing
+        an event set another thread waits on is undefined behaviour in the driver library. Their
+        collectors restart them on the next run. The pump waits at most 500 ms per call."""
+        closed = False
+        for col in self._collectors.values():
+            if callable(getattr(col, "close", None)):
+                _close(col)
+                closed = True
+        if closed and not self.backend.simulated:
+            time.sleep(EVENT_WAIT_DRAIN_S)
+
     def _reinit_in_place(self) -> None:
         """A GPU answers GPU_IS_LOST: fresh NVML handles in case it came back after a reset."""
         try:
+            self._quiesce_event_readers()
             self.backend.shutdown()
             self.backend.init()
             log.info("NVML re-initialised to refresh handles of lost GPU(s) %s", sorted(self._lost_gpus))
@@ -393,6 +407,8 @@ class Agent:
     def _reinit_job(self) -> None:
         try:
             try:
+                if self._ever_up:
+                    self._quiesce_event_readers()
                 self.backend.shutdown()
             except Exception:
                 log.debug("shutdown before re-init failed", exc_info=True)
