@@ -33,11 +33,13 @@ from typing import Any
 
 from gpuhealth import __version__
 from gpuhealth.agent.cache import Cache, NodeFacts, RunOutcome
+from gpuhealth.agent.extensions import AgentExtension
 from gpuhealth.agent.scheduler import Job, Scheduler
 from gpuhealth.agent.sdnotify import SystemdNotifier
 from gpuhealth.backends.base import NvmlBackend
 from gpuhealth.backends.errors import DRIVER_GONE_CODES, GPU_GONE_CODES, BackendUnavailable, NvmlError
 from gpuhealth.collectors.base import CollectContext, Collector, GpuIdentity, Lane
+from gpuhealth.collectors.runner import CollectorRun, CollectorRunner
 from gpuhealth.config import Config
 from gpuhealth.exporters import ExportSnapshot
 from gpuhealth.model import Action, Entity, EntityKind, Finding, Health, Severity, health_of
@@ -62,9 +64,9 @@ class Agent:
         config: Config,
         backend: NvmlBackend,
         *,
-        extensions: Sequence[Any] | None = None,
+        extensions: Sequence[AgentExtension] | None = None,
         collectors: Sequence[Collector] | None = None,
-        runner: Any = None,
+        runner: CollectorRunner | None = None,
         notifier: SystemdNotifier | None = None,
         serve_http: bool = True,
         kmsg: Any = None,
@@ -77,11 +79,7 @@ class Agent:
         self._kmsg = kmsg
         self._sysfs = sysfs
         self._extras: dict[str, Any] = {"agent": True}
-        if runner is None:
-            from gpuhealth.collectors.runner import CollectorRunner
-
-            runner = CollectorRunner(timeout_s=config.collectors.timeout_s)
-        self.runner = runner
+        self.runner = runner or CollectorRunner(timeout_s=config.collectors.timeout_s)
         self.notifier = notifier or SystemdNotifier()
         self.cache = Cache(
             NodeFacts(node_name=config.node_name, simulated=backend.simulated, backend=backend.description,
@@ -93,7 +91,7 @@ class Agent:
             from gpuhealth.agent.extensions import default_extensions
 
             extensions = default_extensions(config)
-        self.extensions = list(extensions)
+        self.extensions: list[AgentExtension] = list(extensions)
         self._serve_http = serve_http
         self.http: Any = None
         self._listeners: list[FindingsListener] = []
@@ -203,9 +201,7 @@ class Agent:
             self._loop.join(timeout=2.0)
         for c in self._collectors.values():
             _close(c)
-        close = getattr(self.runner, "close", None)
-        if callable(close):
-            close()
+        self.runner.close()
         try:
             self.backend.shutdown()
         except Exception:
@@ -254,8 +250,7 @@ class Agent:
         self.config = config
         if config.agent.listen != old.agent.listen:
             log.warning("agent.listen changed to %s: takes effect after a restart", config.agent.listen)
-        if hasattr(self.runner, "timeout_s"):
-            self.runner.timeout_s = config.collectors.timeout_s
+        self.runner.timeout_s = config.collectors.timeout_s
         if self.http is not None:
             self.http.set_dcgm_compat(config.agent.dcgm_compat)
         self.cache.update_facts(node_name=config.node_name)
@@ -557,7 +552,7 @@ class Agent:
 
 
 # ====================================================================== helpers
-def outcome_of(run: Any) -> RunOutcome:
+def outcome_of(run: CollectorRun) -> RunOutcome:
     """``collectors.runner.CollectorRun`` → the cache's ``RunOutcome``."""
     obs = run.observations
     codes: set[int] = set()
@@ -581,7 +576,7 @@ def outcome_of(run: Any) -> RunOutcome:
         findings=tuple(run.findings),
         samples=tuple(run.samples),
         error=run.error or "",
-        timed_out=bool(getattr(run, "timed_out", False)),
+        timed_out=run.timed_out,
         nvml_codes=frozenset(codes),
         gone_gpus=frozenset(gone),
         answered_gpus=frozenset(answered),
