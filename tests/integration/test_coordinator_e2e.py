@@ -274,6 +274,7 @@ def test_hang_verdict_names_the_rank_with_fr_evidence_and_stack(cluster: Cluster
         assert "collective.missing_rank" in codes, verdict["findings"]
         # Evidence: every rank's flight-recorder dump, as JSON files the analyzer read.
         dumps = verdict["evidence"]["fr_dumps"]
+        assert Path(verdict["evidence"]["dir"]).stat().st_mode & 0o077 == 0  # private to the service
         assert sorted(dumps) == ["0", "1", "2", "3"]
         assert all(json.loads(Path(p).read_text())["entries"] is not None for p in dumps.values())
         # The culprit's Python stack shows where it is stuck.
@@ -296,7 +297,7 @@ def test_hang_verdict_names_the_rank_with_fr_evidence_and_stack(cluster: Cluster
 @pytest.mark.timeout(150)
 def test_healthy_run_produces_nothing(cluster: Cluster) -> None:
     job_id = "e2e-healthy"
-    procs = _launch(cluster, job_id, {"steps": 20, "compute_s": 0.05})
+    procs = _launch(cluster, job_id, {"steps": 20, "compute_s": 0.1})
     try:
         _finish(procs, cluster, job_id)
         job = _until(lambda: _job(cluster, job_id), 10, "the job at the coordinator")

@@ -126,7 +126,10 @@ async def investigate(
 
     folder = Path(settings.evidence_dir) / safe_name(job.job_id) / f"{int(coord.clock() * 1000)}-{reason}"
     dump_dir = folder / "fr"
+    # Dumps and stacks show code paths and arguments of the job: readable by the service only.
     dump_dir.mkdir(parents=True, exist_ok=True)
+    for d in (Path(settings.evidence_dir), folder.parent, folder, dump_dir):
+        d.chmod(0o700)
     dumps: dict[int, str] = {}
     errors: dict[str, str] = {}
     for rank, ans in sorted(fr.answers.items()):
