@@ -56,7 +56,7 @@ def measure_process(seconds: float, warmup: float, dcgm_compat: bool) -> dict[st
     scenario = work / "eight.yaml"
     scenario.write_text(SCENARIO)
     cfg = work / "agent.yaml"
-    cfg.write_text(f"agent:\n  pod_resources_socket: {work / 'none.sock'}\n")
+    cfg.write_text(f"agent:\n  pod_resources_socket: {work / 'none.sock'}\n  socket_path: {work / 'agent.sock'}\n")
     port = _free_port()
     args = [sys.executable, "-m", "gpuhealth.cli.main", "agent", "--config", str(cfg), "--scenario", str(scenario),
             "--listen", f"127.0.0.1:{port}"]

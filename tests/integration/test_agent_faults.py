@@ -66,7 +66,8 @@ def test_agent_survives_lost_gpu_and_driver_reload_and_shuts_down_cleanly(tmp_pa
     drainer.start()
     cfg = tmp_path / "agent.yaml"
     settings: dict[str, Any] = {"collectors": {"fast_interval_s": 0.5, "slow_interval_s": 1.0, "timeout_s": 2.0},
-                                "agent": {"json_logs": True, "pod_resources_socket": str(tmp_path / "none.sock")}}
+                                "agent": {"json_logs": True, "pod_resources_socket": str(tmp_path / "none.sock"),
+                                          "socket_path": str(tmp_path / "agent.sock")}}
     cfg.write_text(yaml.safe_dump(settings))
     agent = AgentProcess(tmp_path, ["--config", str(cfg), "--scenario", str(SCENARIO)],
                          env={"NOTIFY_SOCKET": str(tmp_path / "notify.sock"), "WATCHDOG_USEC": "1000000"})
@@ -131,12 +132,13 @@ def test_agent_survives_lost_gpu_and_driver_reload_and_shuts_down_cleanly(tmp_pa
     messages = " | ".join(r["msg"] for r in records)
     assert "NVML went away" in messages and "NVML is back" in messages and "stopping" in messages
     assert "Traceback" not in agent.log()
+    assert "extension ranks started" in messages  # the rank hub ran beside the agent
 
 
 def test_bad_scenario_file_is_one_clear_line_and_exit_3(tmp_path: Path) -> None:
     bad = tmp_path / "bad.yaml"
     bad.write_text("recording: nvml_h200x2.json\nevents: [{at: 1, type: explode}]\n")
-    agent = AgentProcess(tmp_path, ["--scenario", str(bad)])
+    agent = AgentProcess(tmp_path, ["--scenario", str(bad)])  # fails before any socket is made
     rc = agent.proc.wait(30)
     out = agent.log()
     assert rc == 3
