@@ -41,7 +41,7 @@ from typing import Any
 import grpc
 
 from gpuhealth import __version__
-from gpuhealth.agent.spool import Spool
+from gpuhealth.agent.spool import Spool, SpoolError
 from gpuhealth.coordinator.security import TlsFiles, channel_credentials, token_metadata
 from gpuhealth.model import EntityKind, Finding, RankIdentity, StepRecord, health_of
 from gpuhealth.proto import gpuhealth_v1_pb2 as pb
@@ -568,6 +568,10 @@ def link_from_config(config: Any, *, rank_hub: Any = None) -> CoordinatorLink | 
         tls = tls_files(c.client_tls_cert, c.client_tls_key, c.tls_ca)
     settings = LinkSettings(address=address, spool_path=str(Path(config.agent.state_dir) / "coordinator-spool.db"),
                             token=c.token, tls=tls, work_dir=str(Path(config.agent.state_dir) / "fr"))
-    link = CoordinatorLink(settings, rank_hub=rank_hub)
+    try:
+        link = CoordinatorLink(settings, rank_hub=rank_hub)
+    except SpoolError as exc:  # the agent keeps monitoring the node without its coordinator link
+        log.error("coordinator link not started: %s (set agent.state_dir to a writable folder)", exc)
+        return None
     link.spool.max_records = c.spool_max_records
     return link
