@@ -24,7 +24,9 @@ JSON whose layout the tail reader does not recognise are parsed whole (up to ``m
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import gc
 import json
 import os
 import re
@@ -197,8 +199,27 @@ def load_dumps(
 PARALLEL_MIN_FILES = 2048
 
 
+@contextlib.contextmanager
+def paused_gc() -> Iterator[None]:
+    """Pause the cyclic garbage collector while building millions of acyclic records (it would
+    rescan them all again and again: ~25 % of the load time at 16k ranks); restore it after."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
 def _load_many(files: Sequence[str], tail_entries: int | None, max_file_bytes: int
                ) -> tuple[list[RankDump], list[Problem]]:
+    with paused_gc():
+        return _load_many_inner(files, tail_entries, max_file_bytes)
+
+
+def _load_many_inner(files: Sequence[str], tail_entries: int | None, max_file_bytes: int
+                     ) -> tuple[list[RankDump], list[Problem]]:
     dumps: list[RankDump] = []
     problems: list[Problem] = []
     hint: dict[str, int] = {}

@@ -28,7 +28,7 @@ import itertools
 from collections import Counter, defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from gpuhealth.flightrec.load import Entry, PgStatus, RankDump
 
@@ -38,8 +38,9 @@ _SIZE_FREE_OPS = {"all_to_all", "alltoall", "alltoall_base", "all_to_all_single"
 DEFAULT_GROUP_NAMES = {"0", "default_pg"}
 
 
-@dataclass(frozen=True, slots=True)
-class Signature:
+class Signature(NamedTuple):
+    """What must agree across ranks at one sequence id (a tuple: hashing is the hot path)."""
+
     op: str
     in_sizes: tuple[tuple[int, ...], ...]
     in_dtypes: tuple[str, ...]

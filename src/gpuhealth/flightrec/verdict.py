@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from gpuhealth.flightrec.load import Entry, LoadResult, Problem, RankDump, load_dumps
+from gpuhealth.flightrec.load import Entry, LoadResult, Problem, RankDump, load_dumps, paused_gc
 from gpuhealth.flightrec.match import GroupView, MatchResult, Mismatch, Root, Signature, find_roots, format_ranks, match
 from gpuhealth.model import Action, Entity, EntityKind, Finding, Health, Severity, StepRecord
 from gpuhealth.stragglers import StragglerConfig, detect_from_durations, detect_stragglers
@@ -80,6 +80,18 @@ def triage(
     ``job``: optional {"job_id", "world_size", "groups": {name: [ranks]}} (Gloo dumps do not record
     group membership). ``tail_entries``: read only the newest entries of each dump (None: decide by
     total size — whole files up to 512 MiB of dumps, tails above)."""
+    with paused_gc():
+        return _triage(source, steps=steps, job=job, tail_entries=tail_entries, straggler_config=straggler_config)
+
+
+def _triage(
+    source: Source,
+    *,
+    steps: Sequence[StepRecord] | None,
+    job: Mapping[str, Any] | None,
+    tail_entries: int | None,
+    straggler_config: StragglerConfig | None,
+) -> TriageReport:
     job = dict(job or {})
     loaded, tail_used = _load(source, tail_entries)
     dumps = loaded.dumps
@@ -92,7 +104,8 @@ def triage(
     straggler_findings: list[Finding] = []
     if steps:
         straggler_findings += detect_stragglers(steps, straggler_config)
-    durations = _durations(dumps)
+    # From the tails of a large job there are too few collectives per rank to call persistence.
+    durations = {} if any(d.tail_only for d in dumps.values()) else _durations(dumps)
     if durations:
         have = {int(f.evidence["rank"]) for f in straggler_findings}
         straggler_findings += [f for f in detect_from_durations(durations, straggler_config)
