@@ -76,7 +76,9 @@ def interleaved(run_plain: Callable[[], float], run_hooked: Callable[[], float],
             plain.append(run_plain())
     p, h = statistics.median(plain), statistics.median(hooked)
     return {"plain_step_ms": p * 1e3, "hooked_step_ms": h * 1e3, "overhead_us_per_step": (h - p) * 1e6,
-            "overhead_pct": (h - p) / p * 100.0, "blocks": blocks}
+            "overhead_pct": (h - p) / p * 100.0, "blocks": blocks,
+            "plain_spread_pct": (max(plain) - min(plain)) / p * 100.0,
+            "hooked_spread_pct": (max(hooked) - min(hooked)) / h * 100.0}
 
 
 def bench_hook_cost(tracker: Tracker, iters: int, blocks: int) -> dict[str, Any]:
@@ -146,7 +148,7 @@ def bench_cpu(tracker: Tracker, steps: int, blocks: int, size: int) -> dict[str,
     return r
 
 
-def bench_cuda(steps: int, blocks: int, size: int, sink: dict[str, Any]) -> dict[str, Any]:
+def bench_cuda(steps: int, blocks: int, size: int, sink: dict[str, Any], collective: bool = True) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
 
@@ -160,7 +162,8 @@ def bench_cuda(steps: int, blocks: int, size: int, sink: dict[str, Any]) -> dict
         x = a
         for m in w:
             x = torch.relu(x @ m)
-        dist.all_reduce(grad)
+        if collective:
+            dist.all_reduce(grad)
 
     nccl_timing = os.environ.get("TORCH_NCCL_ENABLE_TIMING") == "1"
     tracker = Tracker(timing="cuda", nccl_timing=nccl_timing, **sink)
@@ -401,7 +404,7 @@ def main() -> int:
     else:
         sink = {"path": str(tmp / "steps.jsonl"), "socket_path": ""}
     os.environ.setdefault("GPUHEALTH_JOB_ID", "bench")
-    blocks = 6 if args.quick else 12
+    blocks = 6 if args.quick else 16
     results: dict[str, Any] = {
         "date": datetime.now(UTC).isoformat(timespec="seconds"), "host": platform.node(),
         "cpu": platform.processor() or platform.machine(), "cpus": os.cpu_count(), "python": platform.python_version(),
@@ -415,13 +418,17 @@ def main() -> int:
                             world_size=1, timeout=timedelta(seconds=60))
     try:
         results["cpu_step"] = bench_cpu(tracker, 10 if args.quick else 20, blocks, args.cpu_size)
-        # Last on CPU: it floods the sink with ~10^5 records/s, which would disturb the others.
-        results["hook_cost"] = bench_hook_cost(tracker, 5_000 if args.quick else 20_000, blocks)
-        tracker.close()
         if use_cuda:
             # A short step (host launch cost matters most) and a typical one (~10 ms of matmuls).
             for size, n_steps in ((4096, 50), (8192, 20)):
                 results[f"cuda_step_{size}"] = bench_cuda(n_steps // 2 if args.quick else n_steps, blocks, size, sink)
+            # The same 8192 step without the all_reduce: the NCCL call adds block-to-block spread of
+            # a few % on its own, which hides a sub-1% difference; compute alone is steady.
+            results["cuda_compute_only_8192"] = bench_cuda(10 if args.quick else 20, blocks, 8192, sink,
+                                                           collective=False)
+        # Last: it floods the sink with ~10^5 records/s, which would disturb the others.
+        results["hook_cost"] = bench_hook_cost(tracker, 5_000 if args.quick else 20_000, blocks)
+        tracker.close()
     finally:
         dist.destroy_process_group()
         if hub is not None:
@@ -432,12 +439,13 @@ def main() -> int:
     print()
     hc = results["hook_cost"]
     print(f"hook cost (empty step + collective): {hc['hook_us_per_step']:.2f} µs/step")
-    for key in ("cpu_step", "cuda_step_4096", "cuda_step_8192"):
+    for key in ("cpu_step", "cuda_step_4096", "cuda_step_8192", "cuda_compute_only_8192"):
         if key in results:
             r = results[key]
             print(f"{key}: plain {r['plain_step_ms']:.3f} ms, hooked {r['hooked_step_ms']:.3f} ms, "
                   f"overhead {r['overhead_us_per_step']:.1f} µs = {r['overhead_pct']:.2f} % "
-                  f"(noise floor, plain vs plain: {r['noise_pct_plain_vs_plain']:.2f} %)")
+                  f"(plain vs plain: {r['noise_pct_plain_vs_plain']:.2f} %; block spread "
+                  f"{r['plain_spread_pct']:.1f} % / {r['hooked_spread_pct']:.1f} %)")
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))
     return 0
