@@ -111,10 +111,12 @@ class CoordinatorLink:
         self._thread.start()
 
     def stop(self) -> None:
-        loop, stop = self._loop, self._stop_event
+        loop, stop, wake = self._loop, self._stop_event, self._wake
         if loop is not None and stop is not None:
             with contextlib.suppress(RuntimeError):
                 loop.call_soon_threadsafe(stop.set)
+                if wake is not None:
+                    loop.call_soon_threadsafe(wake.set)  # the writer sleeps on it until the next heartbeat
         if self._thread is not None:
             self._thread.join(timeout=10)
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -199,8 +201,8 @@ class CoordinatorLink:
         self._stop_event = asyncio.Event()
         self._wake = asyncio.Event()
         self._results = asyncio.Queue()
-        if self.agent is not None and self.hub is not None and getattr(self.agent, "current_findings", None):
-            self.on_findings(self.agent.current_findings())
+        if self.agent is not None and callable(getattr(self.agent, "current_findings", None)):
+            self.on_findings(self.agent.current_findings())  # the listener only fires on changes
         flusher = asyncio.create_task(self._flush_loop())
         try:
             await self._connect_loop()
