@@ -13,7 +13,12 @@ import sys
 from datetime import timedelta
 
 
-def train(steps: int, straggler: int, size: int = 384) -> None:
+def train(steps: int, straggler: int, size: int = 128, gpu_time_s: float = 0.02) -> None:
+    """``gpu_time_s`` stands in for the GPU kernels of a step: on a real GPU the host thread sits idle
+    while they run, so a sleep keeps 4 ranks on a 2-core CI box from competing for CPUs (which would
+    make every rank look slow in turn and hide the one we slowed down)."""
+    import time
+
     import torch
     import torch.distributed as dist
 
@@ -30,8 +35,9 @@ def train(steps: int, straggler: int, size: int = 384) -> None:
     for _ in range(steps):
         with tracker.step():
             grad = weight
-            for _ in range(4 * repeats):
+            for _ in range(repeats):
                 grad = torch.tanh(batch @ grad)
+                time.sleep(gpu_time_s)
             with tracker.collective():
                 dist.all_reduce(grad)
             weight = weight - 1e-3 * grad / dist.get_world_size()

@@ -166,7 +166,7 @@ def _run_demo_job(env: dict[str, str], state: Path, coord_addr: str, tag: str,
     except ImportError:
         click.secho(f"[{tag}] demo job skipped: torch is not installed (pip install 'gpuhealth[diag]')", fg="yellow")
         return
-    world, straggler, steps = 4, 2, 60
+    world, straggler, steps = 4, 2, 80
     job_id = f"demo-{int(time.time())}"
     port = _free_port()
     click.echo(f"[{tag}] job {job_id}: {world} ranks (PyTorch Gloo on CPU), rank {straggler} does 2× compute, "
