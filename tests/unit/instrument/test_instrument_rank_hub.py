@@ -277,8 +277,13 @@ def test_stop_fails_pending_requests_quickly(sock_path: Path, tmp_path: Path) ->
     silent.close()
 
 
-def test_hub_module_does_not_import_torch() -> None:
-    code = ("import sys; import gpuhealth.agent.ranks, gpuhealth.instrument.protocol; "
+def test_neither_the_hub_nor_the_hook_imports_torch_by_itself() -> None:
+    """The agent process never imports torch; the hook leaves it to the training script."""
+    code = ("import sys, tempfile; import gpuhealth.agent.ranks, gpuhealth.instrument.protocol; "
+            "from gpuhealth.instrument import Tracker; "
+            "t = Tracker(tempfile.mkdtemp() + '/s.jsonl', socket_path=''); "
+            "ctx = t.step(); ctx.__enter__(); ctx.__exit__(None, None, None); t.close(); "
+            "assert t.stats()['written'] == 1, t.stats(); "
             "print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] == 'torch')))")
     import subprocess
     import sys
