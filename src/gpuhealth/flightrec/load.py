@@ -520,7 +520,7 @@ def _frontier_covered(status: Mapping[int, PgStatus], covered: Mapping[int, int]
         target = st.completed if st.completed is not None else st.enqueued
         if target is None or target <= 0:
             continue
-        if pid not in covered or covered[pid] > max(1, target - 1):
+        if pid not in covered or covered[pid] > max(1, target):
             return False
     return True
 
