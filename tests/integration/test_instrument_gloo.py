@@ -256,8 +256,8 @@ def test_gloo_job_steps_straggler_dump_and_stacks(sock_dir: Path, tmp_path: Path
 @pytest.mark.integration
 @pytest.mark.timeout(120)
 def test_gloo_job_falls_back_to_jsonl_without_agent(sock_dir: Path, tmp_path: Path) -> None:
-    world, n = 2, 6
-    cfg = {"world": world, "steps": n, "compute_s": 0.005}
+    world, n, slow = 3, 12, 2
+    cfg = {"world": world, "steps": n, "compute_s": 0.01, "straggler": slow}
     env = {"GPUHEALTH_SOCKET": str(sock_dir / "nobody-listens.sock"), "GPUHEALTH_JOB_ID": "job-jsonl",
            "GPUHEALTH_STEPS_JSONL": str(tmp_path / "steps" / "rank{rank}.jsonl")}
     procs = _launch(world, cfg, env, tmp_path)
@@ -270,7 +270,15 @@ def test_gloo_job_falls_back_to_jsonl_without_agent(sock_dir: Path, tmp_path: Pa
         records = [StepRecord.from_dict(json.loads(line)) for line in lines]
         assert [r.step for r in records] == list(range(n))
         assert all(r.rank == rank and r.job_id == "job-jsonl" for r in records)
-        assert all(r.wall_s >= 0.005 and r.compute_s is not None and r.comm_wait_s is not None for r in records)
+        assert all(r.wall_s >= 0.01 and r.compute_s is not None and r.comm_wait_s is not None for r in records)
+    # The files are what `gpuhealth triage --steps` reads: it finds the rank doing 2x the compute.
+    from gpuhealth.cli.triage import read_steps
+    from gpuhealth.flightrec.verdict import triage
+
+    records, problems = read_steps([str(p) for p in sorted((tmp_path / "steps").glob("*.jsonl"))])
+    assert problems == [] and len(records) == world * n
+    report = triage([], steps=records)
+    assert report.verdict == "straggler" and report.culprits == [slow], report.summary
 
 
 if __name__ == "__main__" and len(sys.argv) > 1 and sys.argv[1] == "worker":
