@@ -208,15 +208,20 @@ _ENTRY_KEYS = ["collective_seq_id", "record_id", "pg_id", "process_group", "prof
                         _JSONISH, max_size=6),
     entries=st.lists(st.dictionaries(st.sampled_from(_ENTRY_KEYS), _JSONISH, max_size=10), max_size=5),
     noise=st.binary(max_size=64),
-    cut=st.integers(min_value=0, max_value=400),
+    cut=st.floats(min_value=0.0, max_value=1.0),
     as_pickle=st.booleans(),
+    big=st.booleans(),
 )
-def test_fuzz_loader_never_crashes(tmp_path: Path, top: dict, entries: list, noise: bytes, cut: int,
-                                   as_pickle: bool) -> None:
+def test_fuzz_loader_never_crashes(tmp_path: Path, top: dict, entries: list, noise: bytes, cut: float,
+                                   as_pickle: bool, big: bool) -> None:
     folder = Path(tempfile.mkdtemp(dir=tmp_path))
     doc = dict(top)
     doc.setdefault("entries", entries)
-    data = pickle.dumps(doc) if as_pickle else json.dumps(doc).encode()
+    if big:  # past 64 KiB the JSON tail reader is used: fuzz it too
+        doc["nccl_comm_state"] = {"pad": "x" * 70_000}
+        doc["entries"] = list(doc["entries"]) * 3 if isinstance(doc["entries"], list) else doc["entries"]
+    data = pickle.dumps(doc) if as_pickle else json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
+    cut = int(len(data) * cut)
     (folder / "rank0.json").write_bytes(data)
     (folder / "rank1.json").write_bytes(data[:cut] + noise)
     (folder / "rank2.json").write_bytes(noise)

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import json
+import tempfile
 from pathlib import Path
 
 from frbuild import dump, entry, training, write_json
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
-from gpuhealth.flightrec.verdict import triage
+from gpuhealth.flightrec.verdict import VERDICTS, triage
 
 
 def _codes(report) -> list[tuple[str, int | None]]:  # type: ignore[no-untyped-def]
@@ -221,3 +225,36 @@ def test_mixed_versions_and_formats_in_one_job(tmp_path: Path) -> None:
     assert rep.verdict == "hang"
     assert _codes(rep) == [("collective.missing_rank", 2)]
     assert rep.findings[0].evidence["waiting_ranks"] == [0, 1, 3]
+
+
+_ENTRY = st.fixed_dictionaries({
+    "seq": st.integers(min_value=1, max_value=6),
+    "group": st.sampled_from(["0", "1", "2"]),
+    "op": st.sampled_from(["all_reduce", "broadcast", "all_gather", "send", "recv"]),
+    "size": st.sampled_from([1, 2, 1024]),
+    "dtype": st.sampled_from(["Float", "Int"]),
+    "state": st.sampled_from(["scheduled", "started", "completed"]),
+    "retired": st.booleans(),
+    "p2p": st.sampled_from(["", "0->1", "1<-0", "3->0"]),
+    "duration": st.none() | st.floats(min_value=0, max_value=50),
+})
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(ranks=st.dictionaries(st.integers(min_value=0, max_value=4), st.lists(_ENTRY, max_size=8), min_size=1,
+                             max_size=5),
+       world=st.none() | st.integers(min_value=1, max_value=6))
+def test_fuzz_triage_never_crashes(tmp_path: Path, ranks: dict, world: int | None) -> None:
+    folder = Path(tempfile.mkdtemp(dir=tmp_path))
+    for r, items in ranks.items():
+        es = [entry(i["seq"], record_id=n, group=i["group"], pg_id=int(i["group"]), op=i["op"],
+                    sizes=[[i["size"]]], dtype=i["dtype"], state=i["state"], retired=i["retired"],
+                    p2p=i["p2p"] if i["op"] in ("send", "recv") else "", duration_ms=i["duration"])
+              for n, i in enumerate(items)]
+        write_json(folder, f"rank{r}.json", dump(es))
+    rep = triage(folder, job={"world_size": world} if world else None)
+    assert rep.verdict in VERDICTS
+    for f in rep.findings:
+        if f.entity.kind.value == "rank":
+            assert isinstance(f.evidence["rank"], int)
+    json.dumps(rep.to_dict(), default=str)
