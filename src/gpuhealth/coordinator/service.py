@@ -49,6 +49,9 @@ from gpuhealth.proto.options import API_VERSION, NODE_METADATA, SESSION_METADATA
 
 log = logging.getLogger("gpuhealth.coordinator")
 
+GROUP_COMMIT_S = 0.005  # records wait at most this long for their commit (and ack)
+GROUP_COMMIT_RECORDS = 256  # or until this many records are in the group
+
 
 @dataclass(slots=True)
 class Settings:
@@ -71,7 +74,8 @@ class Session:
     node: str
     incarnation: str
     session_id: str
-    acked: int
+    acked: int  # committed (and acknowledged once the writer sends it)
+    received: int = 0  # written into the open group commit, not yet committed
     connected: bool = False
     ack_sent: int = -1
     wake: asyncio.Event = field(default_factory=asyncio.Event)
@@ -124,6 +128,9 @@ class Coordinator:
         self._tasks: set[asyncio.Task[Any]] = set()
         self._tick_task: asyncio.Task[None] | None = None
         self.investigating: set[str] = set()
+        self._pending: dict[Session, int] = {}
+        self._pending_records = 0
+        self._flush_handle: asyncio.TimerHandle | None = None
         self._load()
 
     # -- lifecycle -------------------------------------------------------------------------------
@@ -153,6 +160,7 @@ class Coordinator:
         self._tick_task = asyncio.create_task(self._tick_loop(), name="coordinator-tick")
 
     async def stop(self) -> None:
+        self.flush_group()
         tasks = [t for t in (self._tick_task, *self._tasks) if t is not None]
         for t in tasks:
             t.cancel()
@@ -187,7 +195,9 @@ class Coordinator:
             old.closed = True
             old.wake.set()
             self.sessions.pop(old.session_id, None)
-        session = Session(node, incarnation, secrets.token_hex(16), self.store.acked_seq(node, incarnation))
+        self.flush_group()  # the acked seq we return must be committed: the agent drops what it covers
+        acked = self.store.acked_seq(node, incarnation)
+        session = Session(node, incarnation, secrets.token_hex(16), acked, received=acked)
         self.sessions[session.session_id] = session
         self.by_node[node] = session
         log.info("node %s registered (incarnation %s, %d GPUs, acked seq %d)", node, incarnation, len(gpus),
@@ -209,19 +219,22 @@ class Coordinator:
     # -- ingest ----------------------------------------------------------------------------------
 
     def handle_record(self, session: Session, raw: bytes, rec: pb.Record) -> None:
-        """Commit one record (idempotent by seq) and advance the session's ack."""
+        """Write one record (idempotent by seq) into the open group commit; it is acknowledged when
+        the group commits (``flush_group``: at most ``GROUP_COMMIT_S`` later)."""
         seq = rec.seq
         if seq == 0:
             raise StreamRejected(grpc.StatusCode.INVALID_ARGUMENT, "record without a seq (seqs start at 1)")
-        if seq <= session.acked:
+        if seq <= session.received:
             self.counters.duplicates += 1
             session.wake.set()  # re-acknowledge
             return
         now, mono = self.clock(), self.mono()
         kind = rec.WhichOneof("payload")
         try:
+            # Validate everything first (pure), then write; memory is updated only after the write.
             if kind == "steps":
                 cols = steps_from_pb(rec.steps)
+                self._begin_group()
                 with self.store.transaction():
                     self.store.add_step_batch(session.node, seq, cols.job_id, len(cols), raw, now)
                     self.store.set_acked(session.node, session.incarnation, seq, now)
@@ -229,6 +242,7 @@ class Coordinator:
                 self.counters.step_records += len(cols)
             elif kind == "ranks":
                 idents = [identity_from_pb(m) for m in rec.ranks.ranks]
+                self._begin_group()
                 with self.store.transaction():
                     self.store.upsert_ranks(session.node, idents, now)
                     self.store.set_acked(session.node, session.incarnation, seq, now)
@@ -236,6 +250,7 @@ class Coordinator:
                     self.jobs.get(ident.job_id, mono).add_identity(session.node, ident, mono)
             elif kind == "findings":
                 findings = findings_from_pb(rec.findings.findings)
+                self._begin_group()
                 with self.store.transaction():
                     self.store.set_node_findings(session.node, findings, now)
                     self.store.set_acked(session.node, session.incarnation, seq, now)
@@ -247,6 +262,7 @@ class Coordinator:
                     check_name(d.gpu_uuid, "sdc.gpu_uuid")
                     check_name(d.key, "sdc.key", 1024)
                     check_name(d.digest, "sdc.digest", 256)
+                self._begin_group()
                 with self.store.transaction():
                     for d in digests:
                         self.store.add_sdc_digest(session.node, d.gpu_uuid, d.key, d.digest, d.at or now)
@@ -255,14 +271,58 @@ class Coordinator:
                 raise WireError("record has no payload (or one this coordinator does not know)")
         except WireError as exc:
             # Mark the seq consumed so the agent drops it instead of resending it forever.
-            with self.store.transaction():
-                self.store.set_acked(session.node, session.incarnation, seq, now)
-            session.acked = seq
+            self._begin_group()
+            self.store.set_acked(session.node, session.incarnation, seq, now)
+            self._note_pending(session, seq)
+            self.flush_group()
             self.counters.rejected += 1
             raise StreamRejected(grpc.StatusCode.INVALID_ARGUMENT, f"record seq {seq}: {exc}") from exc
-        session.acked = seq
         self.counters.records += 1
-        session.wake.set()
+        self._note_pending(session, seq)
+
+    # -- group commit ----------------------------------------------------------------------------
+
+    def _begin_group(self) -> None:
+        if self.store.in_transaction:
+            return
+        self.store.begin()
+        try:
+            self._flush_handle = asyncio.get_running_loop().call_later(GROUP_COMMIT_S, self.flush_group)
+        except RuntimeError:  # no loop (direct use in tests/tools): commit at the end of the record
+            self._flush_handle = None
+
+    def _note_pending(self, session: Session, seq: int) -> None:
+        session.received = seq
+        self._pending[session] = seq
+        self._pending_records += 1
+        if self._flush_handle is None or self._pending_records >= GROUP_COMMIT_RECORDS:
+            self.flush_group()
+
+    def flush_group(self) -> None:
+        """Commit the open group and acknowledge every record in it."""
+        if self._flush_handle is not None:
+            self._flush_handle.cancel()
+            self._flush_handle = None
+        if not self.store.in_transaction:
+            return
+        pending, self._pending = self._pending, {}
+        self._pending_records = 0
+        try:
+            self.store.commit()
+        except Exception:
+            # Nothing of the group is acknowledged: the agents resend it. Their streams restart so
+            # that ``received`` goes back to what is really committed.
+            log.exception("cannot commit %d agents' records; their streams restart", len(pending))
+            self.store.rollback()
+            for session in pending:
+                session.received = session.acked
+                session.closed = True
+                session.wake.set()
+            return
+        for session, seq in pending.items():
+            if seq > session.acked:
+                session.acked = seq
+            session.wake.set()
 
     def handle_health(self, session: Session, msg: pb.HealthSummary) -> None:
         view = self.nodes.setdefault(session.node, NodeView(session.node))
@@ -286,6 +346,7 @@ class Coordinator:
         session.wake.set()
 
     def stream_closed(self, session: Session) -> None:
+        self.flush_group()
         session.connected = False
         if self.by_node.get(session.node) is session:
             self.nodes[session.node].connected = False

@@ -146,8 +146,19 @@ class Store:
 
     @contextmanager
     def transaction(self) -> Iterator[None]:
-        """Everything inside commits together or not at all."""
+        """Everything inside commits together or not at all. Inside an open group (``begin``), it
+        is a savepoint: undone alone on error, committed with the group."""
         with self._lock:
+            if self._in_tx:
+                self._db.execute("SAVEPOINT inner_tx")
+                try:
+                    yield
+                except BaseException:
+                    self._db.execute("ROLLBACK TO inner_tx")
+                    self._db.execute("RELEASE inner_tx")
+                    raise
+                self._db.execute("RELEASE inner_tx")
+                return
             self._db.execute("BEGIN")
             self._in_tx = True
             try:
@@ -159,6 +170,33 @@ class Store:
                 self._db.execute("COMMIT")
             finally:
                 self._in_tx = False
+
+    # Group commit: many records, one COMMIT (a commit costs ~100 µs; a small record ~10 µs).
+    @property
+    def in_transaction(self) -> bool:
+        return self._in_tx
+
+    def begin(self) -> None:
+        with self._lock:
+            if not self._in_tx:
+                self._db.execute("BEGIN")
+                self._in_tx = True
+
+    def commit(self) -> None:
+        with self._lock:
+            if self._in_tx:
+                try:
+                    self._db.execute("COMMIT")
+                finally:
+                    self._in_tx = False
+
+    def rollback(self) -> None:
+        with self._lock:
+            if self._in_tx:
+                try:
+                    self._db.execute("ROLLBACK")
+                finally:
+                    self._in_tx = False
 
     # -- nodes and acks --------------------------------------------------------------------------
 

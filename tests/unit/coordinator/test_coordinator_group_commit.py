@@ -1,0 +1,43 @@
+"""Group commit: records are acknowledged only once their group committed; a resend of a record
+still in the open group is a duplicate; a new registration never reports uncommitted seqs."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+from gpuhealth.coordinator.service import GROUP_COMMIT_RECORDS, Coordinator, Settings
+from gpuhealth.coordinator.simagent import step_batch_message
+from gpuhealth.coordinator.store import Store
+from gpuhealth.proto import gpuhealth_v1_pb2 as pb
+
+
+def _feed(coord: Coordinator, session: object, seq: int) -> None:
+    raw = step_batch_message(seq, "j", [0, 1], seq)
+    coord.handle_record(session, raw, pb.AgentMessage.FromString(raw).record)  # type: ignore[arg-type]
+
+
+def test_ack_follows_the_commit(tmp_path: Path) -> None:
+    async def main() -> None:
+        coord = Coordinator(Store(tmp_path / "c.db"), Settings())
+        resp = coord.register(pb.RegisterRequest(node_name="n1", incarnation="i1"))
+        session = coord.sessions[resp.session_id]
+        for seq in (1, 2, 3):
+            _feed(coord, session, seq)
+        _feed(coord, session, 2)  # resent while its group is still open
+        assert (session.received, session.acked) == (3, 0)
+        assert coord.counters.duplicates == 1
+        other = Store(tmp_path / "c.db")  # another connection sees nothing uncommitted
+        assert other.step_record_count() == 0
+        await asyncio.sleep(0.05)  # the group timer fires
+        assert session.acked == 3 and other.step_record_count() == 6
+        _feed(coord, session, 4)
+        again = coord.register(pb.RegisterRequest(node_name="n1", incarnation="i1"))
+        assert again.acked_seq == 4 and other.acked_seq("n1", "i1") == 4  # flushed before answering
+        new = coord.sessions[again.session_id]
+        for seq in range(5, 5 + GROUP_COMMIT_RECORDS):
+            _feed(coord, new, seq)
+        assert new.acked == 4 + GROUP_COMMIT_RECORDS  # a full group commits at once
+        other.close()
+
+    asyncio.run(main())
