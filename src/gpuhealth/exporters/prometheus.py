@@ -127,8 +127,11 @@ def build_families(snap: ExportSnapshot, *, dcgm_compat: bool = False) -> Family
     unknown_gpu: dict[int, Labels] = {}
 
     # --- readings the collectors produced
+    by_sample_name: dict[tuple[str, MetricKind], Family] = {}
     for s in snap.samples:
-        fam = fams.get(_family_name(s.name, s.kind), s.help, _KIND[s.kind])
+        fam = by_sample_name.get((s.name, s.kind))
+        if fam is None:
+            fam = by_sample_name[(s.name, s.kind)] = fams.get(_family_name(s.name, s.kind), s.help, _KIND[s.kind])
         if s.gpu is None:
             fam.series.append(((), s.labels, s.value))
             continue
@@ -247,6 +250,7 @@ def encode_text(families: Iterable[Family], *, openmetrics: bool = False, end: b
     leaves the OpenMetrics ``# EOF`` off, for a body assembled from parts."""
     lines: list[str] = []
     prefix_text: dict[int, str] = {}
+    own_text: dict[Labels, str] = {}  # the same few own-label sets repeat on every GPU
     for fam in families:
         if not fam.series:
             continue
@@ -258,14 +262,20 @@ def encode_text(families: Iterable[Family], *, openmetrics: bool = False, end: b
             lines.append(f"# HELP {name} {_escape_help(fam.help, False)}")
             lines.append(f"# TYPE {name} {_TEXT_TYPE.get(fam.kind, fam.kind)}")
         for prefix, own, value in fam.series:
+            if own:
+                otext = own_text.get(own)
+                if otext is None:
+                    otext = own_text[own] = _label_text(own)
+            else:
+                otext = ""
             if prefix:
                 key = id(prefix)
                 ptext = prefix_text.get(key)
                 if ptext is None:
                     ptext = prefix_text[key] = _label_text(prefix)
-                labels = f"{ptext},{_label_text(own)}" if own else ptext
+                labels = f"{ptext},{otext}" if otext else ptext
             else:
-                labels = _label_text(own)
+                labels = otext
             if labels:
                 lines.append(f"{name}{{{labels}}} {_value_text(value)}")
             else:
