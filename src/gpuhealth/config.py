@@ -89,6 +89,9 @@ class CoordinatorConfig:
     step_retention_hours: float = 24.0  # raw step batches; verdicts/jobs keep retention_days
     straggler_budget_records_s: float = 50_000.0  # per job; above it, detection samples steps
     spool_max_records: int = 200_000  # agent side: records kept while the coordinator is away
+    # Agent side: step records are packed into one message per job this often. Larger batches cost the
+    # coordinator less per record (benchmarks/coordinator_load.py); detection waits up to this long.
+    link_batch_interval_s: float = 1.0
 
 
 @dataclass(slots=True)

@@ -569,7 +569,8 @@ def link_from_config(config: Any, *, rank_hub: Any = None) -> CoordinatorLink | 
 
         tls = tls_files(c.client_tls_cert, c.client_tls_key, c.tls_ca)
     settings = LinkSettings(address=address, spool_path=str(Path(config.agent.state_dir) / "coordinator-spool.db"),
-                            token=c.token, tls=tls, work_dir=str(Path(config.agent.state_dir) / "fr"))
+                            token=c.token, tls=tls, work_dir=str(Path(config.agent.state_dir) / "fr"),
+                            batch_interval_s=c.link_batch_interval_s)
     try:
         link = CoordinatorLink(settings, rank_hub=rank_hub)
     except SpoolError as exc:  # the agent keeps monitoring the node without its coordinator link
