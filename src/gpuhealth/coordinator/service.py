@@ -65,6 +65,7 @@ class Settings:
     retention_days: float = 30.0
     step_retention_hours: float = 24.0
     warm_start_s: float = 600.0  # step batches replayed into job state after a restart
+    forget_job_after_s: float = 3600.0  # a finished job leaves memory after this long without records
 
 
 @dataclass(eq=False)
@@ -405,6 +406,11 @@ class Coordinator:
     def tick(self) -> None:
         mono = self.mono()
         for job in list(self.jobs.jobs.values()):
+            quiet_s = mono - max(job.last_record_at, job.progress_at)
+            if quiet_s > self.settings.forget_job_after_s and (job.finished or not job.placements) \
+                    and job.job_id not in self.investigating:
+                del self.jobs.jobs[job.job_id]  # memory stays bounded; the store keeps its history
+                continue
             if job.detector is not None:
                 self._update_stragglers(job)
             check = job.hang_check(mono, self.settings.hang_k, self.settings.hang_floor_s)

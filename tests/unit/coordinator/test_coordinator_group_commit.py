@@ -41,3 +41,18 @@ def test_ack_follows_the_commit(tmp_path: Path) -> None:
         other.close()
 
     asyncio.run(main())
+
+
+def test_finished_jobs_leave_memory_but_not_the_store(tmp_path: Path) -> None:
+    now = [1000.0]
+    coord = Coordinator(Store(tmp_path / "c.db"), Settings(forget_job_after_s=60), monotonic=lambda: now[0])
+    resp = coord.register(pb.RegisterRequest(node_name="n1", incarnation="i1"))
+    session = coord.sessions[resp.session_id]
+    _feed(coord, session, 1)
+    coord.flush_group()
+    coord.tick()
+    assert "j" in coord.jobs.jobs
+    now[0] += 61
+    coord.tick()
+    assert "j" not in coord.jobs.jobs
+    assert coord.store.step_record_count("j") == 2
