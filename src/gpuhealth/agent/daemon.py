@@ -100,6 +100,7 @@ class Agent:
         self._state_lock = threading.Lock()
         self._backoff_s = REINIT_BACKOFF_MIN_S
         self._ever_up = False
+        self._nvml_attempted = False
         self._down_since: float | None = None
         self._lost_gpus: frozenset[int] = frozenset()
         self.lost_gpu_reinit_s = LOST_GPU_REINIT_S
@@ -414,6 +415,7 @@ class Agent:
             driver = _safe_system(self.backend, "driver")
             cuda = _safe_system(self.backend, "cuda_driver")
         except (NvmlError, BackendUnavailable, OSError) as exc:
+            self._nvml_attempted = True
             self._nvml_down(f"NVML init failed: {exc}")
             log.warning("NVML unavailable (%s); retrying in %.0f s", exc, self._backoff_s)
             self.scheduler.delay(_REINIT, self._backoff_s)
@@ -425,6 +427,7 @@ class Agent:
         else:
             log.info("NVML up: %d GPU(s), driver %s", len(gpus), driver)
         self._ever_up = True
+        self._nvml_attempted = True
         self._down_since = None
         self._backoff_s = REINIT_BACKOFF_MIN_S
         self.cache.update_facts(nvml_up=True, gpus=gpus, driver_version=driver, cuda_driver_version=cuda,
@@ -523,10 +526,14 @@ class Agent:
         if snap is not self._last_tick_snapshot:  # the status line changes only with the snapshot
             self._last_tick_snapshot = snap
             status = self._status_line()
-            if snap.ready and not self._ready_sent:
+            # READY=1 once the agent has something true to say: the first sweep is done, or NVML
+            # could not be initialised (then it serves nvml.unavailable; a unit that never became
+            # ready would be killed and restarted in a loop by systemd, and report nothing).
+            answered = snap.ready or (self._nvml_attempted and not snap.nvml_up)
+            if answered and not self._ready_sent:
                 self._ready_sent = True
                 self._last_status = status
-                log.info("first sweep done: %s", status)
+                log.info("first sweep done: %s" if snap.ready else "serving without NVML: %s", status)
                 self.notifier.ready(status)
             elif status != self._last_status and self._ready_sent:
                 self._last_status = status

@@ -235,3 +235,22 @@ def test_ready_is_503_until_the_first_sweep_completes(agents: list[Agent], clock
     assert _get(agent, "/nope")[0] == 404
     hang.release.set()
     wait_for(lambda: _get(agent, "/ready")[0] == 200, what="ready after the first sweep")
+
+
+def test_systemd_hears_ready_even_when_nvml_cannot_start(agents: list[Agent], clock: Any, tmp_path: Any) -> None:
+    """A Type=notify unit that never became ready would be killed and restarted in a loop; an agent
+    without a driver must still come up and serve nvml.unavailable."""
+    import socket
+
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    listener.bind(str(tmp_path / "notify.sock"))
+    listener.settimeout(5)
+    backend = _scenario_backend(clock, [{"at": 0, "type": "driver_unloaded"}])
+    notifier = SystemdNotifier(env={"NOTIFY_SOCKET": str(tmp_path / "notify.sock")})
+    agent = _start(agents, Agent(fast_config(), backend, collectors=[TempCollector()], extensions=[],
+                                 notifier=notifier))
+    message = listener.recv(4096).decode()
+    assert message.startswith("READY=1\nSTATUS=SIMULATED, NVML unavailable"), message
+    assert _get(agent, "/ready")[0] == 503  # readiness still says: no GPU data
+    assert [f["code"] for f in agent.node_report()["findings"]] == [NVML_UNAVAILABLE]
+    listener.close()
