@@ -23,12 +23,16 @@ HARNESS = Path(__file__).parent / "fr_jobs" / "job.py"
 MODES = ["healthy", "hang_skip", "hang_sleep", "subgroup_hang", "type_mismatch", "size_mismatch",
          "dtype_mismatch", "straggler"]
 CULPRIT = 3
+# job name -> (mode, extra harness options). "hang_sleep_late" is dumped only after the 3 s
+# process-group timeout fired (the waiting ranks caught the error and stayed up to be dumped).
+JOBS = {m: (m, ["--pg-timeout", "30", "--stall-s", "2.0"]) for m in MODES}
+JOBS["hang_sleep_late"] = ("hang_sleep", ["--pg-timeout", "3", "--stall-s", "5.0"])
 
 
-def _run(mode: str, out: Path) -> Path:
+def _run(mode: str, extra: list[str], out: Path) -> Path:
     cmd = [sys.executable, str(HARNESS), "--mode", mode, "--out", str(out), "--world-size", "4",
            "--culprit", str(CULPRIT), "--steps", "14", "--fault-step", "4", "--compute-s", "0.05",
-           "--buffer", "500", "--stall-s", "2.0", "--pg-timeout", "30", "--job-timeout", "60"]
+           "--buffer", "500", "--job-timeout", "60", *extra]
     subprocess.run(cmd, check=True, timeout=120, capture_output=True)
     return out
 
@@ -36,9 +40,9 @@ def _run(mode: str, out: Path) -> Path:
 @pytest.fixture(scope="module")
 def jobs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     base = tmp_path_factory.mktemp("frjobs")
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        futures = {m: pool.submit(_run, m, base / m) for m in MODES}
-        return {m: f.result() for m, f in futures.items()}
+    with ThreadPoolExecutor(max_workers=3) as pool:
+        futures = {name: pool.submit(_run, mode, extra, base / name) for name, (mode, extra) in JOBS.items()}
+        return {name: f.result() for name, f in futures.items()}
 
 
 def _steps(folder: Path) -> list[StepRecord]:
@@ -54,7 +58,7 @@ def _codes(rep: TriageReport) -> list[tuple[str, object]]:
     return [(f.code, f.evidence.get("rank")) for f in rep.findings]
 
 
-def test_every_rank_dumped_before_the_timeout(jobs: dict[str, Path]) -> None:
+def test_every_rank_dumped(jobs: dict[str, Path]) -> None:
     for mode, folder in jobs.items():
         launcher = json.loads((folder / "launcher.json").read_text())
         assert sorted(p.name for p in (folder / "dumps").glob("*.json")) == [f"rank{r}.json" for r in range(4)], mode
@@ -131,6 +135,18 @@ def test_cli_json_and_exit_codes(jobs: dict[str, Path]) -> None:
     ok = subprocess.run([*exe, str(jobs["healthy"] / "dumps")], capture_output=True, text=True)
     assert ok.returncode == 0 and ok.stdout.startswith("HEALTHY")
     assert "no errors found" not in ok.stdout.lower()
+
+
+def test_dump_after_the_timeout_still_names_the_rank(jobs: dict[str, Path]) -> None:
+    # Gloo marks the timed-out collective finished on the ranks that waited: the "pending" evidence
+    # is gone, but rank 3 never enqueued it and the others went idle for longer than the timeout.
+    assert sorted(p.name for p in jobs["hang_sleep_late"].glob("error_rank*.txt")) == [
+        "error_rank0.txt", "error_rank1.txt", "error_rank2.txt"]
+    rep = _triage(jobs["hang_sleep_late"])
+    assert rep.verdict == "hang", rep.summary
+    assert _codes(rep) == [("collective.missing_rank", CULPRIT)]
+    ev = rep.findings[0].evidence
+    assert ev["kind"] == "timed_out" and ev["group"] == "0" and ev["timeout_s"] == 3.0
 
 
 def test_pickles_alone_give_the_same_verdict(jobs: dict[str, Path], tmp_path: Path) -> None:

@@ -133,6 +133,22 @@ class P2PUnmatched:
     entry: Entry
 
 
+@dataclass(frozen=True, slots=True)
+class Laggard:
+    """Nobody waits in ``group`` any more, yet ``rank`` never enqueued collective ``seq`` that
+    ``ahead`` ranks ran. After a process-group timeout Gloo marks the failed collective completed
+    on the ranks that waited, so a dump taken late looks like this. ``timed_out``: the ranks ahead
+    issued nothing for longer than the collective's timeout before their dump."""
+
+    group: str
+    seq: int
+    rank: int
+    ahead: tuple[int, ...]
+    timed_out: bool
+    idle_s: float | None
+    timeout_s: float | None
+
+
 @dataclass(slots=True)
 class MatchResult:
     groups: dict[str, GroupView]
@@ -142,6 +158,7 @@ class MatchResult:
     p2p: list[P2PUnmatched]
     world_size: int
     notes: list[str] = field(default_factory=list)
+    laggards: list[Laggard] = field(default_factory=list)
 
 
 # -------------------------------------------------------------------------------------- groups
@@ -308,6 +325,25 @@ def find_blockers(view: GroupView) -> tuple[list[Blocker], Stall | None]:
     return [], Stall(view.name, frontier, not_done, suspects)
 
 
+def find_laggards(view: GroupView, idle_s: Mapping[int, float]) -> list[Laggard]:
+    """Ranks behind the others in a group where nobody is pending (see :class:`Laggard`)."""
+    if any(view.pending(r) for r in view.dumped) or len(view.dumped) < 2:
+        return []
+    top = max(view.enqueued.get(r, 0) for r in view.dumped)
+    behind = [r for r in view.dumped if view.enqueued.get(r, 0) < top]
+    out = []
+    for rank in behind:
+        seq = view.enqueued.get(rank, 0) + 1
+        ahead = tuple(sorted(r for r in view.dumped if view.enqueued.get(r, 0) >= seq))
+        timeouts = [e.timeout_ms for r in ahead if (e := view.entry(r, seq)) is not None and e.timeout_ms]
+        timeout_s = min(timeouts) / 1000.0 if timeouts else None
+        idles = [idle_s[r] for r in ahead if r in idle_s]
+        idle = min(idles) if idles else None
+        timed_out = timeout_s is not None and idle is not None and len(idles) * 2 >= len(ahead) and idle >= timeout_s
+        out.append(Laggard(view.name, seq, rank, ahead, timed_out, idle, timeout_s))
+    return out
+
+
 def find_p2p_unmatched(view: GroupView) -> list[P2PUnmatched]:
     out = []
     members = sorted(view.members)
@@ -332,7 +368,9 @@ def find_p2p_unmatched(view: GroupView) -> list[P2PUnmatched]:
 def match(dumps: Mapping[int, RankDump], job: Mapping[str, Any] | None = None) -> MatchResult:
     groups, world = build_groups(dumps, job)
     result = MatchResult(groups=groups, mismatches=[], blockers=[], stalls=[], p2p=[], world_size=world)
+    idle_s = _idle_seconds(dumps)
     for view in groups.values():
+        result.laggards += find_laggards(view, idle_s)
         mm = find_mismatches(view)
         if mm is not None:
             result.mismatches.append(mm)
@@ -347,6 +385,16 @@ def match(dumps: Mapping[int, RankDump], job: Mapping[str, Any] | None = None) -
     return result
 
 
+def _idle_seconds(dumps: Mapping[int, RankDump]) -> dict[int, float]:
+    """Per rank: seconds between its newest entry and its dump (when the dump time is known)."""
+    out = {}
+    for rank, d in dumps.items():
+        newest = max((e.created_ns for e in d.entries if e.created_ns), default=None)
+        if newest and d.dump_time_ns:
+            out[rank] = max(0.0, (d.dump_time_ns - newest) / 1e9)
+    return out
+
+
 # ------------------------------------------------------------------------------------ roots
 
 
@@ -354,7 +402,7 @@ def match(dumps: Mapping[int, RankDump], job: Mapping[str, Any] | None = None) -
 class Root:
     """The fault the other stuck groups follow from."""
 
-    kind: str  # "host_stuck" | "skipped" | "circular" | "stall" | "dump_missing" | "mismatch" | "p2p"
+    kind: str  # host_stuck | skipped | circular | stall | dump_missing | mismatch | p2p | timed_out | behind
     ranks: tuple[int, ...]
     group: str
     seq: int
@@ -448,6 +496,25 @@ def find_roots(result: MatchResult) -> list[Root]:
         if st.suspects:
             why += f"; rank(s) {_fmt(st.suspects)} never even started it (their GPU is busy or hung)"
         roots.append(Root("stall", ranks, st.group, st.seq, why))
+    # Groups where nobody waits any more but a rank is behind: the others timed out (or the dumps
+    # were taken at slightly different moments of a running job: then it is only "behind").
+    lag_by_rank: dict[int, list[Laggard]] = defaultdict(list)
+    for lg in result.laggards:
+        if lg.group not in explained and not waits.get(lg.rank):
+            lag_by_rank[lg.rank].append(lg)
+    for rank, lags in sorted(lag_by_rank.items()):
+        lg = min(lags, key=lambda x: (_created_ahead(groups[x.group], x), _group_sort_key(x.group)))
+        others = tuple(sorted({x.group for x in lags} - {lg.group}))
+        if lg.timed_out:
+            why = (f"rank {rank} never enqueued collective #{lg.seq} of group {lg.group}; ranks {_fmt(lg.ahead)} "
+                   f"waited in it until the {lg.timeout_s:g} s process-group timeout and then stopped (the dump was "
+                   "taken after the timeout, so their side shows the collective as finished)")
+            roots.append(Root("timed_out", (rank,), lg.group, lg.seq, why, others))
+        else:
+            why = (f"rank {rank} has not enqueued collective #{lg.seq} of group {lg.group} that ranks "
+                   f"{_fmt(lg.ahead)} already ran; nobody is waiting, so this is most likely dump timing")
+            roots.append(Root("behind", (rank,), lg.group, lg.seq, why, others))
+        explained.update(x.group for x in lags)
     for p in result.p2p:
         if p.group in explained:
             continue
@@ -469,6 +536,11 @@ def _ahead_in(rank: int, groups: Mapping[str, GroupView], waits: Mapping[int, li
 
 def _created(view: GroupView, b: Blocker) -> int:
     times = [e.created_ns for r in b.waiting if (e := view.entry(r, b.seq)) is not None and e.created_ns]
+    return min(times) if times else 1 << 62
+
+
+def _created_ahead(view: GroupView, lg: Laggard) -> int:
+    times = [e.created_ns for r in lg.ahead if (e := view.entry(r, lg.seq)) is not None and e.created_ns]
     return min(times) if times else 1 << 62
 
 

@@ -221,6 +221,7 @@ def _root_findings(root: Root, result: MatchResult, dumps: Mapping[int, RankDump
         mm = next(m for m in result.mismatches if m.group == root.group and m.seq == root.seq)
         return _mismatch_findings(mm, view, dumps)
     waiting = [b.waiting for b in result.blockers if b.group == root.group and b.seq == root.seq]
+    waiting += [lg.ahead for lg in result.laggards if lg.group == root.group and lg.seq == root.seq]
     waiters = waiting[0] if waiting else ()
     info, call_site = _collective(view, root.seq, waiters or view.dumped)
     base = {**info, "why": root.why, "waiting_ranks": list(waiters), "consequences": list(root.consequences)}
@@ -237,6 +238,23 @@ def _root_findings(root: Root, result: MatchResult, dumps: Mapping[int, RankDump
             msg = (f"rank {rank} {verb} {_describe(info)}; rank(s) {format_ranks(waiters)} wait in it{also}")
             out.append(Finding("collective.missing_rank", Severity.CRITICAL, Entity.rank(rank), msg,
                                Action.CHECK_JOB, ev, SOURCE))
+    elif root.kind in ("timed_out", "behind"):
+        lg = next(x for x in result.laggards if x.group == root.group and x.seq == root.seq and x.rank in root.ranks)
+        d = dumps.get(lg.rank)
+        ev = {**base, "rank": lg.rank, "kind": root.kind, "ahead_ranks": list(lg.ahead), "host": d.host if d else None,
+              "last_seen": _last_seen(d), "idle_s": None if lg.idle_s is None else round(lg.idle_s, 1),
+              "timeout_s": lg.timeout_s}
+        ev.pop("waiting_ranks", None)
+        if root.kind == "timed_out":
+            msg = (f"rank {lg.rank} never reached {_describe(info)}; rank(s) {format_ranks(lg.ahead)} timed out "
+                   f"waiting for it (process-group timeout {lg.timeout_s:g} s)")
+            out.append(Finding("collective.missing_rank", Severity.CRITICAL, Entity.rank(lg.rank), msg,
+                               Action.CHECK_JOB, ev, SOURCE))
+        else:
+            msg = (f"rank {lg.rank} is behind in group {lg.group}: it has not enqueued {_describe(info)} that "
+                   f"rank(s) {format_ranks(lg.ahead)} ran; nobody waits, so this is likely dump timing")
+            out.append(Finding("collective.rank_behind", Severity.INFO, Entity.rank(lg.rank), msg,
+                               Action.MONITOR, ev, SOURCE))
     elif root.kind == "dump_missing":
         for rank in root.ranks:
             ev = {**base, "rank": rank}

@@ -118,6 +118,23 @@ def _rank_main(args: argparse.Namespace) -> int:
         if nccl:
             torch.cuda.synchronize()
 
+    try:
+        _train(args, dist, torch, rank, world, tp, me, grad, small, device, nccl, steps_file, compute, wait_comm)
+    except Exception as exc:  # a collective that timed out: keep the process alive to be dumped
+        (out / f"error_rank{rank}.txt").write_text(f"{type(exc).__name__}: {exc}")
+    steps_file.close()
+    (out / f"finished_rank{rank}").touch()
+    # Stay alive until the launcher asks for the dump, so a healthy job is dumped too.
+    dump_done.wait(timeout=args.pg_timeout + args.dump_wait)
+    try:
+        dist.destroy_process_group()
+    except Exception:  # a broken group cannot always be torn down; the dump is what matters
+        pass
+    return 0
+
+
+def _train(args, dist, torch, rank, world, tp, me, grad, small, device, nccl, steps_file, compute,  # type: ignore[no-untyped-def]
+           wait_comm) -> None:
     for step in range(args.steps):
         t0 = time.time()
         c0 = time.perf_counter()
@@ -149,12 +166,6 @@ def _rank_main(args: argparse.Namespace) -> int:
                "compute_s": c1 - c0, "comm_wait_s": c2 - c1}
         steps_file.write(json.dumps(rec) + "\n")
         steps_file.flush()
-    steps_file.close()
-    (out / f"finished_rank{rank}").touch()
-    # Stay alive until the launcher asks for the dump, so a healthy job is dumped too.
-    dump_done.wait(timeout=args.pg_timeout)
-    dist.destroy_process_group()
-    return 0
 
 
 # ------------------------------------------------------------------------------------- launcher side

@@ -258,3 +258,33 @@ def test_fuzz_triage_never_crashes(tmp_path: Path, ranks: dict, world: int | Non
         if f.entity.kind.value == "rank":
             assert isinstance(f.evidence["rank"], int)
     json.dumps(rep.to_dict(), default=str)
+
+
+def _late_dumps(tmp_path: Path, idle_s: float) -> None:
+    """Rank 2 never enqueued #6; the others show #6 finished (what a dump after a Gloo timeout
+    looks like) and issued nothing for ``idle_s`` before their dumps (dump time in the contents)."""
+    base = 1_700_000_000_000_000_000
+    for r in range(4):
+        es = [entry(s, backend="gloo", state="scheduled", retired=True, created_ns=base + s * 10**6)
+              for s in range(1, 6 if r == 2 else 7)]
+        for e in es:
+            e["timeout_ms"] = 30_000
+        newest = es[-1]["time_created_ns"]
+        write_json(tmp_path, f"rank{r}.json", dump(es, comm="", extra={"dump_time_ns": newest + int(idle_s * 1e9)}))
+
+
+def test_dump_taken_after_the_timeout_still_names_the_rank(tmp_path: Path) -> None:
+    _late_dumps(tmp_path, idle_s=45.0)
+    rep = triage(tmp_path)
+    assert rep.verdict == "hang"
+    assert _codes(rep) == [("collective.missing_rank", 2)]
+    ev = rep.findings[0].evidence
+    assert ev["kind"] == "timed_out" and ev["ahead_ranks"] == [0, 1, 3] and ev["timeout_s"] == 30.0
+    assert ev["idle_s"] >= 45.0
+
+
+def test_one_collective_of_dump_skew_in_a_running_job_is_not_a_hang(tmp_path: Path) -> None:
+    _late_dumps(tmp_path, idle_s=0.2)
+    rep = triage(tmp_path)
+    assert rep.verdict == "healthy"
+    assert [(f.code, f.severity.name) for f in rep.findings] == [("collective.rank_behind", "INFO")]
