@@ -24,6 +24,7 @@ that, a circular wait.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections import Counter, defaultdict
 from collections.abc import Iterable, Mapping, Sequence
@@ -466,6 +467,7 @@ def find_roots(result: MatchResult) -> list[Root]:
             ))
             explained.update(x.group for x in blocked_by[rank])
             explained.add(ahead[0])
+    _propagate(roots, explained, result.blockers, waits)
     # Groups held only by ranks that left no dump.
     missing_only: dict[str, list[Blocker]] = defaultdict(list)
     for b in result.blockers:
@@ -522,6 +524,36 @@ def find_roots(result: MatchResult) -> list[Root]:
                           f"rank {p.peer} waits in a {p.op} with rank {p.rank}, which has no matching "
                           f"{'recv' if p.op == 'send' else 'send'} pending"))
     return roots
+
+
+def _propagate(roots: list[Root], explained: set[str], blockers: Sequence[Blocker],
+               waits: Mapping[int, list[tuple[str, int]]]) -> None:
+    """A group whose every blocker is waiting in an already explained group is a consequence of
+    that group's root (e.g. the world group waits for the TP ranks stuck in a mismatched TP
+    collective): fold it into that root instead of calling it a circular wait."""
+    by_group: dict[str, list[Blocker]] = defaultdict(list)
+    for b in blockers:
+        by_group[b.group].append(b)
+    changed = True
+    while changed:
+        changed = False
+        for gname, bs in by_group.items():
+            if gname in explained or not all(b.dumped for b in bs):
+                continue
+            causes = set()
+            for b in bs:
+                inside = {g for g, _ in waits.get(b.rank, []) if g in explained}
+                if not inside:
+                    break
+                causes |= inside
+            else:
+                for i, root in enumerate(roots):
+                    if root.group in causes or set(root.consequences) & causes:
+                        roots[i] = dataclasses.replace(root, consequences=tuple(sorted({*root.consequences, gname},
+                                                                                       key=_group_sort_key)))
+                        break
+                explained.add(gname)
+                changed = True
 
 
 def _ahead_in(rank: int, groups: Mapping[str, GroupView], waits: Mapping[int, list[tuple[str, int]]]

@@ -288,3 +288,26 @@ def test_one_collective_of_dump_skew_in_a_running_job_is_not_a_hang(tmp_path: Pa
     rep = triage(tmp_path)
     assert rep.verdict == "healthy"
     assert [(f.code, f.severity.name) for f in rep.findings] == [("collective.rank_behind", "INFO")]
+
+
+def test_groups_stuck_behind_a_mismatched_subgroup_are_consequences_not_more_findings(tmp_path: Path) -> None:
+    # TP {2,3} is stuck in a mismatched all_reduce (rank 3 passes 2048 where the group always ran
+    # 1024); ranks 0,1 went on to the world all_reduce and wait there for ranks 2,3.
+    for r in range(4):
+        tp = "1" if r < 2 else "2"
+        es, rid = [], 0
+        for step in range(1, 5):
+            last = step == 4
+            size = [[2048]] if (r == 3 and last) else [[1024]]
+            es.append(entry(step, record_id=rid, group=tp, desc="tp", pg_id=1, sizes=size,
+                            state="started" if (last and r >= 2) else "completed"))
+            rid += 1
+            if last and r >= 2:
+                break
+            es.append(entry(step, record_id=rid, group="0", pg_id=0, state="started" if last else "completed"))
+            rid += 1
+        write_json(tmp_path, f"rank{r}.json", dump(es))
+    rep = triage(tmp_path)
+    assert rep.verdict == "mismatch"
+    assert _codes(rep) == [("collective.size_mismatch", 3)]
+    assert rep.findings[0].evidence["decided_by"] == "history"
