@@ -55,4 +55,4 @@ def _render(jobs: list[dict[str, Any]]) -> None:
         for c in j.get("straggler_culprits") or []:
             console.print(f"[yellow]{j['job_id']}: straggler {c['line']}[/yellow]")
         for v in (j.get("verdicts") or [])[:3]:
-            console.print(f"{j['job_id']}: {v['kind']}: {v.get('summary', '')}")
+            console.print(f"{j['job_id']}: {v.get('summary') or v['kind']}")
