@@ -15,6 +15,7 @@ import itertools
 import json
 import logging
 import secrets
+import shutil
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -398,10 +399,25 @@ class Coordinator:
                 self.tick()
                 if self.clock() - last_prune > 3600:
                     last_prune = self.clock()
-                    self.store.prune(last_prune, keep_days=self.settings.retention_days,
-                                     keep_steps_hours=self.settings.step_retention_hours)
+                    self.prune(last_prune)
             except Exception:  # the tick must survive anything a job's data does to it
                 log.exception("detection tick failed")
+
+    def prune(self, now: float) -> int:
+        """Retention: old rows, and evidence folders (dumps, stacks) older than ``retention_days``.
+        Returns evidence folders removed."""
+        self.flush_group()
+        self.store.prune(now, keep_days=self.settings.retention_days,
+                         keep_steps_hours=self.settings.step_retention_hours)
+        cutoff = now - self.settings.retention_days * 86_400.0
+        removed = 0
+        root = Path(self.settings.evidence_dir)
+        for folder in root.glob("*/*") if root.is_dir() else ():
+            with contextlib.suppress(OSError):
+                if folder.is_dir() and not folder.is_symlink() and folder.stat().st_mtime < cutoff:
+                    shutil.rmtree(folder)
+                    removed += 1
+        return removed
 
     def tick(self) -> None:
         mono = self.mono()

@@ -56,3 +56,19 @@ def test_finished_jobs_leave_memory_but_not_the_store(tmp_path: Path) -> None:
     coord.tick()
     assert "j" not in coord.jobs.jobs
     assert coord.store.step_record_count("j") == 2
+
+
+def test_retention_removes_old_evidence_folders(tmp_path: Path) -> None:
+    import os
+
+    ev = tmp_path / "ev"
+    old, new = ev / "job-a" / "1-hang", ev / "job-b" / "2-hang"
+    for d in (old, new):
+        (d / "fr").mkdir(parents=True)
+        (d / "fr" / "rank_0.json").write_text("{}")
+    os.utime(old, (0, 0))
+    coord = Coordinator(Store(tmp_path / "c.db"), Settings(evidence_dir=str(ev), retention_days=1),
+                        clock=lambda: 10 * 86_400.0)
+    os.utime(new, (10 * 86_400.0, 10 * 86_400.0))
+    assert coord.prune(10 * 86_400.0) == 1
+    assert not old.exists() and new.exists()
