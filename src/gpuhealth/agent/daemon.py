@@ -92,6 +92,7 @@ class Agent:
 
             extensions = default_extensions(config)
         self.extensions: list[AgentExtension] = list(extensions)
+        self._started_extensions: list[AgentExtension] = []
         self._serve_http = serve_http
         self.http: Any = None
         self._listeners: list[FindingsListener] = []
@@ -179,6 +180,7 @@ class Agent:
         for ext in self.extensions:
             try:
                 ext.start(self)
+                self._started_extensions.append(ext)
                 log.info("extension %s started", getattr(ext, "name", type(ext).__name__))
             except Exception:
                 log.exception("extension %s failed to start; the agent runs without it",
@@ -190,7 +192,7 @@ class Agent:
         self._stopping = True  # from here on, NVML errors are ours (shutdown), not the driver's
         self.notifier.stopping()
         log.info("stopping")
-        for ext in reversed(self.extensions):
+        for ext in reversed(self._started_extensions):
             try:
                 ext.stop()
             except Exception:

@@ -189,7 +189,7 @@ def test_extensions_see_the_seam_and_are_started_and_stopped(clock: Any) -> None
             raise RuntimeError("no")
 
         def stop(self) -> None:
-            raise RuntimeError("no")
+            seen["broken_stopped"] = True  # never started, so never stopped
 
     agent = Agent(fast_config(), _scenario_backend(clock, []), collectors=[RaisingCollector()],
                   extensions=[Broken(), Ext()], notifier=QUIET, serve_http=False)
@@ -205,6 +205,7 @@ def test_extensions_see_the_seam_and_are_started_and_stopped(clock: Any) -> None
     finally:
         agent.stop()
     assert seen["stopped"]
+    assert "broken_stopped" not in seen
 
 
 def test_reload_applies_new_intervals_and_disabled_collectors(agents: list[Agent], clock: Any) -> None:
