@@ -54,6 +54,8 @@ def gpu_findings(node: NodeView, gpu_uuid: str | None) -> list[Finding]:
 def culprit_line(rank: int, node: str, gpu_index: int | None, findings: Sequence[Finding]) -> str:
     """"rank 3, node n2 GPU 1: HW slowdown active" — what an on-call engineer reads first."""
     where = f"rank {rank}, node {node}" + (f" GPU {gpu_index}" if gpu_index is not None else "")
+    if gpu_index is None and not findings:
+        return f"{where}: no GPU known for this rank"
     if not findings:
         return f"{where}: no health findings on this GPU"
     worst = sorted(findings, key=lambda f: (-int(f.severity), f.code))

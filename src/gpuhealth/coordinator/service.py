@@ -463,6 +463,8 @@ class Coordinator:
         if ident.gpu_uuid is None and gpu_index is None and ident.local_rank is not None:
             gpu_index, inferred = ident.local_rank, True  # the launcher convention: cuda:local_rank
         gpu = view.gpu(uuid=ident.gpu_uuid) if ident.gpu_uuid else view.gpu(index=gpu_index)
+        if inferred and gpu is None:  # the node has no such GPU (a CPU job): name none rather than a wrong one
+            gpu_index, inferred = None, False
         uuid = ident.gpu_uuid or (gpu or {}).get("uuid")
         if gpu is not None and gpu_index is None:
             gpu_index = gpu.get("index")
