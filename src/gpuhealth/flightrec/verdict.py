@@ -113,8 +113,9 @@ def _triage(
     findings += straggler_findings
 
     world = result.world_size or (max((s.rank for s in steps or ()), default=-1) + 1)
-    seen = sorted(dumps)
-    missing = sorted(set(range(world)) - set(seen)) if dumps else []
+    # Without dumps, the ranks are those that sent step records.
+    seen = sorted(dumps) if dumps else sorted({s.rank for s in steps or ()})
+    missing = sorted(set(range(world)) - set(seen)) if seen else []
     verdict = _verdict(findings, dumps, missing, bool(steps))
     report = TriageReport(
         verdict=verdict, summary="", findings=findings, ranks_seen=seen, ranks_missing=missing,
