@@ -69,3 +69,11 @@ def test_live_mode_reports_an_unreachable_coordinator_cleanly() -> None:
     code, _, err = _run("--job", "j1", "--coordinator", "127.0.0.1:1")
     assert code == 3
     assert err.startswith("gpuhealth triage: ") and "Traceback" not in err
+
+
+def test_steps_only() -> None:
+    code, out, _ = _run("--steps", str(NCCL / "straggler" / "steps_rank0.jsonl"),
+                        "--steps", str(NCCL / "straggler" / "steps_rank1.jsonl"))
+    assert code == 1 and "rank 1 is a straggler" in out and "since step 10" in out
+    code, out, _ = _run("--steps", str(NCCL / "healthy"))
+    assert code == 0 and out.startswith("HEALTHY: 2 rank(s)")
