@@ -298,6 +298,12 @@ def run_scale(args: argparse.Namespace, world: int) -> dict[str, Any]:
     # Best of N: the machine is shared; the minimum is the least disturbed run.
     row["ours"] = min(runs, key=lambda m: m["wall_s"] if m["wall_s"] is not None else float("inf"))
     row["ours"]["all_wall_s"] = [m["wall_s"] for m in runs]
+    if args.with_full:
+        # Ours reading every entry of every dump (what a silent old mismatch would need).
+        full = run_measured([*_ours_cmd(folder), "--tail", "100000000"], ours_log, args.timeout)
+        full["verdict"] = _check_ours(ours_log, culprit, args.fault)
+        full.pop("output_tail", None)
+        row["ours_full"] = full
     if with_theirs:
         theirs_log = folder / "theirs.txt"
         row["torchfrtrace"] = run_measured(_theirs_cmd(folder), theirs_log, args.timeout, args.mem_limit_gib)
@@ -332,6 +338,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--keep", action="store_true")
     p.add_argument("--repeat", type=int, default=3, help="runs of ours per scale (best is reported, all are kept)")
     p.add_argument("--reuse", action="store_true", help="reuse dumps left by --keep instead of generating")
+    p.add_argument("--with-full", action="store_true", help="also time ours reading every entry (no tail window)")
     p.add_argument("--out", default=None, help="also write the rows as JSON here")
     args = p.parse_args(argv)
     meta = {"date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"), "host": platform.node(),
@@ -360,6 +367,10 @@ def main(argv: list[str] | None = None) -> int:
             theirs += f" rc={t['rc']}"
         print(f"| {r['ranks']} × {r['entries']} | {r['fault']} | {r['json_bytes'] / 2**30:.2f} GiB | "
               f"{o['wall_s']} s / {_peak(o)} MiB / {o['verdict']} | {theirs} |")
+        if "ours_full" in r:
+            f = r["ours_full"]
+            print(f"| {r['ranks']} × {r['entries']} (ours reading every entry) | {r['fault']} | | "
+                  f"{f['wall_s']} s / {_peak(f)} MiB / {f['verdict']} | |")
     if args.out:
         Path(args.out).write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
     return 0
