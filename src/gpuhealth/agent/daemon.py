@@ -54,6 +54,7 @@ REINIT_BACKOFF_MIN_S = 1.0
 REINIT_BACKOFF_MAX_S = 60.0
 LOST_GPU_REINIT_S = 30.0  # first re-init of NVML after a GPU answers GPU_IS_LOST; doubles while it stays lost
 LOST_GPU_REINIT_MAX_S = 600.0
+IDLE_TICK_S = 5.0  # longest the scheduler loop sleeps (wakeups cost CPU; jobs wake it when due)
 EVENT_WAIT_DRAIN_S = 0.6  # > the XID pump's 500 ms wait_xid_events timeout
 _ENUMERATE, _REINIT, _LABELS = "_enumerate", "_nvml_reinit", "_gpu_labels"
 
@@ -86,7 +87,10 @@ class Agent:
                       version=__version__, nvml_up=False),
             history_len=config.collectors.history_len,
         )
-        self.scheduler = Scheduler(on_hung=self._on_hung, on_tick=self._on_tick)
+        watchdog = self.notifier.watchdog_interval_s
+        # the loop must come round often enough to ping systemd's watchdog on time
+        self.scheduler = Scheduler(on_hung=self._on_hung, on_tick=self._on_tick,
+                                   tick_s=min(IDLE_TICK_S, watchdog / 2) if watchdog else IDLE_TICK_S)
         if extensions is None:
             from gpuhealth.agent.extensions import default_extensions
 
@@ -108,11 +112,12 @@ class Agent:
         self._ready_sent = False
         self._last_watchdog = 0.0
         self._last_status = ""
-        self._last_tick_snapshot: ExportSnapshot | None = None
+        self._notify_lock = threading.Lock()
         self._loop: threading.Thread | None = None
         self._stop = threading.Event()
         self._stopping = False
         self._reload_requested = threading.Event()
+        self._main_wake = threading.Event()
         self.cache.add_listener(self._on_snapshot)
 
     # ================================================================== extension seam
@@ -189,8 +194,9 @@ class Agent:
         self._loop.start()
 
     def stop(self) -> None:
-        self._stopping = True  # from here on, NVML errors are ours (shutdown), not the driver's
-        self.notifier.stopping()
+        with self._notify_lock:
+            self._stopping = True  # from here on, NVML errors are ours (shutdown), not the driver's
+            self.notifier.stopping()
         log.info("stopping")
         for ext in reversed(self._started_extensions):
             try:
@@ -218,15 +224,21 @@ class Agent:
         def on_stop(signum: int, _frame: FrameType | None) -> None:
             log.info("received %s", signal.Signals(signum).name)
             self._stop.set()
+            self._main_wake.set()
 
         def on_hup(_signum: int, _frame: FrameType | None) -> None:
             self._reload_requested.set()
+            self._main_wake.set()
 
         signal.signal(signal.SIGTERM, on_stop)
         signal.signal(signal.SIGINT, on_stop)
         signal.signal(signal.SIGHUP, on_hup)
         self.start()
-        while not self._stop.wait(0.5):
+        while not self._stop.is_set():
+            self._main_wake.wait(60.0)  # the signal handlers wake it; no polling
+            self._main_wake.clear()
+            if self._stop.is_set():
+                break
             if self._reload_requested.is_set():
                 self._reload_requested.clear()
                 if reload_config is not None:
@@ -241,6 +253,7 @@ class Agent:
 
     def request_stop(self) -> None:
         self._stop.set()
+        self._main_wake.set()
 
     def reload(self, config: Config) -> None:
         """Apply a new config: intervals, timeouts, enabled collectors, labels, log level, compat."""
@@ -513,6 +526,8 @@ class Agent:
 
     # ================================================================== notifications
     def _on_snapshot(self, snap: ExportSnapshot) -> None:
+        """After every change (on the writer's thread): findings listeners and systemd status."""
+        self._tell_systemd(snap)
         findings = snap.findings
         if findings == self._last_findings:
             return
@@ -523,11 +538,11 @@ class Agent:
             except Exception:
                 log.exception("findings listener failed")
 
-    def _on_tick(self) -> None:
-        snap = self.cache.snapshot()
-        if snap is not self._last_tick_snapshot:  # the status line changes only with the snapshot
-            self._last_tick_snapshot = snap
-            status = self._status_line()
+    def _tell_systemd(self, snap: ExportSnapshot) -> None:
+        with self._notify_lock:
+            if self._stopping:  # STOPPING=1 is the last word
+                return
+            status = self._status_line(snap)
             # READY=1 once the agent has something true to say: the first sweep is done, or NVML
             # could not be initialised (then it serves nvml.unavailable; a unit that never became
             # ready would be killed and restarted in a loop by systemd, and report nothing).
@@ -540,15 +555,18 @@ class Agent:
             elif status != self._last_status and self._ready_sent:
                 self._last_status = status
                 self.notifier.status(status)
+
+    def _on_tick(self) -> None:
+        """The scheduler loop's heartbeat: proves to systemd that the loop still comes round."""
         interval = self.notifier.watchdog_interval_s
-        if interval is not None:
+        if interval is not None and not self._stopping:
             now = time.monotonic()
             if now - self._last_watchdog >= interval:
                 self._last_watchdog = now
                 self.notifier.watchdog()
 
-    def _status_line(self) -> str:
-        snap = self.cache.snapshot()
+    def _status_line(self, snap: ExportSnapshot | None = None) -> str:
+        snap = snap or self.cache.snapshot()
         sim = "SIMULATED, " if snap.simulated else ""
         if not snap.nvml_up:
             return f"{sim}NVML unavailable"

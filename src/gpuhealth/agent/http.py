@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
+import socket
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import TYPE_CHECKING, Any
@@ -46,8 +47,6 @@ class _Server(ThreadingHTTPServer):
 
     def __init__(self, addr: tuple[str, int], handler: type[BaseHTTPRequestHandler], owner: AgentHttpServer) -> None:
         if ":" in addr[0]:
-            import socket
-
             self.address_family = socket.AF_INET6
         super().__init__(addr, handler)
         self.owner = owner
@@ -131,12 +130,24 @@ class AgentHttpServer:
         self.metrics.dcgm_compat = enabled
 
     def start(self) -> None:
-        self._thread = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.5},
+        # poll_interval only bounds how long stop() waits; each wakeup costs CPU on an idle node
+        self._thread = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 2.0},
                                         name="gpuhealth-http", daemon=True)
         self._thread.start()
 
     def stop(self) -> None:
-        self._server.shutdown()
+        # shutdown() waits for serve_forever to notice, which takes up to poll_interval; a
+        # connection to ourselves wakes its select() at once.
+        stopper = threading.Thread(target=self._server.shutdown, daemon=True)
+        stopper.start()
+        host, port = self.address
+        wake_host = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(host, host)
+        while stopper.is_alive():
+            try:
+                socket.create_connection((wake_host, port), timeout=0.2).close()
+            except OSError:
+                pass
+            stopper.join(0.05)
         self._server.server_close()
         if self._thread is not None:
             self._thread.join(timeout=2.0)

@@ -72,7 +72,7 @@ class Scheduler:
         self,
         *,
         clock: Callable[[], float] = time.monotonic,
-        tick_s: float = 0.25,
+        tick_s: float = 1.0,
         on_hung: Callable[[Job, float], None] | None = None,
         on_tick: Callable[[], None] | None = None,
         hang_grace_s: float = 1.0,
@@ -138,9 +138,12 @@ class Scheduler:
         return self._stop.is_set()
 
     def run_forever(self) -> None:
+        """Sleep until the next job is due or a running one would pass its deadline (at most
+        ``tick_s``, so ``on_tick`` runs at least that often); a finished job or ``run_soon`` wakes
+        the loop early. An idle agent wakes about once a second, not in a polling loop."""
         while not self._stop.is_set():
             self.tick()
-            self._wake.wait(self._tick_s)
+            self._wake.wait(self._sleep_for())
             self._wake.clear()
         for q in self._queues.values():
             q.put(None)
@@ -172,6 +175,20 @@ class Scheduler:
                 self._on_hung(job, elapsed)
         if self._on_tick is not None:
             self._on_tick()
+
+    def _sleep_for(self) -> float:
+        now = self._clock()
+        soonest = now + self._tick_s
+        with self._lock:
+            for job in self._jobs.values():
+                if job.queued:
+                    if job.running_since is not None and not job.hung:
+                        soonest = min(soonest, job.running_since + job.timeout_s + self._hang_grace_s)
+                    if job.next_due > now:  # past due: its finish wakes the loop
+                        soonest = min(soonest, job.next_due)
+                elif job.enabled():  # a held-back job is woken by run_soon, not polled
+                    soonest = min(soonest, job.next_due)
+        return min(self._tick_s, max(0.005, soonest - now))
 
     # ------------------------------------------------------------------ internals (lock held)
     def _queue(self, pool: str) -> queue.SimpleQueue[Job | None]:
@@ -207,4 +224,6 @@ class Scheduler:
             target.queued = False
             target.running_since = None
             target.hung = False
-        self._wake.set()
+            overran = self._clock() >= target.next_due
+        if overran:  # due again already: dispatch now (else the loop wakes at its due time anyway)
+            self._wake.set()
