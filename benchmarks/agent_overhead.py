@@ -165,6 +165,28 @@ def measure_render(repeat: int = 200) -> list[dict[str, Any]]:
     return rows
 
 
+def wakeup_cost_us(seconds: float = 5.0, period: float = 0.01) -> float:
+    """CPU cost of one idle thread wake-up on this host (context for the process figure: every
+    thread that waits with a timeout pays it; on small VMs it can be a millisecond)."""
+    import threading
+
+    done = threading.Event()
+    box: dict[str, float] = {}
+
+    def loop() -> None:
+        t0, n = time.thread_time(), 0
+        while not done.wait(period):
+            n += 1
+        box["cost"] = (time.thread_time() - t0) / max(n, 1) * 1e6
+
+    t = threading.Thread(target=loop)
+    t.start()
+    time.sleep(seconds)
+    done.set()
+    t.join()
+    return round(box["cost"], 1)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seconds", type=float, default=120.0, help="measurement window per run (default 120)")
@@ -174,7 +196,7 @@ def main() -> None:
     args = ap.parse_args()
     env = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "python": platform.python_version(),
            "cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
-           "load_avg_1m": round(os.getloadavg()[0], 2)}
+           "load_avg_1m": round(os.getloadavg()[0], 2), "thread_wakeup_cpu_us": wakeup_cost_us()}
     render = measure_render()
     process = [] if args.skip_process else [measure_process(args.seconds, args.warmup, dcgm_compat=False)]
     if args.json:
