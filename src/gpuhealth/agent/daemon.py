@@ -16,6 +16,9 @@ extension's ``start(agent)`` gets this object and may use only:
   labels (``pod``, ``namespace``, ``container``, ``slurm_job_id``) to every GPU series, as
   dcgm-exporter does. It is called from the agent's own thread every fast interval, never from a
   scrape, so a slow provider delays only itself.
+- ``agent.publish_findings(source, findings, interval_s=…)``: findings produced outside the
+  scheduler (periodic diagnostics) join the node's findings, ``/health`` and ``/metrics`` as if
+  ``source`` were a collector; each call replaces that source's previous findings.
 
 Everything else here is internal. The agent never imports torch and never exits the process.
 """
@@ -149,6 +152,14 @@ class Agent:
         except Exception:
             log.debug("versions unavailable", exc_info=True)
             return {}
+
+    def publish_findings(self, source: str, findings: Sequence[Finding], *, interval_s: float,
+                         ok: bool = True, error: str = "") -> None:
+        """Findings from outside the scheduler (e.g. periodic SDC checks) under collector name ``source``.
+        Registered on first use, so an extension that never publishes never holds ``/ready`` back."""
+        self.cache.register(source, "external", interval_s)
+        self.cache.record(RunOutcome(collector=source, finished_at=time.time(), duration_s=0.0, ok=ok,
+                                     findings=tuple(findings), error=error))
 
     def add_findings_listener(self, callback: FindingsListener) -> None:
         self._listeners.append(callback)

@@ -3,6 +3,8 @@
 - ``agent.socket_path`` set (the default): a ``RankHub`` listens for instrumented training ranks.
 - ``agent.coordinator`` set: a ``CoordinatorLink`` streams findings and step records to the
   coordinator and serves its requests through the rank hub (needs ``gpuhealth[coordinator]``).
+- ``diag.enabled``: periodic SDC and bandwidth checks in a child process under the per-GPU
+  GPU-time budget; their findings are published into the agent's findings and ``/metrics``.
 
 An extension that fails to start is logged by the agent, which keeps running without it.
 """
@@ -10,11 +12,12 @@ An extension that fails to start is logged by the agent, which keeps running wit
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     from gpuhealth.agent.ranks import RankHub
     from gpuhealth.config import Config
+    from gpuhealth.model import Finding
 
 log = logging.getLogger("gpuhealth.agent")
 
@@ -58,6 +61,31 @@ class _RankHubGuard:
         return getattr(self.hub, item)
 
 
+class _PeriodicDiagnostics:
+    """Runs ``gpuhealth.diag.periodic`` and publishes each cycle's findings through the agent."""
+
+    name = "diagnostics"
+
+    def __init__(self, interval_s: float) -> None:
+        self.interval_s = interval_s
+        self.periodic: Any = None
+
+    def start(self, agent: object) -> None:
+        from gpuhealth.diag.periodic import PeriodicDiagnostics  # torch-free: the checks run in a child
+
+        publish = agent.publish_findings  # type: ignore[attr-defined]
+
+        def on_findings(findings: list[Finding]) -> None:
+            publish(self.name, findings, interval_s=self.interval_s)
+
+        self.periodic = PeriodicDiagnostics(on_findings=on_findings)
+        self.periodic.start(agent)
+
+    def stop(self) -> None:
+        if self.periodic is not None:
+            self.periodic.stop()
+
+
 def default_extensions(config: Config) -> list[AgentExtension]:
     """Extensions the config asks for, rank hub first (the coordinator link uses it)."""
     extensions: list[AgentExtension] = []
@@ -77,4 +105,6 @@ def default_extensions(config: Config) -> list[AgentExtension]:
             link = link_from_config(config, rank_hub=hub)
             if link is not None:
                 extensions.append(link)
+    if config.diag.enabled:
+        extensions.append(_PeriodicDiagnostics(config.diag.interval_s))
     return extensions

@@ -1,0 +1,63 @@
+"""Which extensions a config starts, and findings published from outside the scheduler."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from agent_testing import TempCollector, fast_config, wait_for
+
+from gpuhealth.agent.daemon import Agent
+from gpuhealth.agent.extensions import default_extensions
+from gpuhealth.agent.sdnotify import SystemdNotifier
+from gpuhealth.backends.nvml_fake import FakeNvml
+from gpuhealth.model import Action, Entity, Finding, Health, Severity
+
+
+def test_default_extensions_follow_the_config(tmp_path: Any) -> None:
+    cfg = fast_config()
+    cfg.agent.socket_path = ""
+    assert default_extensions(cfg) == []
+    cfg.agent.socket_path = str(tmp_path / "agent.sock")
+    cfg.agent.coordinator = "127.0.0.1:1"
+    cfg.agent.state_dir = str(tmp_path / "state")
+    cfg.diag.enabled = True
+    assert [e.name for e in default_extensions(cfg)] == ["ranks", "coordinator_link", "diagnostics"]
+
+
+def test_published_diagnostic_findings_join_health_and_metrics(tmp_path: Any) -> None:
+    backend = FakeNvml.bundled()
+    cfg = fast_config()
+    cfg.agent.socket_path = ""
+
+    class Publisher:
+        """Stands in for periodic diagnostics: publishes one SDC mismatch after the first sweep."""
+
+        name = "diagnostics"
+
+        def start(self, agent: Any) -> None:
+            self.agent = agent
+
+        def stop(self) -> None:
+            pass
+
+    pub = Publisher()
+    agent = Agent(cfg, backend, collectors=[TempCollector()], extensions=[pub],
+                  notifier=SystemdNotifier(env={}), serve_http=False)
+    agent.start()
+    try:
+        wait_for(lambda: agent.ready, what="first sweep")
+        uuid = agent.gpus[1].uuid
+        mismatch = Finding("sdc.mismatch", Severity.CRITICAL, Entity.gpu(uuid, 1),
+                           "GPU 1: bf16 8192x8192 digest differs from the golden and from 1 peer", Action.DRAIN,
+                           {"datapath": "bf16", "shape": [8192, 8192, 8192]}, source="diagnostics")
+        pub.agent.publish_findings("diagnostics", [mismatch], interval_s=3600)
+        report = agent.node_report()
+        gpu1 = next(g for g in report["gpus"] if g["index"] == 1)
+        assert gpu1["health"] == str(Health.UNHEALTHY)
+        assert [f["code"] for f in gpu1["findings"]] == ["sdc.mismatch"]
+        # a later cycle with a clean result replaces the earlier findings
+        pub.agent.publish_findings("diagnostics", [], interval_s=3600)
+        assert all(g["health"] == "healthy" for g in agent.node_report()["gpus"])
+        assert agent.ready
+    finally:
+        agent.stop()
