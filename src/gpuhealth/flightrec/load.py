@@ -30,6 +30,7 @@ import gc
 import json
 import os
 import re
+import sys
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -320,7 +321,9 @@ def _load_file(path: Path, *, tail_entries: int | None, max_file_bytes: int, pro
         raise DumpError(f"not a flight-recorder dump (starts with {head[:8]!r}; expected JSON or a pickle)")
     raw: dict[str, Any] | None = None
     tail_info: tuple[dict[str, Any], list[Any], bool] | None = None
-    if fmt == "json" and tail_entries is not None and size > 64 * 1024:
+    # A tail window that covers the whole file anyway (~200 bytes an entry at least) is read whole:
+    # one json.loads is faster than decoding entry by entry from the end.
+    if fmt == "json" and tail_entries is not None and size > 64 * 1024 and tail_entries * 200 < size:
         tail_info = _read_json_tail(path, size, tail_entries, hint)
     if tail_info is None:
         if size > max_file_bytes:
@@ -629,7 +632,7 @@ def _sizes(v: Any) -> tuple[tuple[int, ...], ...]:
     try:  # the common case: a list of lists of ints
         fast = tuple(tuple(shape) for shape in v)
         if all(type(x) is int for shape in fast for x in shape):
-            return fast
+            return _shared(fast)
     except TypeError:
         pass
     out = []
@@ -644,14 +647,91 @@ def _sizes(v: Any) -> tuple[tuple[int, ...], ...]:
 def _strs(v: Any) -> tuple[str, ...]:
     if not isinstance(v, list | tuple):
         return ()
-    return tuple(str(x) for x in v)
+    return _shared(tuple(sys.intern(str(x)) for x in v))
+
+
+# Millions of entries repeat a handful of shapes, dtypes and names: share one object for each
+# (a third of the memory of a whole-history load). Bounded so hostile input cannot grow it.
+_SHARED: dict[Any, Any] = {}
+_SHARED_MAX = 65536
+
+
+def _shared(value: Any) -> Any:
+    got = _SHARED.get(value)
+    if got is not None:
+        return got
+    if len(_SHARED) < _SHARED_MAX:
+        _SHARED[value] = value
+    return value
+
+
+def _name(v: Any) -> str:
+    return sys.intern(str(v)) if v is not None else ""
 
 
 def _entry(item: Any) -> Entry | None:
+    """Normalize one raw entry; None when it is not an entry at all."""
+    if type(item) is dict:
+        try:
+            fast = _entry_fast(item)
+        except (KeyError, TypeError, ValueError, AttributeError, IndexError):
+            fast = None
+        if fast is not None:
+            return fast
+    return _entry_slow(item)
+
+
+# (profiling_name, group name, group desc) -> (backend, op, p2p_src, p2p_dst, group, desc)
+_NAMES: dict[tuple[str, str, str], tuple[str, str, int | None, int | None, str, str]] = {}
+
+
+def _entry_fast(item: dict[str, Any]) -> Entry | None:
+    """The common case — an entry exactly as torch writes it — without per-field fallbacks.
+    Returns None (or raises) on anything unusual; :func:`_entry_slow` then handles it."""
+    seq, rid, pg_id = item["collective_seq_id"], item["record_id"], item["pg_id"]
+    if type(seq) is not int or type(rid) is not int or type(pg_id) is not int:
+        return None
+    pg = item["process_group"]
+    key = (item["profiling_name"], pg[0], pg[1])
+    names = _NAMES.get(key)
+    if names is None:
+        if not all(type(k) is str for k in key):
+            return None
+        slow = _entry_slow(item)
+        if slow is None:
+            return None
+        names = (slow.backend, slow.op, slow.p2p_src, slow.p2p_dst, slow.group, slow.group_desc)
+        if len(_NAMES) < _SHARED_MAX:
+            _NAMES[key] = names
+    backend, op, p2p_src, p2p_dst, group, desc = names
+    state = item["state"]
+    created, started, completed = (item["time_created_ns"], item["time_discovered_started_ns"],
+                                   item["time_discovered_completed_ns"])
+    dur = item.get("duration_ms")
+    if not (type(state) is str and type(created) is int and (started is None or type(started) is int)
+            and (completed is None or type(completed) is int) and (dur is None or type(dur) in (int, float))
+            and "frames" not in item):
+        return None
+    timeout = item.get("timeout_ms")
+    return Entry(
+        record_id=rid, pg_id=pg_id, group=group, group_desc=desc, seq=seq,
+        p2p_seq=_as_int(item.get("p2p_seq_id"), 0) or 0, op_id=_as_int(item.get("op_id"), 0) or 0, op=op,
+        backend=backend, in_sizes=_sizes(item["input_sizes"]), in_dtypes=_strs(item["input_dtypes"]),
+        out_sizes=_sizes(item["output_sizes"]), out_dtypes=_strs(item["output_dtypes"]),
+        state=sys.intern(state or "scheduled"), retired=bool(item.get("retired", False)),
+        is_p2p=bool(item.get("is_p2p", False)), created_ns=created or None, started_ns=started or None,
+        completed_ns=completed or None, duration_ms=None if dur is None else float(dur),
+        timeout_ms=timeout if type(timeout) is int else _as_int(timeout), frames=(), p2p_src=p2p_src,
+        p2p_dst=p2p_dst,
+    )
+
+
+def _entry_slow(item: Any) -> Entry | None:
     if not isinstance(item, dict):
         return None
     pname = str(item.get("profiling_name") or "")
     backend, _, op = pname.partition(":")
+    backend = sys.intern(backend)
     if not op:
         backend, op = "", pname
     p2p_src = p2p_dst = None
@@ -666,7 +746,7 @@ def _entry(item: Any) -> Entry | None:
     pg = item.get("process_group")
     pg_id = _as_int(item.get("pg_id"), -1)
     if isinstance(pg, list | tuple) and pg:
-        group, desc = str(pg[0]), str(pg[1]) if len(pg) > 1 else ""
+        group, desc = _name(pg[0]), _name(pg[1]) if len(pg) > 1 else ""
     elif isinstance(pg, dict):
         group, desc = str(pg.get("name", pg_id)), str(pg.get("desc", ""))
     else:
@@ -689,10 +769,11 @@ def _entry(item: Any) -> Entry | None:
         )
     return Entry(
         record_id=record_id, pg_id=pg_id if pg_id is not None else -1, group=group, group_desc=desc, seq=seq,
-        p2p_seq=_as_int(item.get("p2p_seq_id"), 0) or 0, op_id=_as_int(item.get("op_id"), 0) or 0, op=op,
+        p2p_seq=_as_int(item.get("p2p_seq_id"), 0) or 0, op_id=_as_int(item.get("op_id"), 0) or 0,
+        op=sys.intern(op),
         backend=backend, in_sizes=_sizes(item.get("input_sizes")), in_dtypes=_strs(item.get("input_dtypes")),
         out_sizes=_sizes(item.get("output_sizes")), out_dtypes=_strs(item.get("output_dtypes")),
-        state=str(item.get("state") or "scheduled"), retired=bool(item.get("retired", False)),
+        state=sys.intern(str(item.get("state") or "scheduled")), retired=bool(item.get("retired", False)),
         is_p2p=bool(item.get("is_p2p", False)), created_ns=_time(item.get("time_created_ns")),
         started_ns=_time(item.get("time_discovered_started_ns")),
         completed_ns=_time(item.get("time_discovered_completed_ns")), duration_ms=duration,

@@ -244,3 +244,16 @@ def test_parallel_loading_gives_the_same_result(tmp_path: Path) -> None:
     assert one.ranks == two.ranks == list(range(6))
     assert [p.message for p in one.problems] == [p.message for p in two.problems]
     assert all([e.seq for e in one.dumps[r].entries] == [e.seq for e in two.dumps[r].entries] for r in range(6))
+
+
+def test_fast_and_careful_entry_readers_agree_on_real_dumps() -> None:
+    from gpuhealth.flightrec.load import _entry_fast, _entry_slow
+
+    n = 0
+    for path in sorted(FIXTURES.rglob("rank*.json")):
+        for item in json.loads(path.read_text()).get("entries", []):
+            fast = _entry_fast(item)
+            assert fast is not None, item
+            assert fast == _entry_slow(item)
+            n += 1
+    assert n > 400
