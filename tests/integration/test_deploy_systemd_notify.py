@@ -176,7 +176,7 @@ def test_coordinator_unit_type_matches_the_coordinator(workdir: Path) -> None:
     }}))
     notify = NotifySocket(workdir / "notify.sock")
     env = {**{k: v for k, v in os.environ.items() if not k.startswith(("GPUHEALTH_", "NOTIFY_", "WATCHDOG_"))},
-           "NOTIFY_SOCKET": str(notify.path)}
+           "NOTIFY_SOCKET": str(notify.path), "WATCHDOG_USEC": "1000000"}
     argv = [*exec_start_argv("gpuhealth-coordinator.service", config), "--evidence-dir", str(workdir / "ev")]
     proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
@@ -189,6 +189,17 @@ def test_coordinator_unit_type_matches_the_coordinator(workdir: Path) -> None:
         sent_ready = any(m.fields.get("READY") == "1" for m in notify.messages)
         if unit_type == "notify":
             assert sent_ready, "Type=notify unit, but the coordinator never sends READY=1: systemd would kill it"
+            assert "WatchdogSec" in unit_settings("gpuhealth-coordinator.service")
+            def pings(msgs: list[Message]) -> list[Message]:
+                return [m for m in msgs if m.fields.get("WATCHDOG") == "1"]
+
+            notify.wait_for(lambda msgs: len(pings(msgs)) >= 3, timeout=3)
+            assert len(pings(notify.messages)) >= 3, f"no WATCHDOG=1 every 0.5 s: {notify.messages}"
+            assert {m.pid for m in notify.messages} == {proc.pid}  # NotifyAccess=main
+            proc.terminate()
+            proc.wait(timeout=20)
+            notify.wait_for(lambda msgs: any(m.fields.get("STOPPING") == "1" for m in msgs), timeout=2)
+            assert any(m.fields.get("STOPPING") == "1" for m in notify.messages)
         else:
             assert unit_type == "exec"
             assert not sent_ready, "the coordinator sends READY=1 now: switch its unit to Type=notify + WatchdogSec"

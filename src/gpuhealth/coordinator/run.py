@@ -8,6 +8,7 @@ import logging
 from collections.abc import Callable
 from pathlib import Path
 
+from gpuhealth.agent.sdnotify import SystemdNotifier
 from gpuhealth.config import CoordinatorConfig
 from gpuhealth.coordinator.security import AuthPolicy, SecurityConfigError, tls_files
 from gpuhealth.coordinator.server import CoordinatorServer, Endpoints, write_ready_file
@@ -49,6 +50,13 @@ def build(cfg: CoordinatorConfig) -> CoordinatorServer:
                              policy=AuthPolicy(token=cfg.token, mtls=tls is not None), tls=tls)
 
 
+async def _ping_watchdog(notifier: SystemdNotifier) -> None:
+    interval = notifier.watchdog_interval_s or 30.0
+    while True:
+        notifier.watchdog()
+        await asyncio.sleep(interval)
+
+
 async def run_coordinator(
     cfg: CoordinatorConfig,
     *,
@@ -71,9 +79,17 @@ async def run_coordinator(
         write_ready_file(ready_file, endpoints)
     if on_ready is not None:
         on_ready(endpoints)
+    # systemd (Type=notify): ready once both ports are bound; the watchdog ping runs on the event loop,
+    # so a loop that stops turning stops the pings and systemd restarts us.
+    notifier = SystemdNotifier()
+    notifier.ready(f"gRPC on :{endpoints.grpc_port}, metrics on :{endpoints.metrics_port}")
+    watchdog = asyncio.create_task(_ping_watchdog(notifier)) if notifier.watchdog_interval_s else None
     try:
         await stop.wait()
     finally:
+        notifier.stopping()
+        if watchdog is not None:
+            watchdog.cancel()
         log.info("coordinator stopping")
         await server.stop()
         server.coord.store.close()
