@@ -153,3 +153,16 @@ def test_bad_config_is_a_clear_error(tmp_path: Path) -> None:
     cfg.write_text("collectors: {expected_gpus: many}\n")
     result = _invoke("--nvml-snapshot", "nvml_h200x2.json", "--config", str(cfg))
     assert result.exit_code == 3 and "collectors.expected_gpus" in result.output
+
+
+def test_npd_profile_prints_one_line_naming_each_problem() -> None:
+    """node-problem-detector keeps a short message as the NodeCondition: one line, worst first."""
+    scenario = Path(__file__).parents[1] / "fixtures" / "scenarios" / "faulty_node.yaml"
+    res = CliRunner().invoke(cli, ["status", "--nvml-snapshot", str(scenario), "--exit-codes", "npd"])
+    assert res.exit_code == 1
+    lines = res.output.strip().splitlines()
+    assert len(lines) == 1
+    assert lines[0].startswith("gpuhealth: unhealthy: GPU 3 pcie.link_degraded (drain)")
+    assert "GPU 1 throttle.hw_slowdown" in lines[0]
+    healthy = CliRunner().invoke(cli, ["status", "--nvml-snapshot", "nvml_h200x2.json", "--exit-codes", "npd"])
+    assert (healthy.exit_code, healthy.output.strip()) == (0, "gpuhealth: healthy: no GPU problem found")

@@ -84,12 +84,26 @@ def command(snapshot: str | None, kmsg_path: str | None, expected_gpus: int | No
         return
     if as_json:
         click.echo(json.dumps(report.to_dict(), indent=2, sort_keys=False, default=str))
+    elif profile == "npd":  # node-problem-detector keeps the first line(s) as the NodeCondition message
+        click.echo(one_line(report))
     else:
         console = Console(highlight=False, soft_wrap=False)
         if not console.is_terminal:  # piped into a file or a log: do not squeeze into 80 columns
             console = Console(highlight=False, soft_wrap=False, width=140)
         render(report, console)
     sys.exit(exit_code(report.health, profile))
+
+
+def one_line(report: NodeReport) -> str:
+    """"gpuhealth: unhealthy: GPU 3 pcie.link_degraded (drain); GPU 5 xid.79 (reboot)" — for monitors that
+    keep one short message (node-problem-detector, nagios-style checks)."""
+    problems = [f for f in report.all_findings() if f.severity >= Severity.WARNING]
+    if not problems:
+        return f"gpuhealth: {report.health}: no GPU problem found"
+    problems.sort(key=lambda f: (-int(f.severity), f.entity.gpu_index if f.entity.gpu_index is not None else -1))
+    parts = [(f"GPU {f.entity.gpu_index} " if f.entity.gpu_index is not None else "") + f"{f.code} ({f.action})"
+             for f in problems]
+    return f"gpuhealth: {report.health}: " + "; ".join(parts)
 
 
 def _finding_text(f: Finding) -> Text:
