@@ -450,5 +450,13 @@ class FakeNvml:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     return []
-                # Scenario time may be driven by a fake clock: poll in small steps.
-                self._xid_cond.wait(min(remaining, 0.05))
+                self._xid_cond.wait(min(remaining, self._until_next_event()))
+
+    def _until_next_event(self) -> float:
+        """How long the XID waiter may sleep: until the next scenario event on the real clock; with an
+        injected (test) clock time moves by hand, so poll in small steps."""
+        if self._clock is not time.monotonic:
+            return 0.05
+        if self._next_event >= len(self._events):
+            return 3600.0
+        return max(0.0, self._events[self._next_event].at - self.elapsed())
