@@ -8,6 +8,7 @@ one look identical to a collector.
 from __future__ import annotations
 
 import ctypes
+import importlib
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -54,6 +55,10 @@ SIMPLE_KEYS = (
 )
 
 
+# nvmlValueType_t → the member of the nvmlValue_t union that holds the value
+_FIELD_VALUE_MEMBER = {0: "dVal", 1: "uiVal", 2: "ulVal", 3: "ullVal", 4: "sllVal", 5: "siVal", 6: "usVal"}
+
+
 def _bind(fn: Callable[..., Any], *args: Any) -> Callable[[Any], Any]:
     """A getter of the handle alone, with NVML's extra arguments fixed."""
     return lambda handle: fn(handle, *args)
@@ -62,12 +67,18 @@ def _bind(fn: Callable[..., Any], *args: Any) -> Callable[[Any], Any]:
 class RealNvml:
     """Talks to the driver. ``init`` raises ``BackendUnavailable`` when there is no NVML at all."""
 
-    def __init__(self) -> None:
+    def __init__(self, nvml_module: Any = None) -> None:
+        """``nvml_module``: the ``pynvml`` API to call (default: import ``pynvml``). Tests pass a
+        stand-in that answers from a real recording — the hardware boundary, replayed."""
+        self._module = nvml_module
         self._nvml: Any = None
         self._handles: dict[int, Any] = {}
         self._dispatch: dict[str, Callable[[Any], Any]] = {}
         self._event_set: Any = None
         self._event_lock = threading.Lock()
+        # Held while a thread waits in nvmlEventSetWait: shutdown() takes it before freeing the set,
+        # so the driver never sees a set freed under a waiter.
+        self._event_wait_lock = threading.Lock()
         self._bus_to_index: dict[str, int] = {}
         self._handle_to_index: dict[int, int] = {}
 
@@ -81,10 +92,12 @@ class RealNvml:
 
     # ------------------------------------------------------------------ lifecycle
     def init(self) -> None:
-        try:
-            import pynvml
-        except ImportError as exc:  # pragma: no cover - dependency is declared
-            raise BackendUnavailable("nvidia-ml-py is not installed (pip install nvidia-ml-py)") from exc
+        pynvml: Any = self._module
+        if pynvml is None:
+            try:
+                pynvml = importlib.import_module("pynvml")
+            except ImportError as exc:  # pragma: no cover - dependency is declared
+                raise BackendUnavailable("nvidia-ml-py is not installed (pip install nvidia-ml-py)") from exc
         try:
             pynvml.nvmlInit()
         except pynvml.NVMLError as exc:
@@ -103,13 +116,18 @@ class RealNvml:
     def shutdown(self) -> None:
         if self._nvml is None:
             return
-        with self._event_lock:
-            if self._event_set is not None:
-                try:
-                    self._nvml.nvmlEventSetFree(self._event_set)
-                except self._nvml.NVMLError:
-                    pass
-                self._event_set = None
+        waiter_done = self._event_wait_lock.acquire(timeout=5.0)  # a waiter returns within its timeout
+        try:
+            with self._event_lock:
+                if self._event_set is not None and waiter_done:
+                    try:
+                        self._nvml.nvmlEventSetFree(self._event_set)
+                    except self._nvml.NVMLError:
+                        pass
+                self._event_set = None  # a set still waited on is leaked rather than freed under the waiter
+        finally:
+            if waiter_done:
+                self._event_wait_lock.release()
         try:
             self._nvml.nvmlShutdown()
         except self._nvml.NVMLError:
@@ -129,6 +147,10 @@ class RealNvml:
             return fn(*args)
         except n.NVMLError as exc:
             raise NvmlError(getattr(exc, "value", errors.UNKNOWN), str(exc)) from exc
+        except (TypeError, AttributeError, ctypes.ArgumentError) as exc:
+            # nvidia-ml-py versions differ in signatures and constants (seen: GpuFabricInfo taking a
+            # struct, NVML_P2P_CAPS_INDEX_READ a tuple): for the caller this getter is unavailable here.
+            raise NvmlError(errors.FUNCTION_NOT_FOUND, f"these NVML bindings cannot make this call: {exc}") from exc
 
     def _handle(self, index: int) -> Any:
         h = self._handles.get(index)
@@ -235,10 +257,8 @@ class RealNvml:
             if v.nvmlReturn != 0:
                 out[pos] = NvmlError(int(v.nvmlReturn), "field error")
                 continue
-            out[pos] = {
-                0: v.value.dVal, 1: v.value.uiVal, 2: v.value.ulVal, 3: v.value.ullVal,
-                4: v.value.sllVal, 5: v.value.siVal, 6: getattr(v.value, "usVal", 0),
-            }.get(v.valueType)
+            member = _FIELD_VALUE_MEMBER.get(v.valueType)
+            out[pos] = getattr(v.value, member, None) if member else None
         return out
 
     def _ensure_event_set(self) -> Any:
@@ -259,14 +279,15 @@ class RealNvml:
 
     def wait_xid_events(self, timeout_ms: int) -> list[XidEvent]:
         n = self._n()
-        with self._event_lock:
-            es = self._ensure_event_set()
-        try:
-            data = n.nvmlEventSetWait_v2(es, timeout_ms)
-        except n.NVMLError as exc:
-            if getattr(exc, "value", None) == errors.TIMEOUT:
-                return []
-            raise NvmlError(getattr(exc, "value", errors.UNKNOWN), str(exc)) from exc
+        with self._event_wait_lock:
+            with self._event_lock:
+                es = self._ensure_event_set()
+            try:
+                data = n.nvmlEventSetWait_v2(es, timeout_ms)
+            except n.NVMLError as exc:
+                if getattr(exc, "value", None) == errors.TIMEOUT:
+                    return []
+                raise NvmlError(getattr(exc, "value", errors.UNKNOWN), str(exc)) from exc
         handle_key = ctypes.cast(data.device, ctypes.c_void_p).value or 0
         idx = self._handle_to_index.get(handle_key)
         return [XidEvent(gpu_index=idx, xid=int(data.eventData), timestamp=time.time(), source="nvml")]

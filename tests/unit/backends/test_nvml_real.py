@@ -1,0 +1,93 @@
+"""The real NVML backend's key → pynvml call mapping, checked without a GPU.
+
+``RealNvml`` is given a pynvml-shaped driver (the recorder test's ``RecordedDriver``, widened to every
+field id of the real bindings) that answers from a real recording. A node report taken through the
+real backend must equal the one taken through the fake backend from the same recording: every key a
+collector asks for reaches the right NVML getter with the right arguments.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import pynvml
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parents[1]))
+from test_recorder import RecordedDriver, _Struct, _sysfs_tree
+
+from gpuhealth.backends.errors import BackendUnavailable, NvmlError
+from gpuhealth.backends.nvml_fake import FakeNvml
+from gpuhealth.backends.nvml_real import RealNvml
+from gpuhealth.config import Config
+from gpuhealth.node import collect_once
+
+FIELD_IDS = {k: v for k, v in vars(pynvml).items() if k.startswith("NVML_FI_DEV_") and isinstance(v, int)}
+
+
+class BindingsDriver(RecordedDriver):
+    """RecordedDriver with the real bindings' field ids and (field id, scope) field-value requests."""
+
+    locals().update(FIELD_IDS)
+    NVML_CLOCK_VIDEO = "VIDEO"
+
+    def nvmlDeviceGetFieldValues(self, h: int, ids: list[Any]) -> list[Any]:
+        names = {v: k for k, v in FIELD_IDS.items()}
+        requests = [(names[f], s) for f, s in ids]
+        out = []
+        for (fid, _), res in zip(ids, self.fake.field_values(h, requests), strict=True):
+            ok = not isinstance(res, NvmlError)
+            out.append(_Struct({"fieldId": fid, "nvmlReturn": 0 if ok else res.code, "valueType": 3,
+                                "value": {"ullVal": res if ok else 0}}))
+        return out
+
+
+def _comparable(report: Any) -> dict[str, Any]:
+    d = report.to_dict()
+    node = {k: v for k, v in d["node"].items() if k not in ("backend", "simulated", "time", "collectors")}
+    return {"node": node, "gpus": d["gpus"], "findings": d["findings"], "health": str(report.health)}
+
+
+@pytest.mark.parametrize("name", ["nvml_h200x2.json", "nvml_h100x1.json"])
+def test_real_backend_reads_what_the_fake_replays(name: str, tmp_path: Path) -> None:
+    config = Config()
+    config.collectors.disabled = ["host"]  # reads this test machine, not the recording
+    fake = FakeNvml.bundled(name)
+    fake.init()
+    _sysfs_tree(tmp_path, fake)  # the live path reads sysfs from disk: lay the recorded one out there
+    config.collectors.sysfs_root = str(tmp_path)
+    via_fake = collect_once(fake, config)
+    real = RealNvml(BindingsDriver(FakeNvml.bundled(name)))
+    real.init()
+    assert not real.simulated
+    via_real = collect_once(real, config)
+    real.shutdown()
+    assert _comparable(via_real) == _comparable(via_fake)
+    assert [r.name for r in via_real.runs if not r.success] == []
+
+
+def test_real_backend_maps_argument_getters_and_errors() -> None:
+    real = RealNvml(BindingsDriver(FakeNvml.bundled("nvml_h200x2.json")))
+    real.init()
+    assert real.system("driver") == "580.159.04"
+    assert real.query(0, "TotalEccErrors_UNCORRECTED_VOLATILE") == 0
+    assert real.query(0, "ClockInfo_SM") == 345
+    assert real.query(0, "ViolationStatus_LOW_UTILIZATION")["violationTime"] > 0
+    assert real.nvlink(0, 3, "err_DL_CRC_DATA") == 6
+    with pytest.raises(NvmlError) as exc:
+        real.query(0, "NumaNodeId")
+    assert exc.value.not_supported
+    temp, bogus = real.field_values(0, [("NVML_FI_DEV_MEMORY_TEMP", 0), ("NVML_FI_DEV_NO_SUCH_FIELD", 0)])
+    assert temp == 39 and isinstance(bogus, NvmlError) and bogus.not_supported
+    real.shutdown()
+    with pytest.raises(NvmlError) as gone:
+        real.query(0, "Name")
+    assert gone.value.driver_gone
+
+
+def test_no_driver_is_backend_unavailable() -> None:
+    # The real bindings on a machine without libnvidia-ml (CI): one clear error, not a traceback.
+    with pytest.raises(BackendUnavailable, match=r"NVIDIA driver not available|libnvidia-ml"):
+        RealNvml().init()
