@@ -205,7 +205,7 @@ async def _health_reflection_and_metrics(server: CoordinatorServer) -> None:
         lambda: urllib.request.urlopen(f"http://127.0.0.1:{server.endpoints.metrics_port}/metrics", timeout=5)  # type: ignore[union-attr]
         .read().decode())
     assert "gpuhealth_coordinator_connected_agents 1.0" in text
-    assert 'gpuhealth_coordinator_job_step_seconds{job="jobm",quantile="0.5"} 0.25' in text
+    assert 'gpuhealth_coordinator_job_step_seconds{job_id="jobm",quantile="0.5"} 0.25' in text
     assert "gpuhealth_coordinator_step_records_total 6.0" in text
     lint = subprocess.run(["promtool", "check", "metrics"], input=text.encode(), capture_output=True, check=False)
     assert lint.returncode == 0, lint.stdout.decode() + lint.stderr.decode()

@@ -40,24 +40,26 @@ class CoordinatorCollector(Collector):
         for kind, n in sorted(s.get("verdicts", {}).items()):
             verdicts.add_metric([kind], n)
         yield verdicts
-        records = CounterMetricFamily(p + "job_step_records", "Rank-step records ingested per job.", labels=["job"])
+        # Per-job series carry ``job_id``, not ``job``: Prometheus reserves ``job`` for the scrape job and
+        # would rename ours to ``exported_job``.
+        records = CounterMetricFamily(p + "job_step_records", "Rank-step records ingested per job.", labels=["job_id"])
         quant = Metric(p + "job_step_seconds", "Recent wall step time per job (a bounded sample of steps).",
                        "summary")
         scores = GaugeMetricFamily(p + "straggler_score",
                                    "Rank slowness score (compute time / job median; top ranks only).",
-                                   labels=["job", "rank"])
+                                   labels=["job_id", "rank"])
         stragglers = GaugeMetricFamily(p + "job_stragglers", "Ranks currently flagged as stragglers.",
-                                       labels=["job"])
-        hangs = CounterMetricFamily(p + "job_hangs", "Hangs detected per job.", labels=["job"])
+                                       labels=["job_id"])
+        hangs = CounterMetricFamily(p + "job_hangs", "Hangs detected per job.", labels=["job_id"])
         stalled = GaugeMetricFamily(p + "job_seconds_since_progress", "Seconds since any rank finished a step.",
-                                    labels=["job"])
+                                    labels=["job_id"])
         for job in s.get("jobs", []):
             jid = job["job_id"]
             records.add_metric([jid], job["records"])
             for q, v in sorted(job["quantiles"].items()):
-                quant.add_sample(p + "job_step_seconds", {"job": jid, "quantile": str(q)}, v)
-            quant.add_sample(p + "job_step_seconds_count", {"job": jid}, job.get("step_count", 0))
-            quant.add_sample(p + "job_step_seconds_sum", {"job": jid}, job.get("step_sum", 0.0))
+                quant.add_sample(p + "job_step_seconds", {"job_id": jid, "quantile": str(q)}, v)
+            quant.add_sample(p + "job_step_seconds_count", {"job_id": jid}, job.get("step_count", 0))
+            quant.add_sample(p + "job_step_seconds_sum", {"job_id": jid}, job.get("step_sum", 0.0))
             for rank, score in job["scores"]:
                 scores.add_metric([jid, str(rank)], score)
             stragglers.add_metric([jid], job["stragglers"])
