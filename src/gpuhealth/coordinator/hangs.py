@@ -12,6 +12,7 @@ agent sends is executed or unpickled.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import re
 import time
@@ -88,7 +89,10 @@ class PendingRequest:
 
 
 def safe_name(text: str) -> str:
-    return re.sub(r"[^A-Za-z0-9._-]", "_", text)[:100] or "_"
+    """A folder name for a job id that came over the network: readable, never "." / ".." or a path,
+    and unique (a hash of the full id, so ids that differ only in replaced characters don't collide)."""
+    readable = re.sub(r"[^A-Za-z0-9_-]", "_", text)[:64].strip("_") or "job"
+    return f"{readable}-{hashlib.sha256(text.encode()).hexdigest()[:12]}"
 
 
 def run_triage(folder: Path, job: dict[str, Any]) -> dict[str, Any]:
@@ -124,7 +128,10 @@ async def investigate(
         coord.forget_request(fr.request_id)
         coord.forget_request(st.request_id)
 
-    folder = Path(settings.evidence_dir) / safe_name(job.job_id) / f"{int(coord.clock() * 1000)}-{reason}"
+    root = Path(settings.evidence_dir)
+    folder = root / safe_name(job.job_id) / f"{int(coord.clock() * 1000)}-{reason}"
+    if not folder.resolve().is_relative_to(root.resolve()):  # belt and braces: names come from the network
+        raise ValueError(f"evidence folder {folder} is outside {root}")
     dump_dir = folder / "fr"
     # Dumps and stacks show code paths and arguments of the job: readable by the service only.
     dump_dir.mkdir(parents=True, exist_ok=True)

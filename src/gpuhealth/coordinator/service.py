@@ -553,12 +553,20 @@ class Coordinator:
             jobs.append(summary)
         return {"jobs": jobs, "generated_at": self.clock()}
 
+    def _owns(self, node: str, gpu_uuid: str) -> bool:
+        if not gpu_uuid.startswith(("GPU-", "MIG-")):
+            return True  # a node-local pseudo device (a CPU run of the check): names no real GPU
+        view = self.nodes.get(node)
+        return view is not None and view.gpu(uuid=gpu_uuid) is not None
+
     def fleet_doc(self) -> dict[str, Any]:
         nodes = list(self.nodes.values())
         votes = [SdcVote(gpu, node, key, digest) for node, gpu, key, digest, _ in self.store.sdc_digests()]
         for n in nodes:
             votes += sdc_votes_from_findings(n)
-        unique = {(v.node, v.gpu_uuid, v.key): v for v in votes}
+        # A node votes only for GPUs it registered: otherwise one node could outvote (and get drained)
+        # healthy GPUs elsewhere by reporting digests under their UUIDs. One vote per GPU and key.
+        unique = {(v.gpu_uuid, v.key): v for v in votes if self._owns(v.node, v.gpu_uuid)}
         return {
             "nodes": [{
                 "name": n.name, "connected": n.connected, "health": n.health, "last_seen": n.last_seen,
