@@ -26,6 +26,7 @@ import os
 import random
 import re
 import shutil
+import stat
 import subprocess
 import sys
 import tempfile
@@ -396,7 +397,9 @@ class CoordinatorLink:
             return
         base = self.settings.work_dir or tempfile.gettempdir()
         out_dir = Path(base) / "gpuhealth-fr" / f"{_safe(req.job_id)}-{req.request_id}-{os.getpid()}"
-        out_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        # Ranks run as the job's user: they may create files here but not list or remove others' (sticky).
+        out_dir.chmod(0o1733)
         results = self.hub.request_dump(req.job_id, None if req.rank < 0 else req.rank, str(out_dir),
                                         timeout_s=req.timeout_s or 20.0)
         for rank, res in sorted(results.items()):
@@ -405,7 +408,7 @@ class CoordinatorLink:
                                       error=f"{type(res).__name__}: {res}", format="fr_json"))
                 continue
             try:
-                data = _read_json_file(Path(res))
+                data = _read_json_file(Path(res), expected=out_dir / f"rank{rank}.json")
                 emit(pb.RequestResult(request_id=req.request_id, rank=rank, ok=True, payload=data, format="fr_json"))
             except (OSError, ValueError) as exc:
                 emit(pb.RequestResult(request_id=req.request_id, rank=rank, ok=False, error=str(exc),
@@ -473,11 +476,22 @@ def _safe(text: str) -> str:
     return "".join(c if c.isalnum() or c in "._-" else "_" for c in text)[:80] or "_"
 
 
-def _read_json_file(path: Path) -> bytes:
-    size = path.stat().st_size
-    if size > MAX_DUMP_BYTES:
-        raise ValueError(f"{path}: {size} bytes is over the {MAX_DUMP_BYTES} limit")
-    data = path.read_bytes()
+def _read_json_file(path: Path, *, expected: Path) -> bytes:
+    """The dump a rank says it wrote — only if it is the file we asked for: any local process can speak
+    on the rank socket, and must not make the agent read (and ship) some other file it can reach."""
+    if os.path.realpath(path) != os.path.realpath(expected):
+        raise ValueError(f"the rank answered with {path}, not the dump file {expected} it was asked for")
+    fd = os.open(expected, os.O_RDONLY | os.O_NOFOLLOW)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise ValueError(f"{expected}: not a regular file")
+        if st.st_size > MAX_DUMP_BYTES:
+            raise ValueError(f"{expected}: {st.st_size} bytes is over the {MAX_DUMP_BYTES} limit")
+        with os.fdopen(fd, "rb", closefd=False) as fh:
+            data = fh.read(MAX_DUMP_BYTES + 1)
+    finally:
+        os.close(fd)
     json.loads(data)  # only JSON travels: a pickle or garbage is refused here already
     return data
 
@@ -569,7 +583,9 @@ def link_from_config(config: Any, *, rank_hub: Any = None) -> CoordinatorLink | 
 
         tls = tls_files(c.client_tls_cert, c.client_tls_key, c.tls_ca)
     settings = LinkSettings(address=address, spool_path=str(Path(config.agent.state_dir) / "coordinator-spool.db"),
-                            token=c.token, tls=tls, work_dir=str(Path(config.agent.state_dir) / "fr"),
+                            token=c.token, tls=tls,
+                            # beside the rank socket: the one folder ranks (other containers, other users) share
+                            work_dir=str(Path(config.agent.socket_path).parent / "fr"),
                             batch_interval_s=c.link_batch_interval_s)
     try:
         link = CoordinatorLink(settings, rank_hub=rank_hub)

@@ -565,8 +565,8 @@ class Coordinator:
         for n in nodes:
             votes += sdc_votes_from_findings(n)
         # A node votes only for GPUs it registered: otherwise one node could outvote (and get drained)
-        # healthy GPUs elsewhere by reporting digests under their UUIDs. One vote per GPU and key.
-        unique = {(v.gpu_uuid, v.key): v for v in votes if self._owns(v.node, v.gpu_uuid)}
+        # healthy GPUs elsewhere by reporting digests under their UUIDs. One vote per node, GPU and key.
+        unique = {(v.node, v.gpu_uuid, v.key): v for v in votes if self._owns(v.node, v.gpu_uuid)}
         return {
             "nodes": [{
                 "name": n.name, "connected": n.connected, "health": n.health, "last_seen": n.last_seen,

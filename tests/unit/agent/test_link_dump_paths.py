@@ -1,0 +1,92 @@
+"""A process on the rank socket must not make the agent read and ship a file it names.
+
+A fake rank (real unix socket, real protocol) answers the agent's flight-recorder request with the
+path of some other JSON file it can name: the link must refuse it, and accept the real dump file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from gpuhealth.agent.coordinator_link import CoordinatorLink, LinkSettings
+from gpuhealth.agent.ranks import RankHub
+from gpuhealth.instrument import protocol
+from gpuhealth.model import RankIdentity
+from gpuhealth.proto import gpuhealth_v1_pb2 as pb
+
+
+def _fake_rank(sock_path: Path, answer: Any, stop: threading.Event) -> None:
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.connect(str(sock_path))
+        ident = RankIdentity("victimjob", 0, 1, "h", os.getpid())
+        s.sendall(protocol.encode(protocol.hello(ident)))
+        buf = protocol.LineBuffer()
+        s.settimeout(0.2)
+        while not stop.is_set():
+            try:
+                chunk = s.recv(65536)
+            except TimeoutError:
+                continue
+            if not chunk:
+                return
+            for msg in buf.feed(chunk):
+                if msg.get("type") == protocol.DUMP_FR:
+                    path = answer(Path(msg["dir"]))
+                    s.sendall(protocol.encode(protocol.reply_ok(protocol.request_id_of(msg), path=str(path))))
+
+
+def _dump_through_link(tmp_path: Path, answer: Any) -> list[pb.RequestResult]:
+    hub = RankHub(tmp_path / "agent.sock")
+    hub.start(None)
+    stop = threading.Event()
+    t = threading.Thread(target=_fake_rank, args=(tmp_path / "agent.sock", answer, stop), daemon=True)
+    t.start()
+    deadline = time.monotonic() + 5
+    while not hub.ranks() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    link = CoordinatorLink(LinkSettings(address="127.0.0.1:1", spool_path=str(tmp_path / "spool.db"),
+                                        work_dir=str(tmp_path / "fr")), rank_hub=hub)
+    out: list[pb.RequestResult] = []
+    try:
+        link._do_dump(pb.AgentRequest(request_id=7, kind=pb.DUMP_FLIGHT_RECORDER, job_id="victimjob",
+                                      rank=-1, timeout_s=5), out.append)
+    finally:
+        stop.set()
+        hub.stop()
+        link.spool.close()
+    return out
+
+
+def test_a_rank_naming_another_file_gets_nothing_shipped(tmp_path: Path) -> None:
+    secret = tmp_path / "secret.json"
+    secret.write_text(json.dumps({"aws_secret": "hunter2"}))
+    (result,) = _dump_through_link(tmp_path, lambda _dir: secret)
+    assert not result.ok and b"hunter2" not in result.payload
+    assert "not the dump file" in result.error
+
+
+def test_a_symlinked_dump_is_refused_and_a_real_one_travels(tmp_path: Path) -> None:
+    secret = tmp_path / "secret.json"
+    secret.write_text(json.dumps({"aws_secret": "hunter2"}))
+
+    def symlink(d: Path) -> Path:
+        (d / "rank0.json").symlink_to(secret)
+        return d / "rank0.json"
+
+    (tmp_path / "a").mkdir()
+    (linked,) = _dump_through_link(tmp_path / "a", symlink)
+    assert not linked.ok and b"hunter2" not in linked.payload
+
+    def real(d: Path) -> Path:
+        (d / "rank0.json").write_text(json.dumps({"version": "2.10", "entries": []}))
+        return d / "rank0.json"
+
+    (tmp_path / "b").mkdir()
+    (ok,) = _dump_through_link(tmp_path / "b", real)
+    assert ok.ok and json.loads(ok.payload)["version"] == "2.10"
