@@ -173,7 +173,12 @@ class CoordinatorLink:
         for r in steps:
             by_job[r.job_id].append(r)
         for job_id, recs in by_job.items():
-            batch = steps_to_pb(job_id, recs)
+            try:
+                batch = steps_to_pb(job_id, recs)
+            except (ValueError, TypeError) as exc:  # one job's bad batch must not lose the others'
+                log.warning("dropping %d step records of job %r that cannot be encoded: %s", len(recs), job_id, exc)
+                self.stats["steps_unencodable"] += len(recs)
+                continue
 
             def build(seq: int, b: pb.StepBatch = batch) -> bytes:
                 return _record(seq, now, steps=b)

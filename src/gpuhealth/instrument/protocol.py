@@ -22,6 +22,7 @@ whole, up to its newline.
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
@@ -105,9 +106,14 @@ def read_identity(message: Mapping[str, Any]) -> RankIdentity:
     if not isinstance(ident, Mapping):
         raise ProtocolError("hello without an 'identity' object")
     try:
-        return RankIdentity.from_dict(ident)
+        identity = RankIdentity.from_dict(ident)
     except (KeyError, TypeError, ValueError) as exc:
         raise ProtocolError(f"bad identity: {exc!r}") from exc
+    if not (0 < len(identity.job_id) <= _MAX_JOB_ID_LEN and all(ord(c) >= 0x20 for c in identity.job_id)):
+        raise ProtocolError(f"bad identity: job id {identity.job_id[:40]!r}")
+    if not (0 <= identity.rank < identity.world_size <= _MAX_RANK):
+        raise ProtocolError(f"bad identity: rank {identity.rank} of world size {identity.world_size}")
+    return identity
 
 
 def read_steps(message: Mapping[str, Any]) -> tuple[list[StepRecord], int]:
@@ -121,10 +127,38 @@ def read_steps(message: Mapping[str, Any]) -> tuple[list[StepRecord], int]:
         try:
             if not isinstance(item, Mapping):
                 raise TypeError("record is not an object")
-            records.append(StepRecord.from_dict(item))
+            rec = StepRecord.from_dict(item)
         except (KeyError, TypeError, ValueError):
             bad += 1
+            continue
+        if record_is_sane(rec):
+            records.append(rec)
+        else:
+            bad += 1
     return records, bad
+
+
+# The coordinator's wire limits (proto/convert.py), checked here already: one bad record from one rank
+# must not make the agent's whole batch — every job's — fail to encode or be refused upstream.
+_MAX_JOB_ID_LEN = 256
+_MAX_RANK = 1 << 22
+_MAX_STEP = 1 << 62
+_MAX_STEP_SECONDS = 7 * 86_400.0
+
+
+def _duration_ok(value: float | None, optional: bool) -> bool:
+    if value is None:
+        return optional
+    return math.isfinite(value) and 0.0 <= value <= _MAX_STEP_SECONDS
+
+
+def record_is_sane(rec: StepRecord) -> bool:
+    """A record the coordinator will accept: a printable job id, rank/step in range, finite times."""
+    return (0 < len(rec.job_id) <= _MAX_JOB_ID_LEN and all(ord(c) >= 0x20 for c in rec.job_id)
+            and 0 <= rec.rank < _MAX_RANK and 0 <= rec.step < _MAX_STEP
+            and math.isfinite(rec.start_time) and rec.start_time >= 0.0
+            and _duration_ok(rec.wall_s, optional=False)
+            and _duration_ok(rec.compute_s, optional=True) and _duration_ok(rec.comm_wait_s, optional=True))
 
 
 def request_id_of(message: Mapping[str, Any]) -> str:

@@ -119,3 +119,19 @@ def test_line_buffer_never_raises_on_arbitrary_bytes(data: bytes, chunk: int) ->
     # And a valid line after any garbage still comes through once a newline ends the garbage.
     tail = list(buf.feed(b"\n" + json.dumps({"type": "after"}).encode() + b"\n"))
     assert tail[-1] == {"type": "after"}
+
+
+def test_records_the_coordinator_would_refuse_are_dropped_at_the_socket() -> None:
+    from gpuhealth.instrument.protocol import read_identity, read_steps
+
+    good = {"job_id": "j", "rank": 1, "step": 3, "start_time": 1.0, "wall_s": 0.1, "compute_s": 0.05}
+    bad = [dict(good, rank=-1), dict(good, step=-1), dict(good, job_id=""), dict(good, wall_s=float("nan")),
+           dict(good, wall_s=float("inf")), dict(good, compute_s=-0.5), dict(good, start_time=float("nan")),
+           dict(good, job_id="x" * 300), dict(good, job_id="a\nb")]
+    records, dropped = read_steps({"records": [good, *bad]})
+    assert [r.step for r in records] == [3] and dropped == len(bad)
+    ident = {"job_id": "j", "rank": 0, "world_size": 2, "host": "h", "pid": 1}
+    assert read_identity({"identity": ident}).rank == 0
+    for broken in (dict(ident, rank=2), dict(ident, rank=-1), dict(ident, job_id=""), dict(ident, world_size=0)):
+        with pytest.raises(protocol.ProtocolError):
+            read_identity({"identity": broken})

@@ -22,7 +22,7 @@ from gpuhealth.model import RankIdentity, StepRecord
 
 
 def ident(rank: int, job: str = "j1") -> RankIdentity:
-    return RankIdentity(job, rank, 4, "node-a", 1000 + rank)
+    return RankIdentity(job, rank, 16, "node-a", 1000 + rank)
 
 
 def rec(rank: int, step: int, job: str = "j1") -> StepRecord:
