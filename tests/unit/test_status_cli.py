@@ -166,3 +166,17 @@ def test_npd_profile_prints_one_line_naming_each_problem() -> None:
     assert "GPU 1 throttle.hw_slowdown" in lines[0]
     healthy = CliRunner().invoke(cli, ["status", "--nvml-snapshot", "nvml_h200x2.json", "--exit-codes", "npd"])
     assert (healthy.exit_code, healthy.output.strip()) == (0, "gpuhealth: healthy: no GPU problem found")
+
+
+def test_a_field_the_driver_does_not_serve_is_not_a_failing_gpu(tmp_path: Path) -> None:
+    """Drivers answer INVALID_ARGUMENT per field for field ids they don't know (newer bindings than
+    driver): that is 'not available here', not collector.failed on a healthy GPU."""
+    scenario = tmp_path / "old_driver.yaml"
+    fields = ["NVML_FI_DEV_CLOCKS_EVENT_REASON_HW_THERM_SLOWDOWN", "NVML_FI_DEV_CLOCKS_EVENT_REASON_SW_THERM_SLOWDOWN",
+              "NVML_FI_DEV_CLOCKS_EVENT_REASON_HW_POWER_BRAKE_SLOWDOWN", "NVML_FI_DEV_MEMORY_TEMP"]
+    over = {f: {"error": "Invalid Argument", "code": 2} for f in fields}
+    scenario.write_text(json.dumps({"recording": "nvml_h200x2.json", "overrides": {"0": {"field_values": over}}}))
+    res = _invoke("--nvml-snapshot", str(scenario), "--json", "--config", _config(tmp_path))
+    doc = json.loads(res.output)
+    assert res.exit_code == 0, res.output
+    assert [g["health"] for g in doc["gpus"]] == ["healthy", "healthy"]

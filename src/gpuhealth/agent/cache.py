@@ -98,10 +98,12 @@ class Cache:
             return entry.history
 
     def unregister_except(self, names: Iterable[str]) -> None:
+        """Drop collectors a reload removed. Sources published from outside the scheduler (lane
+        "external", e.g. periodic diagnostics) are not the scheduler's to drop: they stay."""
         keep = set(names)
         with self._lock:
-            for name in list(self._entries):
-                if name not in keep:
+            for name, entry in list(self._entries.items()):
+                if name not in keep and entry.lane != "external":
                     del self._entries[name]
             snap = self._publish()
         self._notify(snap)

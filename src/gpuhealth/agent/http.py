@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import logging
 import socket
+import sys
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import TYPE_CHECKING, Any
@@ -51,10 +52,19 @@ class _Server(ThreadingHTTPServer):
         super().__init__(addr, handler)
         self.owner = owner
 
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        # A scraper that hung up or timed out is routine: one debug line, never a raw traceback on stderr.
+        exc = sys.exc_info()[1]
+        if isinstance(exc, (ConnectionError, TimeoutError)):
+            log.debug("HTTP client %s went away: %s", client_address, exc)
+        else:
+            log.exception("HTTP request from %s failed", client_address)
+
 
 class _Handler(BaseHTTPRequestHandler):
     server: _Server
     protocol_version = "HTTP/1.1"
+    timeout = 30  # an idle or half-open keep-alive connection gives its thread back after 30 s
 
     def do_GET(self) -> None:
         owner = self.server.owner

@@ -122,6 +122,7 @@ class Scheduler:
             job = self._jobs.get(name)
             if job is not None:
                 job.next_due = self._clock() + seconds
+        self._wake.set()  # the loop may be sleeping towards a later deadline
 
     def is_running(self, name: str) -> bool:
         with self._lock:

@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any, TypeGuard
 
+from gpuhealth.backends import errors
 from gpuhealth.backends.errors import NvmlError
 from gpuhealth.backends.sysfs import Sysfs, sysfs_for
 from gpuhealth.collectors.base import CollectContext, History, Observations
@@ -55,7 +56,13 @@ def read_fields(
     out: dict[tuple[str, int], Any] = {}
     for (name, scope), res in zip(requests, results, strict=False):
         if isinstance(res, NvmlError):
-            obs.note_error(index, name if scope == 0 else f"{name}@{scope}", res)
+            key = name if scope == 0 else f"{name}@{scope}"
+            if res.code == errors.INVALID_ARGUMENT:
+                # Drivers answer INVALID_ARGUMENT per field for ids they don't serve (seen on 580 with
+                # newer field ids): the field is unavailable here, not a failing GPU.
+                obs.unsupported.add((index, key))
+            else:
+                obs.note_error(index, key, res)
         elif res is not None:
             out[(name, scope)] = res
     return out

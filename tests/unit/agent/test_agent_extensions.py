@@ -55,6 +55,10 @@ def test_published_diagnostic_findings_join_health_and_metrics(tmp_path: Any) ->
         gpu1 = next(g for g in report["gpus"] if g["index"] == 1)
         assert gpu1["health"] == str(Health.UNHEALTHY)
         assert [f["code"] for f in gpu1["findings"]] == ["sdc.mismatch"]
+        # a SIGHUP reload re-registers the collectors but keeps what extensions published
+        agent.reload(cfg)
+        gpu1 = next(g for g in agent.node_report()["gpus"] if g["index"] == 1)
+        assert [f["code"] for f in gpu1["findings"]] == ["sdc.mismatch"]
         # a later cycle with a clean result replaces the earlier findings
         pub.agent.publish_findings("diagnostics", [], interval_s=3600)
         assert all(g["health"] == "healthy" for g in agent.node_report()["gpus"])
