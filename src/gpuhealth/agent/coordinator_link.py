@@ -26,6 +26,7 @@ import os
 import random
 import re
 import shutil
+import signal
 import stat
 import subprocess
 import sys
@@ -456,18 +457,27 @@ class CoordinatorLink:
                 emit(pb.RequestResult(request_id=req.request_id, rank=-1, ok=False, error=f"bad device {device!r}"))
                 return
             cmd += ["--device", device]
+        timeout = req.timeout_s or 300.0
+        # The CLI's own runner stops its child (in its own session, holding the per-GPU lock) before our
+        # deadline; we kill the CLI's whole process group if even that overruns. Budgeted: automated.
+        env = {**os.environ, "GPUHEALTH_DIAG_BUDGETED": "1", "GPUHEALTH_DIAG_TIMEOUT_S": str(max(1.0, timeout - 5.0))}
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, start_new_session=True)
         try:
-            proc = subprocess.run(cmd, capture_output=True, timeout=req.timeout_s or 300.0, check=False)
+            stdout, stderr = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
             emit(pb.RequestResult(request_id=req.request_id, rank=-1, ok=False, error="diagnostic timed out"))
             return
+        proc_stdout, proc_stderr = stdout, stderr
         try:
-            json.loads(proc.stdout)
+            json.loads(proc_stdout)
         except ValueError:
             emit(pb.RequestResult(request_id=req.request_id, rank=-1, ok=False, format="diag_json",
-                                  error=f"exit {proc.returncode}: {proc.stderr.decode(errors='replace')[-2000:]}"))
+                                  error=f"exit {proc.returncode}: {proc_stderr.decode(errors='replace')[-2000:]}"))
             return
-        emit(pb.RequestResult(request_id=req.request_id, rank=-1, ok=True, payload=proc.stdout, format="diag_json"))
+        emit(pb.RequestResult(request_id=req.request_id, rank=-1, ok=True, payload=proc_stdout, format="diag_json"))
 
 
 # -- helpers --------------------------------------------------------------------------------------

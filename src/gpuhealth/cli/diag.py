@@ -8,6 +8,7 @@ each output before hashing must all be detected.
 from __future__ import annotations
 
 import json
+import os
 import sys
 from typing import Any
 
@@ -55,6 +56,9 @@ def _gpus_for(device: str, profile: str) -> tuple[Any, list[Any]]:
     return backend, gpus
 
 
+BUDGETED_ENV = "GPUHEALTH_DIAG_BUDGETED"
+
+
 def _run(kind: str, args: list[str], device: str, force: bool, config_path: str | None, profile: str,
          as_json: bool, min_gpus: int = 1) -> None:
     try:
@@ -69,8 +73,11 @@ def _run(kind: str, args: list[str], device: str, force: bool, config_path: str 
         backend, gpus = _gpus_for(device, profile)
         try:
             runner = DiagRunner(config.diag, state_dir=default_state_dir(config), backend=backend)
-            outcome = runner.run(kind, args, gpus=gpus, force=force, timeout_s=config.diag.timeout_s,
-                                 min_gpus=min_gpus, enforce_budget=False)
+            # A person asked: charged to the budget, not refused by it. A run the coordinator asked for
+            # through an agent (GPUHEALTH_DIAG_BUDGETED=1) is automated: it respects the budget (rule 7).
+            budgeted = os.environ.get(BUDGETED_ENV) == "1"
+            outcome = runner.run(kind, args, gpus=gpus, force=force and not budgeted,
+                                 timeout_s=config.diag.timeout_s, min_gpus=min_gpus, enforce_budget=budgeted)
         finally:
             backend.shutdown()
     health = health_of(outcome.findings) if outcome.status == "ok" else Health.UNKNOWN
