@@ -68,6 +68,8 @@ class JobState:
     hangs: int = 0
     stragglers: dict[int, Finding] = field(default_factory=dict)
     detector: OnlineStragglerDetector | None = None
+    new_detector: Callable[[], OnlineStragglerDetector] | None = None  # a fresh one for a restarted run
+    restarts: int = 0
 
     # -- ingest ----------------------------------------------------------------------------------
 
@@ -87,10 +89,17 @@ class JobState:
         last = self.last_step
         progressed = False
         get = last.get
+        restarted = False
         for rank, step in zip(cols.rank, cols.step, strict=True):
-            if step > get(rank, -1):
+            prev = get(rank, -1)
+            if step > prev:
                 last[rank] = step
                 progressed = True
+            elif step < prev:  # steps went back: the job restarted (elastic restart, resumed checkpoint)
+                last[rank] = step
+                progressed = restarted = True
+        if restarted:
+            self._restart()
         n = len(cols)
         self.records += n
         self.last_record_at = now
@@ -106,6 +115,16 @@ class JobState:
             self.step_samples.extend(cols.wall_s[::stride])
         if self.detector is not None:
             self.detector.feed(cols, now)
+
+    def _restart(self) -> None:
+        """A new run under the same job id: its steps count as progress (no false hang) and its
+        stragglers are judged afresh (the old detector would ignore steps it has already judged)."""
+        self.restarts += 1
+        self.stragglers.clear()
+        if self.new_detector is not None:
+            self.detector = self.new_detector()
+            if self.world_size:
+                self.detector.set_world_size(self.world_size)
 
     def set_live(self, node: str, ranks: Iterable[int]) -> None:
         self.live_ranks[node] = set(ranks)
@@ -178,8 +197,10 @@ class JobTable:
         job = self.jobs.get(job_id)
         if job is None:
             job = JobState(job_id, first_seen=now, progress_at=now)
-            if self._factory is not None:
-                job.detector = self._factory(job_id)
+            factory = self._factory
+            if factory is not None:
+                job.detector = factory(job_id)
+                job.new_detector = lambda: factory(job_id)
             self.jobs[job_id] = job
         return job
 

@@ -145,13 +145,18 @@ class Coordinator:
         for node, (at, findings) in self.store.node_findings().items():
             self.nodes.setdefault(node, NodeView(node)).findings = findings
             self.nodes[node].findings_at = at
-        for job_id, world, _first, _last in self.store.jobs():
-            self.jobs.get(job_id, mono).world_size = world
+        since = now - self.settings.warm_start_s
+        # Only jobs heard from recently come back to life: an old one (kept for history) would otherwise
+        # look stalled a minute after the restart and get a false hang investigation.
+        for job_id, world, _first, last in self.store.jobs():
+            if last >= since:
+                self.jobs.get(job_id, mono).world_size = world
         for rank_row in self.store.ranks():
+            if rank_row.identity.job_id not in self.jobs.jobs:
+                continue
             job = self.jobs.get(rank_row.identity.job_id, mono)
             job.add_identity(rank_row.node, rank_row.identity, mono)
             job.live_ranks.clear()  # unknown until an agent says so
-        since = now - self.settings.warm_start_s
         for _node, _seq, raw in self.store.step_batches(since=since):
             with contextlib.suppress(Exception):  # stored data was validated on the way in
                 rec = pb.AgentMessage.FromString(raw).record

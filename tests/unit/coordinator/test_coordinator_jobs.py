@@ -71,3 +71,24 @@ def test_stride_change_in_the_middle_of_a_step_does_not_stall_detection() -> Non
             flagged_at = step
     assert feed.stride > 1
     assert flagged_at is not None and flagged_at < 100 + 8 * feed.stride, (flagged_at, feed.stride)
+
+
+def test_a_restarted_run_is_progress_and_its_straggler_is_judged_afresh() -> None:
+    """Steps that go back (elastic restart, resume from a checkpoint) under the same job id are a new
+    run: no false hang while it runs, and a straggler in it is found without waiting for the old
+    step count to be passed."""
+    from gpuhealth.coordinator.jobs import JobTable
+
+    table = JobTable(lambda job_id: BudgetedStragglerFeed(job_id))
+    job = table.get("j", 0.0)
+    t = 0.0
+    for s in range(200):
+        t += 0.5
+        job.add_steps(_cols(s, wall=0.5), now=t)
+    for s in range(40):  # the restarted run: rank 3 now computes twice as long
+        t += 0.5
+        job.add_steps(_cols(s, wall=0.5, slow=3), now=t)
+        assert job.hang_check(now=t + 1.0, k=10, floor_s=5) is None
+    assert job.restarts == 1
+    assert job.detector is not None
+    assert [f.evidence["rank"] for f in job.detector.evaluate()] == [3]
