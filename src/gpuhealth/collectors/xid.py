@@ -54,6 +54,25 @@ class XidEntry:
     active: bool = True
     cleared_by_reset_at: float | None = None
     repeats_after_reset: int = 0
+    # Counted occurrences per source not yet matched by the other channel's copy (NVML event vs
+    # kernel log): each occurrence pairs once, so the N-th XID is not counted twice either.
+    unpaired: dict[str, list[float]] = field(default_factory=dict)
+
+    def pair(self, source: str, at: float) -> bool:
+        """True when this event is the other channel's copy of an occurrence already counted."""
+        for other, times in self.unpaired.items():
+            if other == source:
+                continue
+            for t in times:
+                if abs(at - t) <= DEDUP_S:
+                    times.remove(t)
+                    return True
+        return False
+
+    def remember(self, source: str, at: float) -> None:
+        times = self.unpaired.setdefault(source, [])
+        times[:] = [t for t in times if at - t <= DEDUP_S]  # older ones can no longer pair
+        times.append(at)
 
     def snapshot(self) -> dict[str, Any]:
         return {
@@ -81,8 +100,9 @@ class XidLedger:
                              first_seen=event.timestamp, last_seen=event.timestamp, sources={event.source},
                              pci=event.pci_bus_id, detail=event.detail)
             self._entries[key] = entry
+            entry.remember(event.source, event.timestamp)
             return entry
-        if entry.active and event.source not in entry.sources and abs(event.timestamp - entry.last_seen) <= DEDUP_S:
+        if entry.active and entry.pair(event.source, event.timestamp):
             entry.sources.add(event.source)  # the same XID seen through the other channel
             entry.detail = entry.detail or event.detail
             return entry
@@ -94,6 +114,7 @@ class XidLedger:
             entry.first_seen = event.timestamp
         entry.active = True
         entry.count += 1
+        entry.remember(event.source, event.timestamp)
         entry.last_seen = max(entry.last_seen, event.timestamp)
         entry.sources.add(event.source)
         entry.gpu_index = event.gpu_index if event.gpu_index is not None else entry.gpu_index

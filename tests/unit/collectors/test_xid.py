@@ -187,3 +187,21 @@ def test_unreadable_kernel_log_is_an_info_finding_not_a_failure(tmp_path: Path, 
     [f] = run.findings
     assert (f.code, f.severity, f.entity.kind) == ("kmsg.unavailable", Severity.INFO, EntityKind.NODE)
     assert "No such file" in f.message and run.observations is not None and not run.observations.errors
+
+
+def test_each_occurrence_counts_once_when_both_channels_report_it() -> None:
+    """The NVML event and the kernel-log line of one XID are one occurrence, every time, not just the
+    first time both channels were seen."""
+    from gpuhealth.collectors.xid import XidLedger
+
+    ledger = XidLedger()
+    for n, t in enumerate((1000.0, 1100.0, 1200.0)):
+        ledger.add(XidEvent(0, 79, t, source="nvml"), "GPU-0")
+        entry = ledger.add(XidEvent(0, 79, t + 0.5, source="kmsg"), "GPU-0")
+        assert entry.count == n + 1
+    # two real occurrences close together, each seen by both channels, are still two
+    ledger.add(XidEvent(0, 79, 1300.0, source="nvml"), "GPU-0")
+    ledger.add(XidEvent(0, 79, 1301.0, source="nvml"), "GPU-0")
+    ledger.add(XidEvent(0, 79, 1300.2, source="kmsg"), "GPU-0")
+    entry = ledger.add(XidEvent(0, 79, 1301.2, source="kmsg"), "GPU-0")
+    assert entry.count == 5 and entry.sources == {"nvml", "kmsg"}
