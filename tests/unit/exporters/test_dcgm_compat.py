@@ -59,7 +59,7 @@ def test_units_are_converted_to_dcgm_exporters() -> None:
     assert _one(s, "DCGM_FI_DEV_SM_CLOCK", "0") == 1980.0  # MHz
     assert _one(s, "DCGM_FI_DEV_MEM_CLOCK", "0") == 2619.0
     assert abs(_one(s, "DCGM_FI_DEV_GPU_UTIL", "0") - 87.0) < 1e-9  # %
-    assert _one(s, "DCGM_FI_DEV_POWER_VIOLATION", "0") == 1.5e9  # ns
+    assert _one(s, "DCGM_FI_DEV_POWER_VIOLATION", "0") == 1.5e6  # µs, as dcgm-exporter documents it
 
 
 def test_labels_are_dcgm_exporters_plus_pod_labels() -> None:
