@@ -103,6 +103,7 @@ class Agent:
         self._serve_http = serve_http
         self.http: Any = None
         self._listeners: list[FindingsListener] = []
+        self._listeners_lock = threading.RLock()  # serialises deliveries (see _on_snapshot)
         self._label_provider: GpuLabelProvider | None = None
         self._last_findings: tuple[Finding, ...] = ()
         self._state_lock = threading.Lock()
@@ -539,15 +540,18 @@ class Agent:
     def _on_snapshot(self, snap: ExportSnapshot) -> None:
         """After every change (on the writer's thread): findings listeners and systemd status."""
         self._tell_systemd(snap)
-        findings = snap.findings
-        if findings == self._last_findings:
-            return
-        self._last_findings = findings
-        for cb in list(self._listeners):
-            try:
-                cb(list(findings))
-            except Exception:
-                log.exception("findings listener failed")
+        # Writers run on several threads: deliver the cache's newest state, in order, so a slower
+        # writer can never leave listeners (the coordinator link) holding an older set.
+        with self._listeners_lock:
+            findings = self.cache.snapshot().findings
+            if findings == self._last_findings:
+                return
+            self._last_findings = findings
+            for cb in list(self._listeners):
+                try:
+                    cb(list(findings))
+                except Exception:
+                    log.exception("findings listener failed")
 
     def _tell_systemd(self, snap: ExportSnapshot) -> None:
         with self._notify_lock:
