@@ -140,10 +140,19 @@ class Cache:
             snap = self._publish()
         self._notify(snap)
 
-    def mark_unavailable(self, reason: str) -> None:
-        """NVML went away: every reading we hold came from a driver that is gone; drop them."""
+    def mark_unavailable(self, reason: str, *, independent: Iterable[str] = (), keep_findings: Iterable[str] = (),
+                         ) -> None:
+        """NVML went away: every reading we hold came from a driver that is gone; drop them. Collectors
+        in ``independent`` don't use NVML and keep everything; those in ``keep_findings`` keep their
+        findings (an XID from the kernel log is still true — often the reason the driver went away)."""
+        skip, keep = set(independent), set(keep_findings)
         with self._lock:
             for entry in self._entries.values():
+                if entry.name in skip or entry.lane == "external":
+                    continue
+                if entry.name in keep:
+                    entry.samples = ()
+                    continue
                 entry.samples = ()
                 entry.findings = ()
                 entry.failure_findings = ()

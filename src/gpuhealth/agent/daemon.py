@@ -305,8 +305,9 @@ class Agent:
         for name, col in self._collectors.items():
             interval = _interval_of(col, cfg.fast_interval_s, cfg.slow_interval_s)
             self.cache.register(name, str(getattr(col, "lane", Lane.FAST)), interval)
+            needs_nvml = bool(getattr(col, "needs_nvml", True))
             self.scheduler.add(Job(name, interval, self._collector_job(col), timeout_s=timeout,
-                                   enabled=lambda: self.cache.facts.nvml_up))
+                                   enabled=(lambda: self.cache.facts.nvml_up) if needs_nvml else (lambda: True)))
         self.cache.unregister_except(self._collectors)
         self.scheduler.add(Job(_LABELS, cfg.fast_interval_s, self._labels_job, timeout_s=timeout, pool="labels",
                                enabled=lambda: self._label_provider is not None))
@@ -468,7 +469,8 @@ class Agent:
                 return
             log.error("NVML went away (%s); re-initialising with backoff", why)
             self._nvml_down(why)
-            self.cache.mark_unavailable("NVML unavailable")
+            independent = [n for n, c in self._collectors.items() if not getattr(c, "needs_nvml", True)]
+            self.cache.mark_unavailable("NVML unavailable", independent=independent, keep_findings=["xid"])
         self.scheduler.run_soon(_REINIT)
 
     def _nvml_down(self, why: str) -> None:

@@ -155,6 +155,9 @@ class CollectContext:
 
 @runtime_checkable
 class Collector(Protocol):
+    """A collector may also set ``needs_nvml = False`` (host, InfiniBand): the agent then keeps running
+    it while the GPU driver is down."""
+
     name: str
     lane: Lane
 

@@ -94,6 +94,7 @@ class SystemHostReader:
 class HostCollector:
     name = NAME
     lane = Lane.FAST
+    needs_nvml = False  # keeps running (and reporting) while the GPU driver is down
 
     def __init__(self, reader: HostReader | None = None) -> None:
         self._reader: HostReader = reader or SystemHostReader()

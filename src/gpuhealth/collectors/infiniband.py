@@ -45,6 +45,7 @@ def _is_up(p: dict[str, Any]) -> bool:
 class InfinibandCollector:
     name = NAME
     lane = Lane.SLOW
+    needs_nvml = False  # keeps running (and reporting) while the GPU driver is down
 
     def supported(self, ctx: CollectContext) -> bool:
         return True

@@ -146,6 +146,27 @@ def test_driver_unloaded_then_back_reinitialises_nvml(agents: list[Agent], clock
     wait_for(lambda: agent.node_report()["node"]["health"] == "healthy", what="healthy again")
 
 
+def test_while_nvml_is_down_the_xid_that_took_it_and_nvml_free_collectors_stay(agents: list[Agent],
+                                                                                clock: Any) -> None:
+    """The XID 79 that preceded a driver failure is the most useful thing on the page: it stays, and
+    collectors that don't use NVML (host, InfiniBand) keep running."""
+    backend = _scenario_backend(clock, [{"at": 1, "type": "xid", "gpu": 1, "xid": 79},
+                                        {"at": 5, "type": "driver_unloaded", "until": 1000}])
+    cfg = fast_config()
+    agent = _start(agents, Agent(cfg, backend, collectors=all_collectors(cfg), extensions=[], notifier=QUIET))
+    wait_for(lambda: agent.ready, what="first sweep")
+    clock.advance(2)
+    wait_for(lambda: any(f.code == "xid.79" for f in agent.snapshot().findings), what="the XID")
+    clock.advance(4)
+    wait_for(lambda: not agent.snapshot().nvml_up, what="NVML down")
+    codes = {f.code for f in agent.snapshot().findings}
+    assert {NVML_UNAVAILABLE, "xid.79"} <= codes
+    host_runs = next(c for c in agent.snapshot().collectors if c.name == "host").runs_total
+    wait_for(lambda: next(c for c in agent.snapshot().collectors if c.name == "host").runs_total > host_runs,
+             what="the host collector still running")
+    assert next(c for c in agent.snapshot().collectors if c.name == "host").success
+
+
 def test_label_provider_adds_pod_labels_to_gpu_series_only_where_valid(agents: list[Agent], clock: Any
                                                                        ) -> None:
     cfg = fast_config()
