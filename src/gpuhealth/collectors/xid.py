@@ -246,6 +246,7 @@ class XidCollector:
         self.on_event = on_event  # the agent may hook this to sweep at once on an XID
         self.ledger = XidLedger(retention_s, app_retention_s)
         self._pump: _EventPump | None = None
+        self._pump_lock = threading.Lock()
         self._lock = threading.Lock()
         self._prev_counters: dict[str, dict[str, int]] = {}
         self._gone: set[str] = set()
@@ -324,20 +325,25 @@ class XidCollector:
             self.ledger.note_reset(uuid, time.time() if at is None else at)
 
     def close(self) -> None:
-        if self._pump is not None:
-            self._pump.stop()
-            self._pump = None
+        # Serialised with a collect that starts a pump: none is orphaned (a later collect starts a new
+        # one, which the next close stops — the agent closes us around every NVML re-init).
+        with self._pump_lock:
+            pump, self._pump = self._pump, None
+        if pump is not None:
+            pump.stop()
 
     # ------------------------------------------------------------------ helpers
     def _nvml_events(self, ctx: CollectContext, obs: Observations) -> list[XidEvent]:
         if self.event_thread and not ctx.extras.get("one_shot"):
-            if self._pump is None or (not self._pump.alive and not self._pump.unsupported):
-                self._pump = _EventPump(ctx.backend, self.on_event)
-            if self._pump.unsupported:
+            with self._pump_lock:
+                pump = self._pump
+                if pump is None or (not pump.alive and not pump.unsupported):
+                    pump = self._pump = _EventPump(ctx.backend, self.on_event)
+            if pump.unsupported:
                 obs.unsupported.add((None, "xid_events"))
-            elif self._pump.error:
-                obs.node["nvml_events_error"] = self._pump.error
-            return self._pump.drain()
+            elif pump.error:
+                obs.node["nvml_events_error"] = pump.error
+            return pump.drain()
         out: list[XidEvent] = []
         try:
             for _ in range(_MAX_EVENTS_PER_POLL):
