@@ -47,6 +47,11 @@ class InfinibandCollector:
     lane = Lane.SLOW
     needs_nvml = False  # keeps running (and reporting) while the GPU driver is down
 
+    def __init__(self) -> None:
+        # Ports seen up at any time in this agent's life: a port that went down stays critical however
+        # long ago it went (the history window is ~1 h at the slow lane's interval).
+        self._ever_up: set[str] = set()
+
     def supported(self, ctx: CollectContext) -> bool:
         return True
 
@@ -64,7 +69,9 @@ class InfinibandCollector:
                 "link_layer": p.link_layer,
                 "counters": dict(p.counters),
             }
+        self._ever_up.update(pid for pid, p in ports.items() if _is_up(p))
         obs.node["ports"] = ports
+        obs.node["ever_up"] = sorted(self._ever_up)
         return obs
 
     def evaluate(self, obs: Observations, history: History, ctx: CollectContext) -> list[Finding]:
@@ -76,7 +83,8 @@ class InfinibandCollector:
             ev = {"port": pid, "state": p.get("state"), "phys_state": p.get("phys_state"), "rate": p.get("rate"),
                   "link_layer": p.get("link_layer")}
             if not _is_up(p):
-                was_up = any(_is_up((o.node.get("ports") or {}).get(pid) or {}) for o in history if o is not obs)
+                was_up = pid in (obs.node.get("ever_up") or ()) or any(
+                    _is_up((o.node.get("ports") or {}).get(pid) or {}) for o in history if o is not obs)
                 if was_up:
                     sev, action, how = Severity.CRITICAL, Action.DRAIN, "went down"
                 elif p.get("phys_state") == "LINKUP":

@@ -65,6 +65,9 @@ def test_port_that_went_down_is_critical_one_never_up_is_info(clock, tmp_path):
     assert (down.code, down.severity, down.action) == ("ib.port_down", Severity.CRITICAL, Action.DRAIN)
     assert down.entity.kind is EntityKind.LINK and down.evidence["state"] == "DOWN"
     assert "went down" in down.message
+    for _ in range(80):  # well past the history window (64 slow sweeps): still critical
+        later = {f.entity.id: f for f in s.after(60)}
+    assert later["node-a/ib/mlx5_0/1"].severity is Severity.CRITICAL
 
 
 def test_error_counters_growing(clock, tmp_path):
