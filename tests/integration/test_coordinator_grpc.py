@@ -264,3 +264,25 @@ async def _newer_registration(server: CoordinatorServer) -> None:
     await new.wait_acked(2)
     await old.close()
     await new.close()
+
+
+def test_a_session_has_one_stream(tmp_path: Path) -> None:
+    _with_server(tmp_path, _one_stream_per_session)
+
+
+async def _one_stream_per_session(server: CoordinatorServer) -> None:
+    first = SimAgent(_addr(server), "n1")
+    await first.register()
+    await first.connect()
+    await first.send(step_batch_message(1, "j", [0], 1))
+    await first.wait_acked(1)
+    second = SimAgent(_addr(server), "n1")
+    second.channel = grpc.aio.insecure_channel(_addr(server))
+    second.session = first.session  # the same session id, a second stream
+    await second.connect()
+    await second.send(step_batch_message(2, "j", [0], 2))
+    assert await second.status() is grpc.StatusCode.ALREADY_EXISTS
+    await first.send(step_batch_message(3, "j", [0], 3))
+    await first.wait_acked(3)  # the first stream is untouched
+    await first.close()
+    await second.close()

@@ -76,6 +76,8 @@ class CoordinatorServicer:
             return
         if not self.policy.node_allowed(context.auth_context(), session.node):
             await context.abort(grpc.StatusCode.PERMISSION_DENIED, f"certificate does not name node {session.node!r}")
+        if session.connected:  # one stream per session: two would split its requests and acks
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS, "this session already has a stream: register again")
         self.coord.stream_opened(session)
         written_ack = -1
 
@@ -86,10 +88,13 @@ class CoordinatorServicer:
                 if out.HasField("ack"):
                     written_ack = out.ack.up_to_seq
 
+        replaced_marker = StreamRejected(grpc.StatusCode.ABORTED, "this stream's session ended (a newer Register "
+                                         "of the node, or the coordinator is stopping): register again")
+
         async def reader() -> StreamRejected | None:
             async for raw in requests:
                 if session.closed:
-                    return None
+                    return replaced_marker
                 try:
                     msg = pb.AgentMessage.FromString(raw)
                 except (DecodeError, RuntimeError, ValueError) as exc:
