@@ -37,6 +37,11 @@ class RankAnswer:
     error: str = ""
 
 
+# What one request may bring in (all ranks' dumps or stacks together): bounds the coordinator's memory
+# when a job is huge or a node misbehaves; past it, ranks are recorded as "budget spent".
+MAX_EVIDENCE_BYTES = 2 << 30
+
+
 @dataclass(eq=False)
 class PendingRequest:
     """Answers to one request sent to several agents (one answer per rank, ``final`` per agent)."""
@@ -49,6 +54,9 @@ class PendingRequest:
     node_errors: dict[str, str] = field(default_factory=dict)
     node_answers: dict[str, RankAnswer] = field(default_factory=dict)  # rank -1 answers (diagnostics)
     done: asyncio.Event = field(default_factory=asyncio.Event)
+    rank_nodes: dict[int, str] = field(default_factory=dict)  # where each rank runs, when known
+    max_bytes: int = MAX_EVIDENCE_BYTES
+    bytes_received: int = 0
 
     def __post_init__(self) -> None:
         if not self.waiting:
@@ -58,6 +66,15 @@ class PendingRequest:
         if node not in self.waiting:
             return  # an agent we did not ask, or one that already said it was done
         if msg.rank >= 0:
+            owner = self.rank_nodes.get(msg.rank)
+            if (owner is not None and owner != node) or msg.rank in self.answers:
+                return  # another node's rank, or a second answer: a node speaks only for its own ranks, once
+            self.bytes_received += len(msg.payload)
+            if self.bytes_received > self.max_bytes:
+                self.answers[msg.rank] = RankAnswer(node, False, error="evidence budget of this request spent")
+                if msg.final:
+                    self.node_lost(node)
+                return
             answer = RankAnswer(node, msg.ok, error=msg.error[:2000])
             if msg.ok:
                 try:
@@ -120,8 +137,9 @@ async def investigate(
     started = time.monotonic()
     nodes = coord.job_nodes(job)
     agent_timeout = max(1.0, timeout * 0.75)  # agents answer before our own deadline
-    fr = coord.send_request(job.job_id, pb.DUMP_FLIGHT_RECORDER, agent_timeout, nodes)
-    st = coord.send_request(job.job_id, pb.CAPTURE_STACKS, agent_timeout, nodes)
+    owners = {r: p.node for r, p in job.placements.items()}
+    fr = coord.send_request(job.job_id, pb.DUMP_FLIGHT_RECORDER, agent_timeout, nodes, rank_nodes=owners)
+    st = coord.send_request(job.job_id, pb.CAPTURE_STACKS, agent_timeout, nodes, rank_nodes=owners)
     try:
         await asyncio.gather(fr.wait(timeout), st.wait(timeout))
     finally:

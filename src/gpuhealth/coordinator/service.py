@@ -377,10 +377,10 @@ class Coordinator:
     # -- requests to agents ----------------------------------------------------------------------
 
     def send_request(self, job_id: str, kind: Any, timeout_s: float, nodes: set[str],
-                     rank: int = -1) -> hangs.PendingRequest:
+                     rank: int = -1, rank_nodes: dict[int, str] | None = None) -> hangs.PendingRequest:
         rid = next(self._request_ids)
         targets = {n for n in nodes if (s := self.by_node.get(n)) is not None and s.connected}
-        pending = hangs.PendingRequest(rid, kind, job_id, targets)
+        pending = hangs.PendingRequest(rid, kind, job_id, targets, rank_nodes=dict(rank_nodes or {}))
         self.requests[rid] = pending
         for n in targets:
             self.by_node[n].push(pb.AgentRequest(request_id=rid, kind=kind, job_id=job_id, rank=rank,
