@@ -106,7 +106,7 @@ class RankHub:
         self._stopping = threading.Event()
         self._inode: int | None = None
         self._stats = {"connections": 0, "disconnects": 0, "malformed": 0, "bad_records": 0, "records": 0,
-                       "listener_errors": 0, "unknown_messages": 0, "late_replies": 0}
+                       "listener_errors": 0, "unknown_messages": 0, "late_replies": 0, "foreign_replies": 0}
 
     # -- lifecycle ----------------------------------------------------------------------------------
 
@@ -283,9 +283,14 @@ class RankHub:
                 f"rank {w.rank} did not answer within {timeout_s:g} s")
         return results
 
-    def _finish(self, rid: str, result: Any) -> None:
+    def _finish(self, rid: str, result: Any, *, from_conn: _Conn | None = None) -> None:
         with self._lock:
-            w = self._waiters.pop(rid, None)
+            w = self._waiters.get(rid)
+            if w is not None and from_conn is not None and w.conn is not from_conn:
+                # a reply to a request sent to another connection: not this one's to answer
+                self._stats["foreign_replies"] += 1
+                return
+            self._waiters.pop(rid, None)
         if w is None:
             with self._lock:
                 self._stats["late_replies"] += 1
@@ -368,10 +373,11 @@ class RankHub:
             elif kind == protocol.REPLY:
                 rid = protocol.request_id_of(msg)
                 if msg.get("ok") is True:
-                    self._finish(rid, dict(msg))
+                    self._finish(rid, dict(msg), from_conn=conn)
                 else:
                     who = conn.identity.rank if conn.identity else "?"
-                    self._finish(rid, RankRequestError(f"rank {who}: {msg.get('error', 'request failed')}"))
+                    self._finish(rid, RankRequestError(f"rank {who}: {msg.get('error', 'request failed')}"),
+                                 from_conn=conn)
             else:
                 with self._lock:
                     self._stats["unknown_messages"] += 1

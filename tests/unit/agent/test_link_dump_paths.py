@@ -90,3 +90,37 @@ def test_a_symlinked_dump_is_refused_and_a_real_one_travels(tmp_path: Path) -> N
     (tmp_path / "b").mkdir()
     (ok,) = _dump_through_link(tmp_path / "b", real)
     assert ok.ok and json.loads(ok.payload)["version"] == "2.10"
+
+
+def test_a_connection_cannot_answer_another_ranks_request(tmp_path: Path) -> None:
+    """Request ids are guessable: a second process on the socket must not answer rank 0's request."""
+    hub = RankHub(tmp_path / "agent.sock")
+    hub.start(None)
+    stop = threading.Event()
+    seen: dict[str, Any] = {}
+
+    def silent(_dir: Path) -> Path:  # the real rank takes its time
+        time.sleep(1.0)
+        return _dir / "rank0.json"
+
+    t = threading.Thread(target=_fake_rank, args=(tmp_path / "agent.sock", silent, stop), daemon=True)
+    t.start()
+    deadline = time.monotonic() + 5
+    while not hub.ranks() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as intruder:
+        intruder.connect(str(tmp_path / "agent.sock"))
+
+        def answer_for_it() -> None:
+            time.sleep(0.3)
+            for n in range(1, 50):  # guess the request id
+                rid = f"{os.getpid()}-{n}"
+                intruder.sendall(protocol.encode(protocol.reply_ok(rid, path="/etc/passwd")))
+                intruder.sendall(protocol.encode(protocol.reply_ok(str(n), path="/etc/passwd")))
+
+        threading.Thread(target=answer_for_it, daemon=True).start()
+        seen.update(hub.request_dump("victimjob", None, str(tmp_path), timeout_s=3.0))
+    stop.set()
+    hub.stop()
+    assert isinstance(seen[0], str) and seen[0].endswith("rank0.json")
+    assert hub.stats()["foreign_replies"] >= 1
