@@ -22,12 +22,14 @@ counted and skipped. One thread runs a selector over all connections.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 import logging
 import os
 import selectors
 import socket
 import stat
+import struct
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -59,6 +61,18 @@ class RankNotConnectedError(LookupError):
     """The rank asked for is not connected, or went away before answering."""
 
 
+def _peer_pid(sock: socket.socket) -> int | None:
+    """The connecting process's pid from the kernel (Linux SO_PEERCRED), None where unavailable."""
+    opt = getattr(socket, "SO_PEERCRED", None)
+    if opt is None:
+        return None
+    try:
+        pid, _uid, _gid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, opt, struct.calcsize("3i")))
+    except OSError:
+        return None
+    return pid or None
+
+
 @dataclass(eq=False)
 class _Conn:
     sock: socket.socket
@@ -66,6 +80,7 @@ class _Conn:
     identity: RankIdentity | None = None
     send_lock: threading.Lock = field(default_factory=threading.Lock)
     connected_at: float = field(default_factory=time.time)
+    peer_pid: int | None = None
 
 
 @dataclass(eq=False)
@@ -334,7 +349,7 @@ class RankHub:
             except (BlockingIOError, InterruptedError):
                 return
             sock.settimeout(self._send_timeout)  # sends from request threads must not hang forever
-            conn = _Conn(sock)
+            conn = _Conn(sock, peer_pid=_peer_pid(sock))
             with self._lock:
                 self._conns.add(conn)
                 self._stats["connections"] += 1
@@ -386,6 +401,10 @@ class RankHub:
                 self._stats["malformed"] += 1
 
     def _on_hello(self, conn: _Conn, ident: RankIdentity) -> None:
+        if conn.peer_pid and ident.pid != conn.peer_pid:
+            # The kernel's word, not the hello's: the pid py-spy is pointed at must be the caller's own
+            # (and SO_PEERCRED gives it in the agent's PID namespace, which is the one py-spy needs).
+            ident = dataclasses.replace(ident, pid=conn.peer_pid)
         with self._lock:
             if conn.identity is not None and self._by_rank.get((conn.identity.job_id, conn.identity.rank)) is conn:
                 del self._by_rank[(conn.identity.job_id, conn.identity.rank)]

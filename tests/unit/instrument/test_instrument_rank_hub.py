@@ -22,7 +22,8 @@ from gpuhealth.model import RankIdentity, StepRecord
 
 
 def ident(rank: int, job: str = "j1") -> RankIdentity:
-    return RankIdentity(job, rank, 16, "node-a", 1000 + rank)
+    # pid: the hub takes it from the kernel (SO_PEERCRED); these scripted ranks live in this process
+    return RankIdentity(job, rank, 16, "node-a", os.getpid())
 
 
 def rec(rank: int, step: int, job: str = "j1") -> StepRecord:
@@ -252,12 +253,13 @@ def test_a_restarted_rank_replaces_its_old_connection(hub: RankHub, sock_path: P
     old.send(protocol.hello(ident(0)))
     until(lambda: len(hub.ranks()) == 1)
     new = ScriptedRank(sock_path, _answers(0, tmp_path))
-    new.send(protocol.hello(RankIdentity("j1", 0, 4, "node-a", 5555)))
-    until(lambda: hub.ranks()[0].pid == 5555)
+    new.send(protocol.hello(RankIdentity("j1", 0, 4, "node-b", 5555)))
+    until(lambda: hub.ranks()[0].host == "node-b")
+    assert hub.ranks()[0].pid == os.getpid()  # the kernel's pid of the caller, not the hello's claim
     assert hub.request_stacks("j1", 0, timeout_s=2)[0] == {"pid": 0, "threads": [], "text": "rank 0"}
     old.close()
     time.sleep(0.1)
-    assert [i.pid for i in hub.ranks()] == [5555]  # the old one leaving does not remove the new one
+    assert [i.host for i in hub.ranks()] == ["node-b"]  # the old one leaving does not remove the new one
     new.close()
 
 
