@@ -8,27 +8,12 @@ and checks every shape gives the same lanes as the shipped launch. Prints GB/s p
 from __future__ import annotations
 
 import itertools
-import statistics
 
 import torch
+from sdc_bench import bench_ms
 
 from gpuhealth.diag import hashing
 from gpuhealth.diag._triton_hash import hash_words
-
-
-def time_ms(fn, reps: int = 50) -> float:  # type: ignore[no-untyped-def]
-    for _ in range(5):
-        fn()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(reps):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        fn()
-        e.record()
-        e.synchronize()
-        ts.append(s.elapsed_time(e))
-    return statistics.median(ts)
 
 
 def main() -> None:
@@ -48,7 +33,7 @@ def main() -> None:
                 hash_words[grid](words, n, out, BLOCK=block, num_warps=warps)  # noqa: B023
 
             try:
-                ms = time_ms(run)
+                ms = bench_ms(run, reps=50, warmup=5)
             except Exception as exc:  # a shape the compiler refuses
                 print(f"block {block} warps {warps} per_sm {per_sm}: {type(exc).__name__}")
                 continue
@@ -56,7 +41,7 @@ def main() -> None:
             ok = bool(torch.equal(out, ref))
             rows.append((mib * 2**20 / (ms * 1e-3) / 1e9, ms, block, warps, per_sm, ok))
         rows.sort(reverse=True)
-        shipped = time_ms(lambda: hashing.lanes_triton(words, torch.zeros(2, dtype=torch.int32, device=dev)))  # noqa: B023
+        shipped = bench_ms(lambda: hashing.lanes_triton(words, torch.zeros(2, dtype=torch.int32, device=dev)))  # noqa: B023
         print(f"{mib} MiB: shipped launch {shipped:.4f} ms = {mib * 2**20 / (shipped * 1e-3) / 1e9:.0f} GB/s")
         for gbps, ms, block, warps, per_sm, ok in rows[:8]:
             print(f"  {gbps:6.0f} GB/s  {ms:.4f} ms  BLOCK={block} warps={warps} programs/SM={per_sm} same={ok}")
