@@ -17,13 +17,13 @@ from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 from rich.text import Text
 
-from gpuhealth.backends.errors import BackendUnavailable, NvmlError, RecordingError
+from gpuhealth.backends.errors import NvmlError
+from gpuhealth.cli._node_inputs import NodeInputError, open_node
 from gpuhealth.cli.exitcodes import PROFILE_NAMES, exit_code
-from gpuhealth.config import ConfigError, load_config
 from gpuhealth.diag.qualify import LEVELS, QualifyReport, default_state_dir, run_qualify
 from gpuhealth.diag.runner import DiagRunner
 from gpuhealth.model import Health
-from gpuhealth.node import collect_once, open_backend
+from gpuhealth.node import collect_once
 
 _STYLE = {Health.HEALTHY: "bold green", Health.DEGRADED: "bold yellow", Health.UNHEALTHY: "bold red",
           Health.UNKNOWN: "bold magenta"}
@@ -49,20 +49,9 @@ def command(level: str, snapshot: str | None, kmsg_path: str | None, expected_gp
     """Pre-job node qualification with a verdict per GPU and for the node."""
     t0 = time.monotonic()
     try:
-        config = load_config(config_path, overrides={
-            "collectors": {"expected_gpus": expected_gpus, "kmsg_path": kmsg_path},
-            "agent": {"nvml_snapshot": snapshot},
-        })
-    except ConfigError as exc:
+        config, backend = open_node(config_path, snapshot, kmsg_path, expected_gpus)
+    except NodeInputError as exc:
         _fail(str(exc), profile)
-        return
-    try:
-        backend = open_backend(config.agent.nvml_snapshot)
-    except RecordingError as exc:
-        _fail(f"bad recording: {exc}", profile)
-        return
-    except (BackendUnavailable, NvmlError) as exc:
-        _fail(f"cannot read the GPUs: {exc}", profile)
         return
     err = Console(stderr=True, highlight=False)
     show_progress = not as_json and err.is_terminal

@@ -16,14 +16,14 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from gpuhealth.backends.errors import BackendUnavailable, NvmlError, RecordingError
+from gpuhealth.backends.errors import NvmlError, RecordingError
 from gpuhealth.catalog.thresholds import ThresholdsError
 from gpuhealth.catalog.xid import CatalogError
+from gpuhealth.cli._node_inputs import NodeInputError, open_node
 from gpuhealth.cli.exitcodes import PROFILE_NAMES, exit_code
 from gpuhealth.collectors.registry import UnknownCollector
-from gpuhealth.config import ConfigError, load_config
 from gpuhealth.model import Finding, Health, Severity
-from gpuhealth.node import NodeReport, collect_once, open_backend
+from gpuhealth.node import NodeReport, collect_once
 
 _HEALTH_STYLE = {Health.HEALTHY: "bold green", Health.DEGRADED: "bold yellow", Health.UNHEALTHY: "bold red",
                  Health.UNKNOWN: "bold magenta"}
@@ -50,23 +50,9 @@ def command(snapshot: str | None, kmsg_path: str | None, expected_gpus: int | No
             as_json: bool, profile: str) -> None:
     """Node health per GPU, from NVML or a recording."""
     try:
-        config = load_config(config_path, overrides={
-            "collectors": {"expected_gpus": expected_gpus, "kmsg_path": kmsg_path},
-            "agent": {"nvml_snapshot": snapshot},
-        })
-    except ConfigError as exc:
+        config, backend = open_node(config_path, snapshot, kmsg_path, expected_gpus)
+    except NodeInputError as exc:
         _fail(str(exc), profile)
-        return
-    try:
-        backend = open_backend(config.agent.nvml_snapshot)
-    except RecordingError as exc:
-        _fail(f"bad recording: {exc}", profile)
-        return
-    except BackendUnavailable as exc:
-        _fail(f"{exc} — cannot check GPUs here (try --nvml-snapshot FILE for a recording)", profile)
-        return
-    except NvmlError as exc:
-        _fail(f"NVML failed to start: {exc.message} (code {exc.code})", profile)
         return
     try:
         report = collect_once(backend, config)

@@ -1,0 +1,32 @@
+"""What ``status`` and ``qualify`` both start from: the config (file + flags) and a GPU backend (live
+NVML, or a recording/scenario). Every way this can fail becomes one ``NodeInputError`` line."""
+
+from __future__ import annotations
+
+from gpuhealth.backends.base import NvmlBackend
+from gpuhealth.backends.errors import BackendUnavailable, NvmlError, RecordingError
+from gpuhealth.config import Config, ConfigError, load_config
+from gpuhealth.node import open_backend
+
+
+class NodeInputError(Exception):
+    """The node cannot be checked at all (exit code: the profile's "unknown")."""
+
+
+def open_node(config_path: str | None, snapshot: str | None, kmsg_path: str | None,
+              expected_gpus: int | None) -> tuple[Config, NvmlBackend]:
+    try:
+        config = load_config(config_path, overrides={
+            "collectors": {"expected_gpus": expected_gpus, "kmsg_path": kmsg_path},
+            "agent": {"nvml_snapshot": snapshot},
+        })
+    except ConfigError as exc:
+        raise NodeInputError(str(exc)) from exc
+    try:
+        return config, open_backend(config.agent.nvml_snapshot)
+    except RecordingError as exc:
+        raise NodeInputError(f"bad recording: {exc}") from exc
+    except BackendUnavailable as exc:
+        raise NodeInputError(f"{exc} — cannot check GPUs here (try --nvml-snapshot FILE for a recording)") from exc
+    except NvmlError as exc:
+        raise NodeInputError(f"NVML failed to start: {exc.message} (code {exc.code})") from exc
