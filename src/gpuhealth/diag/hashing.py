@@ -99,14 +99,20 @@ def digest_torch(t: torch.Tensor) -> str:
 @functools.cache
 def _triton_kernel() -> Any:
     """The fused kernel, imported on first use (triton exists only on CUDA machines)."""
-    from gpuhealth.diag._triton_hash import hash_words
+    from gpuhealth.diag._triton_hash import hash_words_fast
 
-    return hash_words
+    return hash_words_fast
 
 
+# Launch shape, tuned on an H200 by benchmarks/hash_tune.py (GPU time only, CUDA-graph replay).
 HASH_BLOCK = 2048
 HASH_WARPS = 8
 HASH_PROGRAMS_PER_SM = 4
+
+
+@functools.cache
+def _sm_count(index: int) -> int:
+    return int(torch.cuda.get_device_properties(index).multi_processor_count)
 
 
 def lanes_triton(words: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -117,7 +123,7 @@ def lanes_triton(words: torch.Tensor, out: torch.Tensor | None = None) -> torch.
     else:
         out.zero_()
     n = words.numel()
-    sms = torch.cuda.get_device_properties(words.device).multi_processor_count
+    sms = _sm_count(words.device.index if words.device.index is not None else torch.cuda.current_device())
     # A persistent grid: a few programs per SM, each striding over the tensor (no tail effects).
     # 4 per SM measured best on H200 (benchmarks/hash_tune.py: 2,330 GB/s vs 1,660 GB/s at 8 per SM).
     grid = (max(1, min(sms * HASH_PROGRAMS_PER_SM, (n + HASH_BLOCK - 1) // HASH_BLOCK)),)

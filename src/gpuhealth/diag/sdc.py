@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import enum
+import functools
 import importlib.metadata
 import platform
 import time
@@ -212,9 +213,15 @@ def matmul(case: Case, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     (k, n) B), so the check runs the kernels jobs run at their speed. fp8: ``b`` is (n, k) and
     ``b.t()`` the column-major B that ``torch._scaled_mm`` requires."""
     if case.datapath is Datapath.FP8:
-        one = torch.ones((), dtype=torch.float32, device=a.device)
+        one = _unit_scale(a.device)
         return torch._scaled_mm(a, b.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
     return torch.matmul(a, b)
+
+
+@functools.cache
+def _unit_scale(device: torch.device) -> torch.Tensor:
+    """The fp8 scale 1.0, made once per device (a fresh one per call is a fill kernel and a host gap)."""
+    return torch.ones((), dtype=torch.float32, device=device)
 
 
 def _word_view(out: torch.Tensor) -> torch.Tensor:
