@@ -20,7 +20,7 @@ from gpuhealth.model import StepRecord
 pytestmark = pytest.mark.integration
 
 HARNESS = Path(__file__).parent / "fr_jobs" / "job.py"
-MODES = ["healthy", "hang_skip", "hang_sleep", "subgroup_hang", "type_mismatch", "size_mismatch",
+MODES = ["healthy", "hang_skip", "hang_sleep", "subgroup_hang", "subgroup_skip", "type_mismatch", "size_mismatch",
          "dtype_mismatch", "straggler"]
 CULPRIT = 3
 # job name -> (mode, extra harness options). "hang_sleep_late" is dumped only after the 3 s
@@ -62,7 +62,7 @@ def test_every_rank_dumped(jobs: dict[str, Path]) -> None:
     for mode, folder in jobs.items():
         launcher = json.loads((folder / "launcher.json").read_text())
         assert sorted(p.name for p in (folder / "dumps").glob("*.json")) == [f"rank{r}.json" for r in range(4)], mode
-        if mode in ("hang_skip", "hang_sleep", "subgroup_hang", "type_mismatch"):
+        if mode in ("hang_skip", "hang_sleep", "subgroup_hang", "subgroup_skip", "type_mismatch"):
             assert launcher["reason"] == "stalled", mode
 
 
@@ -77,6 +77,7 @@ def test_healthy_run_reports_nothing(jobs: dict[str, Path]) -> None:
     ("hang_skip", "hang", "collective.missing_rank", "0"),
     ("hang_sleep", "hang", "collective.missing_rank", "0"),
     ("subgroup_hang", "hang", "collective.missing_rank", "2"),
+    ("subgroup_skip", "hang", "collective.missing_rank", "2"),
     ("type_mismatch", "mismatch", "collective.type_mismatch", "0"),
     ("size_mismatch", "mismatch", "collective.size_mismatch", "0"),
     ("dtype_mismatch", "mismatch", "collective.dtype_mismatch", "0"),
@@ -100,6 +101,15 @@ def test_subgroup_hang_root_and_consequence(jobs: dict[str, Path]) -> None:
 def test_skip_is_recognised_as_a_skipped_collective(jobs: dict[str, Path]) -> None:
     ev = _triage(jobs["hang_skip"]).findings[0].evidence
     assert ev["kind"] == "skipped" and ev["waiting_ranks"] == [0, 1, 2]
+
+
+def test_subgroup_skip_blames_the_skipper_not_its_waiting_peer(jobs: dict[str, Path]) -> None:
+    # Rank 3 skipped its TP all_reduce: its peer (2) waits in the TP group and is itself "ahead" there,
+    # while 0, 1 and 3 wait for 2 in the world group. Counting alone cannot tell 2 from 3; the ranks'
+    # own order of collectives can.
+    ev = _triage(jobs["subgroup_skip"]).findings[0].evidence
+    assert ev["kind"] == "skipped" and ev["waiting_ranks"] == [2]
+    assert ev["consequences"] == ["0"]
 
 
 def test_mismatch_evidence_has_exact_sizes(jobs: dict[str, Path]) -> None:

@@ -450,23 +450,40 @@ def find_roots(result: MatchResult) -> list[Root]:
         ))
         explained.update(b.group for b in blocked_by[rank])
     if not free:
+        # Every blocker waits somewhere else too. Best evidence first: a rank whose own history shows it
+        # ran past the place where the missing collective belongs (see _ran_past); only when no rank
+        # does, the weaker sign that it is ahead of everyone in another group.
+        past = {r: hit for r in sorted(blocked_by)
+                if (hit := _ran_past_any([b for b in blocked_by[r] if b.dumped], groups)) is not None}
         for rank in sorted(blocked_by):
             bs = [b for b in blocked_by[rank] if b.dumped]
             if not bs:
                 continue
-            ahead = _ahead_in(rank, groups, waits)
-            if ahead is None:
-                continue
-            b = _earliest(bs, groups)
-            roots.append(Root(
-                "skipped", (rank,), b.group, b.seq,
-                f"rank {rank} never enqueued collective #{b.seq} of group {b.group} (ranks {_fmt(b.waiting)} wait "
-                f"in it) but went on to collective #{ahead[1]} of group {ahead[0]} that no other member has "
-                "reached: it skipped a collective (a code path that differs on this rank)",
-                tuple(sorted({x.group for x in blocked_by[rank]} - {b.group})),
-            ))
+            if past:
+                if rank not in past:
+                    continue
+                b, (hname, hseq, ran, period) = past[rank]
+                why = (f"rank {rank} never enqueued collective #{b.seq} of group {b.group} (ranks {_fmt(b.waiting)} "
+                       f"wait in it) but went on without it: after #{b.seq - 1} of group {b.group} it ran {ran} "
+                       f"collective(s) of group {hname} (up to #{hseq}), where its own history runs at most {period} "
+                       f"between two of group {b.group}. It skipped a collective (a code path that differs on "
+                       "this rank)")
+                # the group it ran on in is where the others now wait: _propagate folds it in
+                ahead_group: str | None = None
+            else:
+                ahead = _ahead_in(rank, groups, waits)
+                if ahead is None:
+                    continue
+                b = _earliest(bs, groups)
+                why = (f"rank {rank} never enqueued collective #{b.seq} of group {b.group} (ranks {_fmt(b.waiting)} "
+                       f"wait in it) but went on to collective #{ahead[1]} of group {ahead[0]} that no other member "
+                       "has reached: it skipped a collective (a code path that differs on this rank)")
+                ahead_group = ahead[0]
+            roots.append(Root("skipped", (rank,), b.group, b.seq, why,
+                              tuple(sorted({x.group for x in blocked_by[rank]} - {b.group}))))
             explained.update(x.group for x in blocked_by[rank])
-            explained.add(ahead[0])
+            if ahead_group is not None:
+                explained.add(ahead_group)
     _propagate(roots, explained, result.blockers, waits)
     # Groups held only by ranks that left no dump.
     missing_only: dict[str, list[Blocker]] = defaultdict(list)
@@ -554,6 +571,48 @@ def _propagate(roots: list[Root], explained: set[str], blockers: Sequence[Blocke
                         break
                 explained.add(gname)
                 changed = True
+
+
+# How many earlier periods (gaps between consecutive collectives of one group) _ran_past looks at.
+_PERIODS = 3
+
+
+def _ran_past(rank: int, gname: str, seq: int, groups: Mapping[str, GroupView]) -> tuple[str, int, int, int] | None:
+    """Did ``rank`` go past the place where collective ``seq`` of ``gname`` belongs in its program?
+
+    Between two consecutive collectives of ``gname`` a rank runs some number of collectives of each
+    other group (a training step: TP all_reduce, then world all_reduce, …). If, since its ``seq - 1``,
+    it ran MORE of some other group than it ever did in one such gap (the last few gaps of its own
+    history), it did not stop before ``seq``: it skipped it. A rank merely waiting earlier in the
+    step ran at most one gap's worth. Returns (other group, its last seq, count since, largest gap
+    count) or None — also when the ring buffer holds too little history to tell.
+    """
+    g = groups[gname]
+    mine = g.by_seq.get(rank, {})
+    anchors = [mine.get(seq - i) for i in range(1, _PERIODS + 2)]
+    if anchors[0] is None or anchors[1] is None:
+        return None
+    bounds = [a.record_id for a in anchors if a is not None]  # newest first
+    for hname, h in groups.items():
+        if hname == gname:
+            continue
+        theirs = sorted(e.record_id for e in h.by_seq.get(rank, {}).values())
+        if not theirs or (h.oldest_seq.get(rank, 1) > 1 and theirs[0] > bounds[-1]):
+            continue  # this group's history does not reach back far enough to compare
+        period = max(sum(1 for x in theirs if lo < x < hi) for hi, lo in itertools.pairwise(bounds))
+        since = [e for e in h.by_seq[rank].values() if e.record_id > bounds[0]]
+        if len(since) > period:
+            return hname, max(e.seq for e in since), len(since), period
+    return None
+
+
+def _ran_past_any(blockers: Sequence[Blocker], groups: Mapping[str, GroupView]
+                  ) -> tuple[Blocker, tuple[str, int, int, int]] | None:
+    for b in sorted(blockers, key=lambda x: (_created(groups[x.group], x), _group_sort_key(x.group))):
+        hit = _ran_past(b.rank, b.group, b.seq, groups)
+        if hit is not None:
+            return b, hit
+    return None
 
 
 def _ahead_in(rank: int, groups: Mapping[str, GroupView], waits: Mapping[int, list[tuple[str, int]]]

@@ -24,10 +24,14 @@ Modes (the faulty rank is ``--culprit``, default the last rank; the fault fires 
                    all_reduce (host-side stuck: everyone waits for it in the world group)
     subgroup_hang  the culprit sleeps just before its TP all_reduce: its TP peer waits in the TP group,
                    everyone else waits in the world group
+    subgroup_skip  the culprit skips its TP all_reduce of one step and goes on to the world all_reduce:
+                   its TP peers wait in the TP group, the rest of the world waits for those peers
     type_mismatch  the culprit calls all_gather where the others call all_reduce
     size_mismatch  the culprit broadcasts a larger tensor than the others (a leaf of the broadcast)
     dtype_mismatch the culprit all_reduces int32 where the others use float32 (same bytes: Gloo passes it silently)
-    straggler      the culprit does 2x the compute every step from --fault-step on
+    straggler      the culprit does --straggler-factor (default 2) x the compute every step from --fault-step on
+
+TP groups are consecutive blocks of --tp-size ranks (default 2).
 """
 
 from __future__ import annotations
@@ -43,10 +47,10 @@ import threading
 import time
 from pathlib import Path
 
-MODES = ("healthy", "hang_skip", "hang_sleep", "subgroup_hang", "type_mismatch", "size_mismatch",
+MODES = ("healthy", "hang_skip", "hang_sleep", "subgroup_hang", "subgroup_skip", "type_mismatch", "size_mismatch",
          "dtype_mismatch", "straggler")
 # Modes where the job is expected to stop making progress (the launcher triggers dumps on a stall).
-HANG_MODES = ("hang_skip", "hang_sleep", "subgroup_hang", "type_mismatch")
+HANG_MODES = ("hang_skip", "hang_sleep", "subgroup_hang", "subgroup_skip", "type_mismatch")
 
 
 # --------------------------------------------------------------------------------------- rank side
@@ -69,8 +73,9 @@ def _rank_main(args: argparse.Namespace) -> int:
 
     dist.init_process_group(args.backend, init_method=f"tcp://127.0.0.1:{args.port}", rank=rank,
                             world_size=world, timeout=timedelta(seconds=args.pg_timeout))
-    tp_groups = [dist.new_group(list(range(i, min(i + 2, world)))) for i in range(0, world, 2)]
-    tp = tp_groups[rank // 2]
+    tp_size = args.tp_size
+    tp_groups = [dist.new_group(list(range(i, min(i + tp_size, world)))) for i in range(0, world, tp_size)]
+    tp = tp_groups[rank // tp_size]
     dump_done = threading.Event()
 
     def dump() -> None:
@@ -138,13 +143,14 @@ def _train(args, dist, torch, rank, world, tp, me, grad, small, device, nccl, st
     for step in range(args.steps):
         t0 = time.time()
         c0 = time.perf_counter()
-        factor = 2.0 if (args.mode == "straggler" and me and step >= args.fault_step) else 1.0
+        factor = args.straggler_factor if (args.mode == "straggler" and me and step >= args.fault_step) else 1.0
         compute(args.compute_s * factor)
         fault_now = me and step == args.fault_step
         c1 = time.perf_counter()
         if fault_now and args.mode == "subgroup_hang":
             time.sleep(3600)
-        dist.all_reduce(small, group=tp)
+        if not (fault_now and args.mode == "subgroup_skip"):
+            dist.all_reduce(small, group=tp)
         if fault_now and args.mode == "hang_sleep":
             time.sleep(3600)
         if fault_now and args.mode == "hang_skip":
@@ -244,6 +250,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--fault-step", type=int, default=6)
     p.add_argument("--culprit", type=int, default=-1)
+    p.add_argument("--tp-size", type=int, default=2)
+    p.add_argument("--straggler-factor", type=float, default=2.0)
     p.add_argument("--compute-s", type=float, default=0.02)
     p.add_argument("--numel", type=int, default=1024)
     p.add_argument("--buffer", type=int, default=2000)
