@@ -18,6 +18,7 @@ def main() -> int:
     ap.add_argument("--runs", type=int, default=2)
     ap.add_argument("--level", default="quick")
     ap.add_argument("--out")
+    ap.add_argument("--save-reports", help="folder for each run's full `qualify --json` report")
     args = ap.parse_args()
     smi = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True).stdout.strip()
     rows = []
@@ -31,6 +32,9 @@ def main() -> int:
         except json.JSONDecodeError:
             print(f"run {i}: exit {res.returncode}, no JSON: {res.stderr[-800:]}")
             return 1
+        if args.save_reports:
+            with open(f"{args.save_reports}/qualify_{args.level}_run{i}.json", "w") as fh:
+                fh.write(res.stdout)
         steps = {d["diag"]: (d["status"], round(d["wall_s"], 1)) for d in doc["diagnostics"]}
         rows.append({"run": i, "wall_s": round(wall, 1), "exit": res.returncode, "health": doc["node"]["health"],
                      "steps": steps})

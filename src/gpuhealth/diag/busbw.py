@@ -2,10 +2,14 @@
 
 One process per GPU (NCCL) or per CPU rank (Gloo, for CI). Sizes follow nccl-tests' convention
 (``size`` is the all-gather's total output, the reduce-scatter's total input, …), float32, sum.
-On CUDA each (collective, size) is captured in a CUDA graph of ``iters`` calls and replayed, so a
-1 MiB collective is not dominated by host launch cost; if capture fails the eager loop is timed
-and the point says so. After timing, the collective runs once more on fresh, rank-dependent inputs
-and every element of the output is checked on the device (only a mismatch count leaves it).
+On CUDA each small (collective, size) — up to ``graph_max_bytes`` — is captured in a CUDA graph of
+``iters`` calls and replayed, so a 1 MiB collective is not dominated by host launch cost; larger
+sizes are timed as an eager loop, as nccl-tests does (launch cost is noise there). If capture
+fails the eager loop is timed and the point says so. Before the clock starts, the ranks' streams
+are aligned by a one-element all_reduce and a short device-side sleep (host launch skew between
+the processes would otherwise count as collective time). After timing, the collective runs once
+more on fresh, rank-dependent inputs and every element of the output is checked on the device
+(only a mismatch count leaves it).
 
     algbw = size / time;  busbw = algbw × factor
     factor: all_reduce 2(n−1)/n; all_gather, reduce_scatter, all_to_all (n−1)/n; broadcast, sendrecv 1
@@ -262,9 +266,22 @@ class _Bench:
         return int((got != expected).sum().item())
 
 
+# Device-side pause after the aligning all_reduce, so every rank's host has queued the timed work
+# before its GPU reaches the start event (~200 µs at H100/H200 clocks).
+_ALIGN_SLEEP_CYCLES = 400_000
+
+
+def _align_streams(torch: Any, dist: Any, device: Any) -> None:
+    """Make the ranks' GPUs leave this point together: a tiny all_reduce completes on every rank at
+    about the same moment, then each GPU idles briefly while its host queues the timed work."""
+    dist.all_reduce(torch.zeros(1, device=device))
+    torch.cuda._sleep(_ALIGN_SLEEP_CYCLES)
+
+
 def _time_eager(torch: Any, dist: Any, bench: _Bench, iters: int, cuda: bool) -> float:
     if cuda:
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        _align_streams(torch, dist, bench.device)
         start.record()
         bench.run(iters)
         end.record()
@@ -276,7 +293,7 @@ def _time_eager(torch: Any, dist: Any, bench: _Bench, iters: int, cuda: bool) ->
     return (time.perf_counter() - t0) / iters
 
 
-def _time_graph(torch: Any, bench: _Bench, iters: int, replays: int) -> float:
+def _time_graph(torch: Any, dist: Any, bench: _Bench, iters: int, replays: int) -> float:
     graph = torch.cuda.CUDAGraph()
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
@@ -290,6 +307,7 @@ def _time_graph(torch: Any, bench: _Bench, iters: int, replays: int) -> float:
     torch.cuda.synchronize()
     # The replay count must be the same on every rank (a rank-local choice deadlocks the group).
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    _align_streams(torch, dist, bench.device)
     start.record()
     for _ in range(replays):
         graph.replay()
@@ -306,6 +324,7 @@ class RankPlan:
     iters: int = 20
     replays: int = 3
     use_graphs: bool = True
+    graph_max_bytes: int = 16 << 20  # larger sizes are timed eagerly (see the module docstring)
 
 
 def measure_rank(torch: Any, dist: Any, plan: RankPlan, rank: int, world: int, device: Any,
@@ -320,9 +339,9 @@ def measure_rank(torch: Any, dist: Any, plan: RankPlan, rank: int, world: int, d
             bench.run(plan.warmup)
             graph = False
             seconds = None
-            if cuda and plan.use_graphs:
+            if cuda and plan.use_graphs and bench.size <= plan.graph_max_bytes:
                 try:
-                    seconds = _time_graph(torch, bench, plan.iters, plan.replays)
+                    seconds = _time_graph(torch, dist, bench, plan.iters, plan.replays)
                     graph = True
                 except Exception as exc:  # capture unsupported for this op/build: fall back, say so
                     if progress:
@@ -398,7 +417,7 @@ def detect_topology(world: int, multinode: bool, cuda: bool) -> str:
 def plan_to_args(plan: RankPlan) -> list[str]:
     return ["--collectives", ",".join(plan.collectives), "--sizes", ",".join(map(str, plan.sizes)),
             "--warmup", str(plan.warmup), "--iters", str(plan.iters), "--replays", str(plan.replays),
-            *([] if plan.use_graphs else ["--no-graphs"])]
+            "--graph-max-bytes", str(plan.graph_max_bytes), *([] if plan.use_graphs else ["--no-graphs"])]
 
 
 class LaunchError(RuntimeError):

@@ -126,7 +126,7 @@ def _busbw_plan(args: argparse.Namespace) -> Any:
     if unknown:
         raise ValueError(f"unknown collective(s) {unknown}; known: {', '.join(COLLECTIVES)}")
     return RankPlan(colls, tuple(sizes), warmup=args.warmup, iters=args.iters, replays=args.replays,
-                    use_graphs=not args.no_graphs)
+                    use_graphs=not args.no_graphs, graph_max_bytes=args.graph_max_bytes)
 
 
 def cmd_busbw_rank(args: argparse.Namespace) -> dict[str, Any] | None:
@@ -232,6 +232,7 @@ def build_parser() -> argparse.ArgumentParser:
         b.add_argument("--iters", type=int, default=20)
         b.add_argument("--replays", type=int, default=3)
         b.add_argument("--no-graphs", action="store_true")
+        b.add_argument("--graph-max-bytes", type=int, default=16 << 20)
         b.add_argument("--backend", choices=["nccl", "gloo"])
         b.add_argument("--init-method", default="env://")
 
