@@ -510,6 +510,14 @@ def find_roots(result: MatchResult) -> list[Root]:
         if st.group in explained or any(m.group == st.group and m.seq == st.seq for m in result.mismatches):
             continue
         ranks = st.suspects or st.not_done
+        # NCCL queues collectives without blocking the host: a rank stuck in an explained group's
+        # collective has the next one queued behind it on the same stream, "not started". That is the
+        # explained root seen again, not a GPU stall of its own.
+        causes = [{g for g, _ in waits.get(r, []) if g in explained and g != st.group} for r in ranks]
+        if ranks and all(causes):
+            _add_consequence(roots, set().union(*causes), st.group)
+            explained.add(st.group)
+            continue
         why = (f"every member enqueued collective #{st.seq} of group {st.group} but rank(s) {_fmt(st.not_done)} "
                "did not complete it: the GPU or network side is stuck")
         if st.suspects:
@@ -543,6 +551,14 @@ def find_roots(result: MatchResult) -> list[Root]:
     return roots
 
 
+def _add_consequence(roots: list[Root], causes: set[str], gname: str) -> None:
+    for i, root in enumerate(roots):
+        if root.group in causes or set(root.consequences) & causes:
+            roots[i] = dataclasses.replace(root, consequences=tuple(sorted({*root.consequences, gname},
+                                                                           key=_group_sort_key)))
+            return
+
+
 def _propagate(roots: list[Root], explained: set[str], blockers: Sequence[Blocker],
                waits: Mapping[int, list[tuple[str, int]]]) -> None:
     """A group whose every blocker is waiting in an already explained group is a consequence of
@@ -564,11 +580,7 @@ def _propagate(roots: list[Root], explained: set[str], blockers: Sequence[Blocke
                     break
                 causes |= inside
             else:
-                for i, root in enumerate(roots):
-                    if root.group in causes or set(root.consequences) & causes:
-                        roots[i] = dataclasses.replace(root, consequences=tuple(sorted({*root.consequences, gname},
-                                                                                       key=_group_sort_key)))
-                        break
+                _add_consequence(roots, causes, gname)
                 explained.add(gname)
                 changed = True
 

@@ -1,0 +1,38 @@
+"""Real NCCL dumps from 4 × H200 (torch 2.11, NCCL 2.28.9), taken by tests/integration/fr_jobs/run_nccl.sh
+with TP groups of 2 ({0,1}, {2,3}) and TORCH_NCCL_ENABLE_TIMING=1 (see nccl_4gpu/run_log.txt)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from frbuild import FIXTURES
+
+from gpuhealth.flightrec.verdict import triage
+from gpuhealth.model import StepRecord
+
+NCCL4 = FIXTURES / "nccl_4gpu"
+
+
+def _steps(folder: Path) -> list[StepRecord]:
+    return [StepRecord.from_dict(json.loads(line)) for p in sorted(folder.glob("steps_rank*.jsonl"))
+            for line in p.read_text().splitlines()]
+
+
+def test_rank_that_skipped_its_tp_all_reduce_is_named_with_its_group() -> None:
+    # Rank 3 skipped the TP all_reduce of step 10 and went on to the world all_reduce. Its TP peer (2)
+    # waits in the TP group — and, NCCL being asynchronous, has the world all_reduce queued behind it,
+    # "not started": that is the same fault seen again, not a GPU stall of rank 2.
+    rep = triage(NCCL4 / "subgroup_skip" / "dumps", steps=_steps(NCCL4 / "subgroup_skip"))
+    assert rep.verdict == "hang"
+    assert [(f.code, f.evidence["rank"]) for f in rep.findings] == [("collective.missing_rank", 3)]
+    ev = rep.findings[0].evidence
+    assert ev["kind"] == "skipped" and ev["group"] == "2" and ev["seq"] == 11
+    assert ev["waiting_ranks"] == [2] and ev["consequences"] == ["0"]
+    assert rep.culprits == [3]
+
+
+def test_healthy_four_rank_nccl_job_is_quiet() -> None:
+    rep = triage(NCCL4 / "healthy" / "dumps", steps=_steps(NCCL4 / "healthy"))
+    assert rep.verdict == "healthy" and rep.findings == []
+    assert rep.ranks_seen == [0, 1, 2, 3]
