@@ -36,11 +36,17 @@ MiB = 1 << 20
 GiB = 1 << 30
 SOURCE = "diag.busbw"
 
-# busbw in GB/s by size in bytes. nvlink: 2 × H200 through NVSwitch, nccl-tests 2.19.6 (MEASUREMENTS.md);
-# busbw is by construction about independent of the GPU count on a switch, and the published 8 × H100
-# all_reduce without SHARP (≈ 360–370 GB/s) sits on the same plateau.
+# busbw in GB/s by size in bytes, keyed "<topology>@<ranks>" (a curve for one world size) or "<topology>"
+# (any world size; user files may use it). nccl-tests 2.19.6, `-w 5 -n 20`, out-of-place, NVLink
+# through NVSwitch, multicast off:
+#   nvlink@2: 2 × H200 (MEASUREMENTS.md);  nvlink@4: 4 × H200 (benchmarks/results/nccl_tests_4xh200_2026-11-26.json).
+# busbw is NOT independent of the rank count below ~1 GiB: at 64 MiB sendrecv reads 268 GB/s on 2 ranks
+# and 156 on 4 (a ring: every GPU sends and receives at once), all_reduce 268 vs 310. At 2 GiB the
+# curves meet (339–363 GB/s), and the published 8 × H100/H200 all_reduce without SHARP (≈ 360–370)
+# sits on the same plateau. So a world size without its own curve is judged against the nearest
+# measured one at ≥ PLATEAU_BYTES only.
 REFERENCE_CURVES: dict[str, dict[str, dict[int, float]]] = {
-    "nvlink": {
+    "nvlink@2": {
         "all_reduce": {MiB: 70, 64 * MiB: 270, 2 * GiB: 340},
         "all_gather": {MiB: 38, 64 * MiB: 215, 2 * GiB: 278},
         "reduce_scatter": {MiB: 37, 64 * MiB: 210, 2 * GiB: 277},
@@ -48,7 +54,38 @@ REFERENCE_CURVES: dict[str, dict[str, dict[int, float]]] = {
         "broadcast": {MiB: 73, 64 * MiB: 329, 2 * GiB: 367},
         "sendrecv": {MiB: 65, 64 * MiB: 268, 2 * GiB: 364},
     },
+    "nvlink@4": {
+        "all_reduce": {MiB: 39, 64 * MiB: 310, 2 * GiB: 359},
+        "all_gather": {MiB: 19, 64 * MiB: 264, 2 * GiB: 333},
+        "reduce_scatter": {MiB: 19, 64 * MiB: 267, 2 * GiB: 336},
+        "all_to_all": {MiB: 21, 64 * MiB: 267, 2 * GiB: 348},
+        "broadcast": {MiB: 24, 64 * MiB: 316, 2 * GiB: 362},
+        "sendrecv": {MiB: 26, 64 * MiB: 156, 2 * GiB: 363},
+    },
 }
+PLATEAU_BYTES = GiB
+
+
+def reference_curve(curves: Mapping[str, Mapping[str, Mapping[int, float]]], topology: str, world: int,
+                    collective: str) -> tuple[Mapping[int, float], str, int] | None:
+    """(curve, which curve, smallest size it may judge) for this topology, rank count and collective:
+    the curve for exactly this many ranks, else a rank-count-free one, else the nearest measured rank
+    count's curve from PLATEAU_BYTES up; None when the topology has no curve for the collective."""
+    exact = curves.get(f"{topology}@{world}", {}).get(collective)
+    if exact:
+        return exact, f"{topology}@{world}", 0
+    generic = curves.get(topology, {}).get(collective)
+    if generic:
+        return generic, topology, 0
+    measured = []
+    for key, colls in curves.items():
+        name, _, n = key.partition("@")
+        if name == topology and n.isdigit() and collective in colls:
+            measured.append((abs(int(n) - world), -int(n), key))
+    if not measured:
+        return None
+    key = min(measured)[2]
+    return curves[key][collective], f"{key} (nearest rank count; plateau only)", PLATEAU_BYTES
 
 
 def bus_factor(collective: str, world: int) -> float:
@@ -131,7 +168,6 @@ def judge(
     large sizes; the summary says what was judged against what."""
     findings: list[Finding] = []
     summary: dict[str, Any] = {"topology": topology, "min_fraction": min_fraction, "judged": [], "unjudged": []}
-    ref_set = curves.get(topology)
     for p in points:
         if p.errors:
             findings.append(Finding(
@@ -140,16 +176,20 @@ def judge(
                         f"{p.errors} wrong elements",
                 action=Action.DRAIN, evidence=p.to_dict(), source=SOURCE))
     large = [p for p in points if p.size_bytes >= judge_min_bytes]
-    for coll in sorted({p.collective for p in large}):
-        curve = ref_set.get(coll) if ref_set else None
-        if not curve:
+    for coll, world in sorted({(p.collective, p.world) for p in large}):
+        found = reference_curve(curves, topology, world, coll)
+        judged_here = [q for q in large if q.collective == coll and q.world == world
+                       and found is not None and q.size_bytes >= found[2]]
+        if found is None or not judged_here:
             summary["unjudged"].append(coll)
             continue
-        for p in (q for q in large if q.collective == coll):
+        curve, curve_name, _ = found
+        for p in judged_here:
             ref = reference_at(curve, p.size_bytes)
             ratio = p.busbw_gbps / ref
             summary["judged"].append({"collective": coll, "size_bytes": p.size_bytes, "busbw_gbps": round(
-                p.busbw_gbps, 1), "reference_gbps": round(ref, 1), "ratio": round(ratio, 3)})
+                p.busbw_gbps, 1), "reference_gbps": round(ref, 1), "ratio": round(ratio, 3),
+                "reference": curve_name})
             if ratio >= min_fraction:
                 continue
             critical = ratio < min_fraction / 2
@@ -157,15 +197,17 @@ def judge(
                 code="busbw.low", severity=Severity.CRITICAL if critical else Severity.WARNING,
                 entity=Entity.node(node),
                 message=f"{coll} busbw {p.busbw_gbps:.1f} GB/s at {human_bytes(p.size_bytes)} across {p.world} "
-                        f"ranks is {ratio:.0%} of the {topology} reference {ref:.0f} GB/s",
+                        f"ranks is {ratio:.0%} of the {curve_name} reference {ref:.0f} GB/s",
                 action=Action.DRAIN if critical else Action.MONITOR,
-                evidence={**p.to_dict(), "reference_gbps": ref, "ratio": ratio, "topology": topology},
+                evidence={**p.to_dict(), "reference_gbps": ref, "ratio": ratio, "topology": topology,
+                          "reference": curve_name},
                 source=SOURCE))
     return findings, summary
 
 
 def load_curves(path: str | Path) -> dict[str, dict[str, dict[int, float]]]:
-    """A YAML file ``{topology: {collective: {size_bytes: busbw_GBps}}}`` (replaces the defaults)."""
+    """A YAML file ``{topology: {collective: {size_bytes: busbw_GBps}}}`` (replaces the defaults); a
+    topology key may name a rank count, ``nvlink@8``, for a curve measured at exactly that many ranks."""
     import yaml
 
     p = Path(path)

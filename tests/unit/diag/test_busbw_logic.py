@@ -48,7 +48,7 @@ def test_sweep_sizes() -> None:
 
 
 def test_reference_curve_interpolates_in_log_size_and_is_flat_outside() -> None:
-    curve = REFERENCE_CURVES["nvlink"]["all_reduce"]
+    curve = REFERENCE_CURVES["nvlink@2"]["all_reduce"]
     assert reference_at(curve, 64 * MiB) == 270
     assert reference_at(curve, 8 * GiB) == 340
     assert reference_at(curve, 1024) == 70
@@ -56,8 +56,8 @@ def test_reference_curve_interpolates_in_log_size_and_is_flat_outside() -> None:
     assert mid == pytest.approx((70 + 270) / 2)
 
 
-def _pt(coll: str, size: int, busbw: float, errors: int = 0) -> Point:
-    return Point(coll, size, 2, 1.0, busbw, busbw, errors, True)
+def _pt(coll: str, size: int, busbw: float, errors: int = 0, world: int = 2) -> Point:
+    return Point(coll, size, world, 1.0, busbw, busbw, errors, True)
 
 
 def test_healthy_numbers_pass_and_slow_links_are_flagged_at_large_sizes_only() -> None:
@@ -90,3 +90,51 @@ def test_threshold_file(tmp_path: Path) -> None:
     f.write_text("pcie: [1, 2]\n")
     with pytest.raises(ValueError, match="expected"):
         load_curves(f)
+
+
+def test_each_rank_count_is_judged_against_its_own_curve() -> None:
+    # Measured on 4 x H200: sendrecv at 64 MiB is 157 GB/s across 4 ranks (nccl-tests: 156) — healthy,
+    # though 2 ranks reach 268. Judged against the 2-rank curve it was a false "busbw.low".
+    four = [_pt("sendrecv", 64 * MiB, 157.7, world=4), _pt("all_reduce", 64 * MiB, 312.8, world=4)]
+    findings, summary = judge(four, topology="nvlink", node="n")
+    assert findings == []
+    assert {j["reference"] for j in summary["judged"]} == {"nvlink@4"}
+    findings, _ = judge([_pt("sendrecv", 64 * MiB, 157.7, world=2)], topology="nvlink", node="n")
+    assert [f.code for f in findings] == ["busbw.low"] and "nvlink@2" in findings[0].message
+
+
+def test_a_rank_count_without_a_curve_is_judged_on_the_plateau_of_the_nearest_one() -> None:
+    eight = [_pt("sendrecv", 64 * MiB, 90.0, world=8), _pt("all_reduce", 2 * GiB, 200.0, world=8),
+             _pt("all_gather", 256 * MiB, 10.0, world=8)]
+    findings, summary = judge(eight, topology="nvlink", node="n")
+    # 64 MiB and 256 MiB are below the plateau: their value depends on the rank count, so no verdict.
+    assert sorted(summary["unjudged"]) == ["all_gather", "sendrecv"]
+    assert [(f.evidence["collective"], f.evidence["size_bytes"]) for f in findings] == [("all_reduce", 2 * GiB)]
+    assert findings[0].evidence["reference"].startswith("nvlink@4")
+    assert findings[0].evidence["reference_gbps"] == 359
+
+
+def test_a_curve_without_a_rank_count_applies_to_every_rank_count(tmp_path: Path) -> None:
+    f = tmp_path / "t.yaml"
+    f.write_text("pcie:\n  all_reduce: {67108864: 20.0}\npcie@8:\n  all_reduce: {67108864: 40.0}\n")
+    curves = load_curves(f)
+    findings, _ = judge([_pt("all_reduce", 64 * MiB, 30.0, world=4)], topology="pcie", node="n", curves=curves)
+    assert findings == []
+    findings, _ = judge([_pt("all_reduce", 64 * MiB, 30.0, world=8)], topology="pcie", node="n", curves=curves)
+    assert [x.evidence["reference"] for x in findings] == ["pcie@8"]
+
+
+def test_real_four_rank_sweep_from_h200_is_healthy() -> None:
+    # The busbw step of a real `qualify --level standard` on 4 x H200 (1 MiB to 1 GiB, six collectives).
+    import json
+
+    doc = json.loads((Path(__file__).parents[2] / "fixtures" / "diag" / "busbw_4xh200_standard.json").read_text())
+    points = [Point.from_dict(p) for p in doc["points"]]
+    assert {p.world for p in points} == {4}
+    findings, summary = judge(points, topology="nvlink", node="n")
+    assert findings == [], [f.message for f in findings]
+    assert len(summary["judged"]) == 18 and min(j["ratio"] for j in summary["judged"]) > 0.95
+    # What the node got before curves were per rank count: sendrecv at 64 MiB "59 % of the reference".
+    two_rank = {"nvlink": REFERENCE_CURVES["nvlink@2"]}
+    findings, _ = judge(points, topology="nvlink", node="n", curves=two_rank)
+    assert [(f.evidence["collective"], f.evidence["size_bytes"]) for f in findings] == [("sendrecv", 64 * MiB)]
