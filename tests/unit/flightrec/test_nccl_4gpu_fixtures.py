@@ -36,3 +36,17 @@ def test_healthy_four_rank_nccl_job_is_quiet() -> None:
     rep = triage(NCCL4 / "healthy" / "dumps", steps=_steps(NCCL4 / "healthy"))
     assert rep.verdict == "healthy" and rep.findings == []
     assert rep.ranks_seen == [0, 1, 2, 3]
+
+
+def test_rank_doing_one_and_a_half_times_the_compute_is_the_straggler() -> None:
+    # Rank 3 computes 36 ms instead of 24 ms per step from step 10; wall step times are equal on all
+    # ranks (everyone waits for it at the all_reduce), so only the split or the FR durations show it.
+    by_fr = triage(NCCL4 / "straggler" / "dumps")
+    assert by_fr.verdict == "straggler"
+    assert [(f.code, f.evidence["rank"]) for f in by_fr.findings] == [("rank.straggler", 3)]
+    assert by_fr.findings[0].evidence["measure"] == "flight-recorder duration_ms"
+    by_steps = triage(NCCL4 / "straggler" / "dumps", steps=_steps(NCCL4 / "straggler"))
+    assert [(f.code, f.evidence["rank"]) for f in by_steps.findings] == [("rank.straggler", 3)]
+    ev = by_steps.findings[0].evidence
+    assert ev["measure"] == "step records" and ev["since_step"] == 10
+    assert 1.4 <= ev["ratio_to_median"] <= 1.6
