@@ -76,6 +76,11 @@ class CoordinatorConfig:
     hang_floor_s: float = 60.0
     retention_days: float = 30.0
     token: str | None = None
+    # Actions on nodes (LiveTriage: dumps and py-spy; RunDiagnostic) need an operator: this token, or
+    # a client certificate whose CN/SAN is one of operator_names (comma-separated). Agent credentials
+    # only report and read. Without either (and with auth on), those RPCs are refused.
+    operator_token: str | None = None
+    operator_names: str = ""
     tls_cert: str | None = None
     tls_key: str | None = None
     tls_ca: str | None = None

@@ -16,7 +16,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from gpuhealth.coordinator.query import CoordinatorQueryError, fleet, list_jobs
+from gpuhealth.coordinator.query import CoordinatorQueryError, fleet, list_jobs, live_triage, run_diagnostic
 from gpuhealth.coordinator.security import AuthPolicy, token_metadata
 from gpuhealth.coordinator.server import CoordinatorServer
 from gpuhealth.coordinator.service import Coordinator, Settings
@@ -28,22 +28,22 @@ from gpuhealth.proto import gpuhealth_v1_pb2 as pb
 pytestmark = pytest.mark.integration
 
 
-async def _server(tmp_path: Path, token: str | None = None) -> CoordinatorServer:
+async def _server(tmp_path: Path, token: str | None = None, operator_token: str | None = None) -> CoordinatorServer:
     store = Store(tmp_path / "c.db")
     coord = Coordinator(store, Settings(evidence_dir=str(tmp_path / "ev"), tick_s=0.1, hang_floor_s=3600),
                         detector_factory=lambda j: BudgetedStragglerFeed(j))
     server = CoordinatorServer(coord, listen="127.0.0.1:0", metrics_listen="127.0.0.1:0",
-                               policy=AuthPolicy(token=token), metrics_interval_s=0.1)
+                               policy=AuthPolicy(token=token, operator_token=operator_token), metrics_interval_s=0.1)
     await server.start()
     return server
 
 
 def _with_server(tmp_path: Path, body: Callable[[CoordinatorServer], Awaitable[None]],
-                 token: str | None = None) -> None:
+                 token: str | None = None, operator_token: str | None = None) -> None:
     """pytest has no asyncio plugin here: each test runs its own loop with a fresh server."""
 
     async def main() -> None:
-        srv = await _server(tmp_path, token)
+        srv = await _server(tmp_path, token, operator_token)
         try:
             await asyncio.wait_for(body(srv), 60)
         finally:
@@ -172,6 +172,40 @@ async def _token_is_required(srv: CoordinatorServer) -> None:
         with pytest.raises(CoordinatorQueryError, match="UNAUTHENTICATED"):
             await asyncio.to_thread(fleet, addr)
         assert (await asyncio.to_thread(fleet, addr, token="s3cret"))["nodes"][0]["name"] == "n1"
+
+
+def test_only_an_operator_may_act_on_nodes(tmp_path: Path) -> None:
+    _with_server(tmp_path, _operator_only, token="agent-tok", operator_token="op-tok")
+
+
+async def _operator_only(srv: CoordinatorServer) -> None:
+    # Every node holds the agent token: it reports and reads, but must not make other nodes' ranks
+    # dump or run GPU diagnostics.
+    addr = _addr(srv)
+    agent = SimAgent(addr, "n1", metadata=token_metadata("agent-tok"))
+    await agent.register()
+    await agent.connect()
+    await agent.send(step_batch_message(1, "j", [0, 1], 1))
+    await agent.wait_acked(1)
+    assert (await asyncio.to_thread(fleet, addr, token="agent-tok"))["nodes"][0]["name"] == "n1"
+    with pytest.raises(CoordinatorQueryError, match=r"PERMISSION_DENIED.*operator"):
+        await asyncio.to_thread(live_triage, addr, "j", token="agent-tok")
+    with pytest.raises(CoordinatorQueryError, match="PERMISSION_DENIED"):
+        await asyncio.to_thread(run_diagnostic, addr, "sdc", token="agent-tok")
+    # The operator token passes authorisation (and reads too).
+    assert (await asyncio.to_thread(fleet, addr, token="op-tok"))["nodes"][0]["name"] == "n1"
+    with pytest.raises(CoordinatorQueryError, match="NOT_FOUND"):
+        await asyncio.to_thread(live_triage, addr, "no-such-job", token="op-tok", timeout_s=2.0)
+    await agent.close()
+
+
+def test_without_operator_credentials_actions_are_refused_with_how_to(tmp_path: Path) -> None:
+    _with_server(tmp_path, _no_operators, token="agent-tok")
+
+
+async def _no_operators(srv: CoordinatorServer) -> None:
+    with pytest.raises(CoordinatorQueryError, match="--operator-token"):
+        await asyncio.to_thread(live_triage, _addr(srv), "j", token="agent-tok")
 
 
 def test_health_reflection_and_metrics(tmp_path: Path) -> None:

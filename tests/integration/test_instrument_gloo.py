@@ -207,13 +207,14 @@ def test_gloo_job_steps_straggler_dump_and_stacks(sock_dir: Path, tmp_path: Path
         time.sleep(0.3)
 
         dump_dir = tmp_path / "fr"
-        paths = hub.request_dump(job, None, str(dump_dir), timeout_s=30)
-        assert sorted(paths) == list(range(WORLD)), paths
+        dump_dir.mkdir()
+        dumps = hub.request_dump(job, None, timeout_s=30)
+        assert sorted(dumps) == list(range(WORLD)), dumps
         last_enqueued: dict[int, int] = {}
-        for r, path in paths.items():
-            assert isinstance(path, str), (r, path)
-            assert Path(path) == (dump_dir / f"rank{r}.json").resolve()
-            dump = json.loads(Path(path).read_text())
+        for r, data in dumps.items():
+            assert isinstance(data, bytes), (r, data)  # sent over the socket, no shared folder
+            (dump_dir / f"rank{r}.json").write_bytes(data)
+            dump = json.loads(data)
             assert dump["version"].startswith("2.")
             ops = [e["profiling_name"] for e in dump["entries"]]
             assert ops.count("gloo:all_reduce") >= STEPS

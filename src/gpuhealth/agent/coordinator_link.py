@@ -401,10 +401,12 @@ class CoordinatorLink:
     def _do_dump(self, req: pb.AgentRequest, emit: Callable[[pb.RequestResult], None]) -> None:
         if self._no_hub(req, emit):
             return
+        # Ranks send their dump inline over the socket. The folder is only for hooks older than that,
+        # which write a file there instead; ranks run as the job's user: they may create files here but
+        # not list or remove others' (sticky).
         base = self.settings.work_dir or tempfile.gettempdir()
         out_dir = Path(base) / "gpuhealth-fr" / f"{_safe(req.job_id)}-{req.request_id}-{os.getpid()}"
         out_dir.mkdir(parents=True, exist_ok=True)
-        # Ranks run as the job's user: they may create files here but not list or remove others' (sticky).
         out_dir.chmod(0o1733)
         results = self.hub.request_dump(req.job_id, None if req.rank < 0 else req.rank, str(out_dir),
                                         timeout_s=req.timeout_s or 20.0)
@@ -414,7 +416,11 @@ class CoordinatorLink:
                                       error=f"{type(res).__name__}: {res}", format="fr_json"))
                 continue
             try:
-                data = _read_json_file(Path(res), expected=out_dir / f"rank{rank}.json")
+                if isinstance(res, bytes):
+                    data = res
+                    json.loads(data)  # only JSON travels: a pickle or garbage is refused here already
+                else:
+                    data = _read_json_file(Path(res), expected=out_dir / f"rank{rank}.json")
                 emit(pb.RequestResult(request_id=req.request_id, rank=rank, ok=True, payload=data, format="fr_json"))
             except (OSError, ValueError) as exc:
                 emit(pb.RequestResult(request_id=req.request_id, rank=rank, ok=False, error=str(exc),

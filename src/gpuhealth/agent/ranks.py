@@ -9,8 +9,8 @@ ranks on behalf of the coordinator link:
     hub.add_listener(on_identity=..., on_steps=..., on_disconnect=...)
     hub.start(agent)
     hub.ranks()                                         # -> list[RankIdentity]
-    hub.request_dump("job42", None, "/var/lib/gpuhealth/fr/job42", timeout_s=30)
-        # -> {rank: "/…/rank3.json" | Exception}
+    hub.request_dump("job42", None, timeout_s=30)
+        # -> {rank: b"<the rank's flight-recorder JSON>" | Exception}  (sent inline over the socket)
     hub.request_stacks("job42", 3, timeout_s=10)        # -> {3: {"pid", "threads", "text"} | Exception}
     hub.stop()
 
@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
 import itertools
 import logging
 import os
@@ -89,6 +90,8 @@ class _Waiter:
     rank: int
     done: threading.Event = field(default_factory=threading.Event)
     result: Any = None
+    chunks: list[bytes] = field(default_factory=list)  # an inline dump, as it arrives
+    size: int = 0
 
 
 @dataclass(frozen=True)
@@ -103,8 +106,10 @@ class RankHub:
 
     name = "ranks"
 
-    def __init__(self, socket_path: str | os.PathLike[str], *, mode: int = 0o660, send_timeout_s: float = 2.0) -> None:
+    def __init__(self, socket_path: str | os.PathLike[str], *, mode: int = 0o660, send_timeout_s: float = 2.0,
+                 max_dump_bytes: int = 48 * 1024 * 1024) -> None:
         self.socket_path = Path(socket_path)
+        self.max_dump_bytes = max_dump_bytes
         self.mode = mode
         self._send_timeout = send_timeout_s
         self._lock = threading.Lock()
@@ -232,22 +237,27 @@ class RankHub:
             return {**self._stats, "connected": len(self._conns), "ranks": len(self._by_rank)}
 
     def request_dump(
-        self, job_id: str, rank: int | None, out_dir: str, timeout_s: float = 30.0
-    ) -> dict[int, str | Exception]:
-        """Ask ranks (all of the job's ranks on this node when ``rank`` is None) to write their flight
-        recorder into ``out_dir``. Returns each rank's dump path, or the Exception that stands in for
-        it (RankRequestError, RankNotConnectedError, TimeoutError). Waits at most ``timeout_s``."""
+        self, job_id: str, rank: int | None, out_dir: str | None = None, timeout_s: float = 30.0
+    ) -> dict[int, bytes | str | Exception]:
+        """Ask ranks (all of the job's ranks on this node when ``rank`` is None) for their flight
+        recorder. Each answers with the dump's bytes, sent inline over the socket (at most
+        ``max_dump_bytes``, checked against the length and SHA-256 the rank states); a hook older than
+        inline dumps writes ``<out_dir>/rank<N>.json`` instead and answers with its path (a str), when
+        ``out_dir`` is given. An Exception stands in for a rank that failed (RankRequestError,
+        RankNotConnectedError, TimeoutError). Waits at most ``timeout_s``."""
         # Absolute: the rank resolves the folder from its own working directory, not the agent's.
-        folder = os.path.abspath(out_dir)
+        folder = os.path.abspath(out_dir) if out_dir else None
         results = self._request(job_id, rank, timeout_s, lambda rid: protocol.dump_fr_request(rid, folder))
-        out: dict[int, str | Exception] = {}
+        out: dict[int, bytes | str | Exception] = {}
         for r, res in results.items():
             if isinstance(res, Exception):
                 out[r] = res
-            elif isinstance(res.get("path"), str):
+            elif isinstance(res.get("data"), bytes):
+                out[r] = res["data"]
+            elif folder and isinstance(res.get("path"), str):
                 out[r] = res["path"]
             else:
-                out[r] = RankRequestError(f"rank {r} replied without a path")
+                out[r] = RankRequestError(f"rank {r} replied without a dump")
         return out
 
     def request_stacks(
@@ -385,10 +395,13 @@ class RankHub:
                     self._stats["bad_records"] += bad
                 if records:
                     self._notify(lambda li: li.on_steps and li.on_steps(conn.identity, records))
+            elif kind == protocol.DUMP_CHUNK:
+                self._on_chunk(conn, *protocol.read_dump_chunk(msg))
             elif kind == protocol.REPLY:
                 rid = protocol.request_id_of(msg)
                 if msg.get("ok") is True:
-                    self._finish(rid, dict(msg), from_conn=conn)
+                    result = self._assemble(conn, rid, msg) if msg.get("inline") is True else dict(msg)
+                    self._finish(rid, result, from_conn=conn)
                 else:
                     who = conn.identity.rank if conn.identity else "?"
                     self._finish(rid, RankRequestError(f"rank {who}: {msg.get('error', 'request failed')}"),
@@ -399,6 +412,36 @@ class RankHub:
         except protocol.ProtocolError:
             with self._lock:
                 self._stats["malformed"] += 1
+
+    def _on_chunk(self, conn: _Conn, rid: str, index: int, data: bytes) -> None:
+        with self._lock:
+            w = self._waiters.get(rid)
+            if w is None or w.conn is not conn:
+                self._stats["late_replies" if w is None else "foreign_replies"] += 1
+                return
+            if index != len(w.chunks):
+                error: Exception | None = RankRequestError(f"rank {w.rank}: dump chunk {index} arrived out of order")
+            elif w.size + len(data) > self.max_dump_bytes:
+                error = RankRequestError(f"rank {w.rank}: the dump is over the {self.max_dump_bytes}-byte limit")
+            else:
+                w.chunks.append(data)
+                w.size += len(data)
+                error = None
+        if error is not None:
+            self._finish(rid, error, from_conn=conn)  # later chunks and the reply count as late
+
+    def _assemble(self, conn: _Conn, rid: str, msg: Mapping[str, Any]) -> dict[str, Any] | Exception:
+        """The inline dump a reply closes, checked against the length and digest the rank states."""
+        with self._lock:
+            w = self._waiters.get(rid)
+            if w is None or w.conn is not conn:
+                return dict(msg)  # _finish counts it as late or foreign
+            data = b"".join(w.chunks)
+            w.chunks.clear()
+        if msg.get("bytes") != len(data) or msg.get("sha256") != hashlib.sha256(data).hexdigest():
+            return RankRequestError(f"rank {w.rank}: the dump arrived incomplete ({len(data)} of "
+                                    f"{msg.get('bytes')} bytes, or a digest mismatch)")
+        return {**msg, "data": data}
 
     def _on_hello(self, conn: _Conn, ident: RankIdentity) -> None:
         if conn.peer_pid and ident.pid != conn.peer_pid:

@@ -14,7 +14,8 @@ def coordinator_options(func: Callable[..., Any]) -> Callable[..., Any]:
     for opt in reversed([
         click.option("--coordinator", "address", help="host:port (default: agent.coordinator from config)."),
         click.option("--config", "config_path", type=click.Path(dir_okay=False), help="YAML config file."),
-        click.option("--token", help="Bearer token (default: coordinator.token from config)."),
+        click.option("--token", help="Bearer token (default: coordinator.operator_token, else coordinator.token "
+                                     "from config; live triage needs the operator token)."),
         click.option("--tls-cert", help="Client certificate (mutual TLS)."),
         click.option("--tls-key", help="Client private key."),
         click.option("--tls-ca", help="CA of the coordinator's certificate."),
@@ -35,4 +36,4 @@ def resolve(config_path: str | None, address: str | None, token: str | None, tls
         tls = tls_files(tls_cert or c.client_tls_cert, tls_key or c.client_tls_key, tls_ca or c.tls_ca)
     except (ConfigError, SecurityConfigError) as exc:
         raise click.ClickException(str(exc)) from exc
-    return addr, token or c.token, tls
+    return addr, token or c.operator_token or c.token, tls

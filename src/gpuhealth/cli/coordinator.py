@@ -22,6 +22,8 @@ from gpuhealth.config import ConfigError, load_config
 @click.option("--tls-key", help="Server private key (PEM).")
 @click.option("--tls-ca", help="CA that signs agent certificates (PEM).")
 @click.option("--token", help="Shared bearer token agents must present (labs without a PKI).")
+@click.option("--operator-token", help="Token that may also act on nodes (live triage, remote diagnostics).")
+@click.option("--operator-names", help="Client-certificate names (CN/SAN, comma-separated) that are operators.")
 @click.option("--hang-k", type=float, help="Hang when no rank progressed for max(k x typical step, floor).")
 @click.option("--hang-floor", "hang_floor_s", type=float, help="Hang floor in seconds.")
 @click.option("--evidence-dir", help="Where hang evidence (FR dumps, stacks) is kept.")
@@ -29,14 +31,16 @@ from gpuhealth.config import ConfigError, load_config
 @click.option("--log-level", default="info", show_default=True)
 def command(config_path: str | None, listen: str | None, metrics_listen: str | None, db_path: str | None,
             tls_cert: str | None, tls_key: str | None, tls_ca: str | None, token: str | None,
-            hang_k: float | None, hang_floor_s: float | None, evidence_dir: str | None, ready_file: str | None,
+            operator_token: str | None, operator_names: str | None, hang_k: float | None,
+            hang_floor_s: float | None, evidence_dir: str | None, ready_file: str | None,
             log_level: str) -> None:
     """Run the cluster coordinator."""
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         cfg = load_config(config_path, overrides={"coordinator": {
             "listen": listen, "metrics_listen": metrics_listen, "db_path": db_path, "tls_cert": tls_cert,
-            "tls_key": tls_key, "tls_ca": tls_ca, "token": token, "hang_k": hang_k, "hang_floor_s": hang_floor_s,
+            "tls_key": tls_key, "tls_ca": tls_ca, "token": token, "operator_token": operator_token,
+            "operator_names": operator_names, "hang_k": hang_k, "hang_floor_s": hang_floor_s,
             "evidence_dir": evidence_dir,
         }})
     except ConfigError as exc:

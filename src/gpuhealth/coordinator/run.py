@@ -47,7 +47,11 @@ def build(cfg: CoordinatorConfig) -> CoordinatorServer:
     coord = Coordinator(store, settings_from(cfg), detector_factory=factory)
     metrics = None if cfg.metrics_listen in ("", "off", "none") else cfg.metrics_listen
     return CoordinatorServer(coord, listen=cfg.listen, metrics_listen=metrics,
-                             policy=AuthPolicy(token=cfg.token, mtls=tls is not None), tls=tls)
+                             policy=AuthPolicy(token=cfg.token, mtls=tls is not None,
+                                               operator_token=cfg.operator_token or None,
+                                               operator_names=frozenset(n.strip() for n in
+                                                                        cfg.operator_names.split(",") if n.strip())),
+                             tls=tls)
 
 
 async def _ping_watchdog(notifier: SystemdNotifier) -> None:

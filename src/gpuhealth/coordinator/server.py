@@ -53,6 +53,16 @@ class CoordinatorServicer:
         if not self.policy.token_ok(context.invocation_metadata()):
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token")
 
+    async def _authorise_operator(self, context: grpc.aio.ServicerContext, rpc: str) -> None:
+        await self._authorise(context)
+        if not self.policy.is_operator(context.invocation_metadata(), context.auth_context()):
+            how = ("present the operator token, or a client certificate named in operator_names"
+                   if self.policy.operators_configured else
+                   "none is configured: start the coordinator with --operator-token or --operator-names")
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED,
+                                f"{rpc} acts on nodes and needs operator credentials ({how}); "
+                                "agent credentials only report and read")
+
     async def register(self, raw: bytes, context: grpc.aio.ServicerContext) -> pb.RegisterResponse:
         await self._authorise(context)
         req = await _parse(raw, pb.RegisterRequest, context)
@@ -155,7 +165,7 @@ class CoordinatorServicer:
         return json_reply(self.coord.fleet_doc())
 
     async def live_triage(self, raw: bytes, context: grpc.aio.ServicerContext) -> pb.JsonReply:
-        await self._authorise(context)
+        await self._authorise_operator(context, "LiveTriage")
         req = await _parse(raw, pb.LiveTriageRequest, context)
         remaining = context.time_remaining()
         budget = req.timeout_s or 30.0
@@ -169,7 +179,7 @@ class CoordinatorServicer:
         return json_reply(doc)
 
     async def run_diagnostic(self, raw: bytes, context: grpc.aio.ServicerContext) -> pb.JsonReply:
-        await self._authorise(context)
+        await self._authorise_operator(context, "RunDiagnostic")
         req = await _parse(raw, pb.RunDiagnosticRequest, context)
         remaining = context.time_remaining()
         budget = req.timeout_s or 300.0
@@ -248,6 +258,9 @@ class CoordinatorServer:
         self.endpoints = Endpoints(port, metrics_port)
         if self.policy.open:
             log.warning("coordinator is running WITHOUT authentication (no token, no mTLS): loopback/tests only")
+        elif not self.policy.operators_configured:
+            log.warning("no operator credentials configured (--operator-token / --operator-names): live triage "
+                        "and remote diagnostics are refused; automatic hang investigations still run")
         log.info("coordinator serving gRPC on port %d, metrics on %s", port, metrics_port)
         return self.endpoints
 

@@ -1,9 +1,10 @@
 """Answers to the agent's requests, run on the hook's background thread.
 
-- ``dump_flight_recorder``: the process's flight recorder as JSON, written to ``<dir>/rank<N>.json``
-  (``_dump_nccl_trace_json`` for NCCL, ``_dump_fr_trace_json`` for Gloo and the rest; the wrong one
-  returns an empty trace, FLIGHT_RECORDER.md). Works while the main thread waits in a collective
-  (torch releases the GIL there).
+- ``dump_fr``: the process's flight recorder as JSON (``_dump_nccl_trace_json`` for NCCL,
+  ``_dump_fr_trace_json`` for Gloo and the rest; the wrong one returns an empty trace,
+  FLIGHT_RECORDER.md), sent back inline over the socket in chunks — or, for an agent that only
+  gives a ``dir``, written to ``<dir>/rank<N>.json``. Works while the main thread waits in a
+  collective (torch releases the GIL there).
 - ``python_stacks``: every thread's Python stack (``sys._current_frames``), as text and as frames.
 
 The dump file holds the recorder's own bytes unchanged; the rank is in the file name (the JSON
@@ -113,21 +114,26 @@ def python_stacks() -> dict[str, Any]:
     return {"pid": os.getpid(), "threads": threads, "text": "".join(text)}
 
 
-def handle_request(message: Mapping[str, Any], identity: RankIdentity) -> dict[str, Any] | None:
-    """The reply to one agent request; None for messages that need no reply (unknown types)."""
+def handle_request(message: Mapping[str, Any], identity: RankIdentity) -> list[dict[str, Any]]:
+    """The messages that answer one agent request, in order (the reply last); none for messages
+    that need no answer (unknown types, no request id)."""
     kind = message.get("type")
     if kind not in (protocol.DUMP_FR, protocol.STACKS):
-        return None
+        return []
     try:
         rid = protocol.request_id_of(message)
     except protocol.ProtocolError:
-        return None  # nothing to answer to
+        return []  # nothing to answer to
     try:
         if kind == protocol.DUMP_FR:
+            if message.get("inline") is True:
+                data, source = flight_recorder_json()
+                chunks = protocol.dump_chunks(rid, data)
+                return [*chunks, protocol.inline_dump_reply(rid, data, len(chunks), source=source)]
             out_dir = message.get("dir")
             if not isinstance(out_dir, str) or not out_dir:
-                return protocol.reply_error(rid, "dump_fr needs a 'dir'")
-            return protocol.reply_ok(rid, **dump_flight_recorder(out_dir, identity.rank))
-        return protocol.reply_ok(rid, stacks=python_stacks())
+                return [protocol.reply_error(rid, "dump_fr needs 'inline' or a 'dir'")]
+            return [protocol.reply_ok(rid, **dump_flight_recorder(out_dir, identity.rank))]
+        return [protocol.reply_ok(rid, stacks=python_stacks())]
     except Exception as exc:  # an answer, never a crash of the training process
-        return protocol.reply_error(rid, f"{type(exc).__name__}: {exc}")
+        return [protocol.reply_error(rid, f"{type(exc).__name__}: {exc}")]

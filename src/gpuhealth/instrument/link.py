@@ -24,7 +24,7 @@ import socket
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -36,7 +36,7 @@ DEFAULT_SOCKET = "/run/gpuhealth/agent.sock"
 SOCKET_ENV = "GPUHEALTH_SOCKET"
 JSONL_ENV = "GPUHEALTH_STEPS_JSONL"
 
-RequestHandler = Callable[[Mapping[str, Any], RankIdentity], "dict[str, Any] | None"]
+RequestHandler = Callable[[Mapping[str, Any], RankIdentity], "Sequence[dict[str, Any]]"]
 
 
 @dataclass(slots=True)
@@ -241,15 +241,18 @@ class AgentLink:
     def _on_message(self, message: Mapping[str, Any]) -> None:
         if self._handler is None:
             return
-        reply = self._handler(message, self.identity)
-        if reply is None:
+        replies = self._handler(message, self.identity)
+        if not replies:
             return
         self.stats.requests += 1
-        try:
-            self._send(reply)
-        except protocol.ProtocolError as exc:  # e.g. stacks over the line limit
-            self._error(exc)
-            self._send(protocol.reply_error(str(reply.get("id")), str(exc)))
+        for reply in replies:
+            try:
+                if not self._send(reply):
+                    return  # the agent went away: it will ask again
+            except protocol.ProtocolError as exc:  # e.g. stacks over the line limit
+                self._error(exc)
+                self._send(protocol.reply_error(str(reply.get("id")), str(exc)))
+                return
 
     def _drain(self, limit: int) -> list[StepRecord]:
         out: list[StepRecord] = []

@@ -7,12 +7,19 @@ Every line is one JSON object with a ``type``. Version 1 messages:
 rank → agent
     ``{"v": 1, "type": "hello", "identity": RankIdentity}``  (first line on a connection)
     ``{"type": "steps", "records": [StepRecord, ...], "dropped": N}``
-    ``{"type": "reply", "id": ID, "ok": true, "path": "..."}``            (answer to dump_fr)
+    ``{"type": "dump_chunk", "id": ID, "index": K, "data": BASE64}``     (an inline dump, in order)
+    ``{"type": "reply", "id": ID, "ok": true, "inline": true, "bytes": N, "chunks": K, "sha256": HEX}``
+                                                                          (answer to an inline dump_fr)
+    ``{"type": "reply", "id": ID, "ok": true, "path": "..."}``            (answer to dump_fr with a dir)
     ``{"type": "reply", "id": ID, "ok": true, "stacks": {...}}``          (answer to stacks)
     ``{"type": "reply", "id": ID, "ok": false, "error": "..."}``
 agent → rank
-    ``{"type": "dump_fr", "id": ID, "dir": "/folder"}``
+    ``{"type": "dump_fr", "id": ID, "inline": true[, "dir": "/folder"]}``
     ``{"type": "stacks", "id": ID}``
+
+A dump travels inline, over this socket: the rank may run as another user than the agent, and a
+file it writes (0600, its own) is one the agent could not read. ``dir`` is still sent for hooks
+older than ``inline``, which write ``<dir>/rank<N>.json`` and answer with its path.
 
 Either side ignores message types it does not know (forward compatibility) and lines that are
 not valid JSON objects (counted, never fatal). A line longer than ``MAX_LINE_BYTES`` is discarded
@@ -21,6 +28,9 @@ whole, up to its newline.
 
 from __future__ import annotations
 
+import base64
+import binascii
+import hashlib
 import json
 import math
 from collections.abc import Iterator, Mapping, Sequence
@@ -37,7 +47,10 @@ HELLO = "hello"
 STEPS = "steps"
 REPLY = "reply"
 DUMP_FR = "dump_fr"
+DUMP_CHUNK = "dump_chunk"
 STACKS = "stacks"
+# Raw bytes per dump chunk: 2.7 MiB as base64, well under MAX_LINE_BYTES.
+DUMP_CHUNK_BYTES = 2 * 1024 * 1024
 
 
 class ProtocolError(ValueError):
@@ -81,8 +94,24 @@ def steps(records: Sequence[StepRecord], dropped: int = 0) -> dict[str, Any]:
     return {"type": STEPS, "records": [r.to_dict() for r in records], "dropped": dropped}
 
 
-def dump_fr_request(request_id: str, out_dir: str) -> dict[str, Any]:
-    return {"type": DUMP_FR, "id": request_id, "dir": out_dir}
+def dump_fr_request(request_id: str, out_dir: str | None = None) -> dict[str, Any]:
+    """Ask for the flight recorder inline; ``out_dir`` only for hooks that predate inline dumps."""
+    msg: dict[str, Any] = {"type": DUMP_FR, "id": request_id, "inline": True}
+    if out_dir:
+        msg["dir"] = out_dir
+    return msg
+
+
+def dump_chunks(request_id: str, data: bytes, chunk_bytes: int = DUMP_CHUNK_BYTES) -> list[dict[str, Any]]:
+    """``data`` as ordered ``dump_chunk`` messages (none for an empty dump)."""
+    return [{"type": DUMP_CHUNK, "id": request_id, "index": i,
+             "data": base64.b64encode(data[off:off + chunk_bytes]).decode("ascii")}
+            for i, off in enumerate(range(0, len(data), chunk_bytes))]
+
+
+def inline_dump_reply(request_id: str, data: bytes, n_chunks: int, **extra: Any) -> dict[str, Any]:
+    return reply_ok(request_id, inline=True, bytes=len(data), chunks=n_chunks,
+                    sha256=hashlib.sha256(data).hexdigest(), **extra)
 
 
 def stacks_request(request_id: str) -> dict[str, Any]:
@@ -205,3 +234,15 @@ class LineBuffer:
                 yield decode(line)
             except ProtocolError:
                 self.malformed += 1
+
+
+def read_dump_chunk(message: Mapping[str, Any]) -> tuple[str, int, bytes]:
+    """(request id, chunk index, bytes) of a ``dump_chunk``; ProtocolError when malformed."""
+    rid = request_id_of(message)
+    index, data = message.get("index"), message.get("data")
+    if not isinstance(index, int) or isinstance(index, bool) or index < 0 or not isinstance(data, str):
+        raise ProtocolError("dump_chunk needs an 'index' >= 0 and base64 'data'")
+    try:
+        return rid, index, base64.b64decode(data, validate=True)
+    except (binascii.Error, ValueError) as exc:
+        raise ProtocolError(f"dump_chunk data is not base64: {exc}") from exc

@@ -44,7 +44,9 @@ def test_steps_round_trip_and_bad_records_are_counted_not_fatal() -> None:
 
 
 def test_requests_and_replies() -> None:
-    assert _one(protocol.encode(protocol.dump_fr_request("r1", "/d"))) == {"type": "dump_fr", "id": "r1", "dir": "/d"}
+    assert _one(protocol.encode(protocol.dump_fr_request("r1", "/d"))) == {"type": "dump_fr", "id": "r1",
+                                                                             "inline": True, "dir": "/d"}
+    assert _one(protocol.encode(protocol.dump_fr_request("r1"))) == {"type": "dump_fr", "id": "r1", "inline": True}
     assert _one(protocol.encode(protocol.stacks_request("r2"))) == {"type": "stacks", "id": "r2"}
     ok = _one(protocol.encode(protocol.reply_ok("r1", path="/d/rank3.json")))
     assert ok == {"type": "reply", "id": "r1", "ok": True, "path": "/d/rank3.json"}
@@ -135,3 +137,28 @@ def test_records_the_coordinator_would_refuse_are_dropped_at_the_socket() -> Non
     for broken in (dict(ident, rank=2), dict(ident, rank=-1), dict(ident, job_id=""), dict(ident, world_size=0)):
         with pytest.raises(protocol.ProtocolError):
             read_identity({"identity": broken})
+
+
+def test_dump_chunks_round_trip_and_stay_under_the_line_limit() -> None:
+    data = bytes(range(256)) * 20_000  # 5 MB: three chunks
+    msgs = protocol.dump_chunks("r9", data)
+    assert [m["index"] for m in msgs] == [0, 1, 2]
+    lines = [protocol.encode(m) for m in msgs]
+    assert max(len(x) for x in lines) < protocol.MAX_LINE_BYTES
+    parts = [protocol.read_dump_chunk(_one(x)) for x in lines]
+    assert {rid for rid, _, _ in parts} == {"r9"} and b"".join(p for _, _, p in parts) == data
+    assert protocol.dump_chunks("r9", b"") == []
+    reply = protocol.inline_dump_reply("r9", data, 3)
+    assert reply["bytes"] == len(data) and reply["chunks"] == 3 and len(reply["sha256"]) == 64
+
+
+@pytest.mark.parametrize("bad", [
+    {"type": "dump_chunk", "id": "r", "index": 0, "data": "not base64!"},
+    {"type": "dump_chunk", "id": "r", "index": -1, "data": ""},
+    {"type": "dump_chunk", "id": "r", "index": True, "data": ""},
+    {"type": "dump_chunk", "id": "r", "data": ""},
+    {"type": "dump_chunk", "index": 0, "data": ""},
+])
+def test_malformed_dump_chunks_are_refused(bad: dict[str, object]) -> None:
+    with pytest.raises(protocol.ProtocolError):
+        protocol.read_dump_chunk(bad)

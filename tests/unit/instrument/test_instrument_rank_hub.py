@@ -33,7 +33,7 @@ def rec(rank: int, step: int, job: str = "j1") -> StepRecord:
 class ScriptedRank:
     """A fake rank process: sends what it is told, answers requests with ``answer(msg)``."""
 
-    def __init__(self, path: Path, answer: Callable[[dict[str, Any]], dict[str, Any] | None] | None = None) -> None:
+    def __init__(self, path: Path, answer: Callable[[dict[str, Any]], Any] | None = None) -> None:
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.sock.connect(str(path))
         self.answer = answer
@@ -57,8 +57,8 @@ class ScriptedRank:
                 self.received.append(msg)
                 if self.answer is not None:
                     reply = self.answer(msg)
-                    if reply is not None:
-                        self.send(reply)
+                    for one in reply if isinstance(reply, list) else [] if reply is None else [reply]:
+                        self.send(one)
 
     def close(self) -> None:
         with contextlib.suppress(OSError):  # wakes our reader thread and sends the FIN
@@ -293,3 +293,89 @@ def test_neither_the_hub_nor_the_hook_imports_torch_by_itself() -> None:
     out = subprocess.run([sys.executable, "-c", "import json; " + code], capture_output=True, text=True, check=True,
                          env={**os.environ})
     assert json.loads(out.stdout) == []
+
+
+# -- inline dumps (the rank sends the bytes over the socket) ---------------------------------------
+
+
+def _inline(data: bytes, *, chunk: int = 1000, tamper: Callable[[list[dict[str, Any]]], None] | None = None
+            ) -> Callable[[dict[str, Any]], Any]:
+    def answer(msg: dict[str, Any]) -> Any:
+        if msg["type"] != "dump_fr":
+            return None
+        assert msg.get("inline") is True
+        msgs = [*protocol.dump_chunks(msg["id"], data, chunk_bytes=chunk)]
+        msgs.append(protocol.inline_dump_reply(msg["id"], data, len(msgs)))
+        if tamper:
+            tamper(msgs)
+        return msgs
+
+    return answer
+
+
+def test_an_inline_dump_arrives_whole_in_chunks_and_needs_no_shared_folder(hub: RankHub, sock_path: Path) -> None:
+    data = json.dumps({"version": "2.10", "entries": [{"record_id": i} for i in range(2000)]}).encode()
+    rank = ScriptedRank(sock_path, _inline(data, chunk=4096))
+    rank.send(protocol.hello(ident(0)))
+    until(lambda: len(hub.ranks()) == 1)
+    got = hub.request_dump("j1", None, timeout_s=5)
+    assert got == {0: data} and len(data) > 9 * 4096  # ten chunks
+    (request,) = [m for m in rank.received if m["type"] == "dump_fr"]
+    assert "dir" not in request  # nothing is written anywhere
+    rank.close()
+
+
+@pytest.mark.parametrize(("tamper", "why"), [
+    (lambda msgs: msgs.pop(-2), "incomplete"),  # the last chunk lost
+    (lambda msgs: msgs.insert(0, msgs.pop(1)), "out of order"),
+    (lambda msgs: msgs[-1].update(sha256="0" * 64), "digest"),
+])
+def test_a_damaged_inline_dump_is_an_error_not_a_wrong_dump(hub: RankHub, sock_path: Path,
+                                                            tamper: Callable[[list[dict[str, Any]]], None],
+                                                            why: str) -> None:
+    rank = ScriptedRank(sock_path, _inline(b'{"entries": []}' * 300, chunk=1000, tamper=tamper))
+    rank.send(protocol.hello(ident(0)))
+    until(lambda: len(hub.ranks()) == 1)
+    res = hub.request_dump("j1", None, timeout_s=3)[0]
+    assert isinstance(res, RankRequestError) and why in str(res)
+    rank.close()
+
+
+def test_an_inline_dump_over_the_limit_is_refused_without_buffering_it(sock_path: Path) -> None:
+    hub = RankHub(sock_path, max_dump_bytes=10_000)
+    hub.start(None)
+    try:
+        rank = ScriptedRank(sock_path, _inline(b"x" * 50_000, chunk=4000))
+        rank.send(protocol.hello(ident(0)))
+        until(lambda: len(hub.ranks()) == 1)
+        res = hub.request_dump("j1", None, timeout_s=3)[0]
+        assert isinstance(res, RankRequestError) and "10000-byte limit" in str(res)
+        until(lambda: hub.stats()["late_replies"] >= 1)  # the rest of its chunks went nowhere
+        rank.close()
+    finally:
+        hub.stop()
+
+
+def test_another_connection_cannot_slip_chunks_into_a_ranks_dump(hub: RankHub, sock_path: Path) -> None:
+    real = json.dumps({"entries": [1, 2, 3]}).encode()
+
+    def slow(msg: dict[str, Any]) -> Any:
+        time.sleep(0.5)
+        return _inline(real)(msg)
+
+    rank = ScriptedRank(sock_path, slow)
+    rank.send(protocol.hello(ident(0)))
+    until(lambda: len(hub.ranks()) == 1)
+    intruder = ScriptedRank(sock_path)
+
+    def inject() -> None:
+        time.sleep(0.2)
+        for n in range(1, 50):
+            for m in protocol.dump_chunks(f"{os.getpid()}-{n}", b'{"forged": true}'):
+                intruder.send(m)
+
+    threading.Thread(target=inject, daemon=True).start()
+    assert hub.request_dump("j1", None, timeout_s=3) == {0: real}
+    assert hub.stats()["foreign_replies"] >= 1
+    rank.close()
+    intruder.close()

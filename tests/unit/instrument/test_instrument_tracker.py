@@ -217,8 +217,10 @@ def test_records_reach_a_rank_hub_and_requests_are_answered(sock_path: Path, tmp
         assert "request_stacks" in names
         assert main["frames"][-1]["file"].endswith(".py") and main["frames"][-1]["line"] > 0
         dumped = hub.request_dump("job-t", 2, str(tmp_path / "fr"), timeout_s=10)[2]
-        assert dumped == str((tmp_path / "fr" / "rank2.json").resolve())
-        assert "entries" in json.loads(Path(dumped).read_text()) or "pg_status" in json.loads(Path(dumped).read_text())
+        assert isinstance(dumped, bytes), dumped  # inline: nothing written to the folder
+        assert not (tmp_path / "fr").exists()
+        doc = json.loads(dumped)
+        assert "entries" in doc or "pg_status" in doc
         t.close()
         until(lambda: hub.ranks() == [])
         assert t.stats()["sent"] == 5 and t.stats()["requests"] == 2
@@ -328,14 +330,14 @@ def test_link_ignores_garbage_from_the_agent_and_answers_requests(sock_path: Pat
 
 def test_handle_request_answers_known_and_ignores_unknown(tmp_path: Path) -> None:
     ident = RankIdentity("j", 4, 8, "h", 1)
-    assert control.handle_request({"type": "hello"}, ident) is None
-    assert control.handle_request({"type": "dump_fr"}, ident) is None  # no id: nothing to answer to
+    assert control.handle_request({"type": "hello"}, ident) == []
+    assert control.handle_request({"type": "dump_fr"}, ident) == []  # no id: nothing to answer to
     bad = control.handle_request({"type": "dump_fr", "id": "a"}, ident)
-    assert bad == {"type": "reply", "id": "a", "ok": False, "error": "dump_fr needs a 'dir'"}
+    assert bad == [{"type": "reply", "id": "a", "ok": False, "error": "dump_fr needs 'inline' or a 'dir'"}]
     blocker = tmp_path / "f"
     blocker.write_text("")
-    err = control.handle_request({"type": "dump_fr", "id": "b", "dir": str(blocker / "sub")}, ident)
-    assert err is not None and err["ok"] is False and "cannot write" in err["error"]
+    (err,) = control.handle_request({"type": "dump_fr", "id": "b", "dir": str(blocker / "sub")}, ident)
+    assert err["ok"] is False and "cannot write" in err["error"]
 
 
 def test_python_stacks_names_every_thread_and_function() -> None:
