@@ -142,7 +142,10 @@ def command(duration: float, agent_listen: str | None, state_dir: str | None, si
         click.echo(f"[{tag}] agent registered with the coordinator; running "
                    + (f"for {duration:g} s" if duration else "until Ctrl-C"))
         if job:
-            _run_demo_job(env, state, coord_addr, tag, procs)
+            # Simulated: the CPU ranks stand in for ranks on the recorded GPUs (rank r on GPU r mod n),
+            # so the coordinator can join a straggler with its GPU's health, as on a real node.
+            gpus_seen = [g for g in (health or {}).get("gpus", []) if g.get("uuid")] if simulated else []
+            _run_demo_job(env, state, coord_addr, tag, procs, gpus_seen)
         deadline = time.monotonic() + duration if duration else None
         while deadline is None or time.monotonic() < deadline:
             for p in procs:
@@ -159,7 +162,7 @@ def command(duration: float, agent_listen: str | None, state_dir: str | None, si
 
 
 def _run_demo_job(env: dict[str, str], state: Path, coord_addr: str, tag: str,
-                  procs: list[subprocess.Popen[bytes]]) -> None:
+                  procs: list[subprocess.Popen[bytes]], gpus: list[dict[str, Any]]) -> None:
     """4 ranks on this node's rank socket; rank 2 computes twice as long. Prints the coordinator's view."""
     try:
         import torch  # noqa: F401 - only to say clearly when it is missing
@@ -169,13 +172,17 @@ def _run_demo_job(env: dict[str, str], state: Path, coord_addr: str, tag: str,
     world, straggler, steps = 4, 2, 80
     job_id = f"demo-{int(time.time())}"
     port = _free_port()
-    click.echo(f"[{tag}] job {job_id}: {world} ranks (PyTorch Gloo on CPU), rank {straggler} does 2× compute, "
+    on = f", rank r on recorded GPU r mod {len(gpus)}" if gpus else ""
+    click.echo(f"[{tag}] job {job_id}: {world} ranks (PyTorch Gloo on CPU{on}), rank {straggler} does 2× compute, "
                f"{steps} steps …")
     ranks = []
     for rank in range(world):
         rank_env = {**env, "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
                     "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "GPUHEALTH_JOB_ID": job_id,
                     "GPUHEALTH_SOCKET": env["GPUHEALTH_AGENT_SOCKET_PATH"]}
+        if gpus:
+            gpu = gpus[rank % len(gpus)]
+            rank_env.update(GPUHEALTH_GPU_UUID=str(gpu["uuid"]), GPUHEALTH_GPU_INDEX=str(gpu["index"]))
         log = open(state / f"{job_id}-rank{rank}.log", "wb")  # noqa: SIM115 - closed with the process
         ranks.append(subprocess.Popen([sys.executable, "-m", "gpuhealth.demo_job", str(steps), str(straggler)],
                                       env=rank_env, stdout=log, stderr=subprocess.STDOUT))

@@ -76,7 +76,8 @@ def cuda_gpu(local_rank: int | None, env: Mapping[str, str]) -> tuple[str | None
 
 def identity_from_env(env: Mapping[str, str] | None = None, *, job_id: str | None = None) -> RankIdentity:
     """RANK/WORLD_SIZE/LOCAL_RANK (torchrun) or SLURM_PROCID/SLURM_NTASKS/SLURM_LOCALID, else the
-    initialized torch.distributed group, else rank 0 of 1."""
+    initialized torch.distributed group, else rank 0 of 1. The GPU is torch's current CUDA device,
+    unless GPUHEALTH_GPU_UUID / GPUHEALTH_GPU_INDEX name it."""
     env = os.environ if env is None else env
     rank = _int_env(env, "RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK")
     world = _int_env(env, "WORLD_SIZE", "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE")
@@ -86,6 +87,12 @@ def identity_from_env(env: Mapping[str, str] | None = None, *, job_id: str | Non
         world = world if world is not None else d_world
     local_rank = _int_env(env, "LOCAL_RANK", "SLURM_LOCALID", "OMPI_COMM_WORLD_LOCAL_RANK")
     gpu_uuid, gpu_index = cuda_gpu(local_rank, env)
+    # A launcher that knows the mapping better (or a process that drives its GPU through another one)
+    # may say so outright; the agent joins the rank with this GPU's health.
+    if env.get("GPUHEALTH_GPU_UUID"):
+        gpu_uuid = env["GPUHEALTH_GPU_UUID"]
+    if (idx := _int_env(env, "GPUHEALTH_GPU_INDEX")) is not None:
+        gpu_index = idx
     return RankIdentity(
         job_id=job_id or job_id_from_env(env),
         rank=rank if rank is not None else 0,

@@ -63,6 +63,12 @@ def test_identity_from_torchrun_env() -> None:
     assert ident.gpu_uuid is None  # no CUDA here
 
 
+def test_identity_takes_the_gpu_a_launcher_names() -> None:
+    ident = identity_from_env({**ENV, "GPUHEALTH_GPU_UUID": "GPU-abc", "GPUHEALTH_GPU_INDEX": "3"})
+    assert (ident.gpu_uuid, ident.gpu_index) == ("GPU-abc", 3)
+    assert identity_from_env({**ENV, "GPUHEALTH_GPU_INDEX": "three"}).gpu_index is None
+
+
 def test_identity_from_slurm_and_job_id_precedence() -> None:
     slurm = {"SLURM_PROCID": "5", "SLURM_NTASKS": "16", "SLURM_LOCALID": "1", "SLURM_JOB_ID": "8812"}
     ident = identity_from_env(slurm)
