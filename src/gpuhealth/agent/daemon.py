@@ -347,6 +347,10 @@ class Agent:
             except OSError as exc:
                 log.warning("kernel log unavailable (%s); XIDs come from NVML events only", exc)
         extras: dict[str, Any] = {"agent": True}
+        if not self.backend.simulated:
+            # Collectors that must remember across restarts (the XID ledger) keep it here; a replayed
+            # recording has nothing worth remembering.
+            extras["state_dir"] = self.config.agent.state_dir
         if self.config.collectors.thresholds_file:
             from gpuhealth.catalog.thresholds import load_thresholds
 

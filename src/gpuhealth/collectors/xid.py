@@ -12,6 +12,11 @@ entries in the observations; ``evaluate`` turns that snapshot into findings with
   into the enumeration, when its volatile ECC counters go back down (they clear on reset), or when
   someone calls ``note_reset``.
 - The same XID from NVML and from the kernel log within ``DEDUP_S`` counts once.
+- The agent keeps the ledger in ``<agent.state_dir>/xid-ledger.json`` (``ctx.extras["state_dir"]``):
+  a restarted agent still knows an XID it saw before (NVML does not re-deliver events) and which
+  GPUs were reset since (re-reading the kernel log after a restart must not bring back XIDs a reset
+  already cleared). A reboot (a new ``boot_id``) counts as a reset of every GPU. Occurrences are
+  counted once per source even when the kernel log is read again (``seen_until``).
 - NVML events are read on a thread of their own (``wait_xid_events``) when ``event_thread`` is on,
   else polled without waiting at each ``collect``. ``gpuhealth status`` (``ctx.extras["one_shot"]``)
   never starts the thread.
@@ -19,21 +24,32 @@ entries in the observations; ``evaluate`` turns that snapshot into findings with
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import json
+import os
 import re
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from gpuhealth.backends.base import NvmlBackend, XidEvent
 from gpuhealth.backends.errors import NvmlError
-from gpuhealth.backends.kmsg import KmsgUnavailable, xid_events
+from gpuhealth.backends.kmsg import KmsgUnavailable, boot_time, xid_events
 from gpuhealth.catalog.xid import XidInfo, xid_info
-from gpuhealth.collectors.base import CollectContext, History, Lane, Observations
+from gpuhealth.collectors.base import CollectContext, CollectError, History, Lane, Observations
 from gpuhealth.model import Action, Entity, EntityKind, Finding, MetricKind, Sample, Severity
 
 DEDUP_S = 10.0  # NVML event and kernel-log line of one XID arrive within this of each other
+# Kernel-log times are boot time + offset, and "boot time" is recomputed per read: the same line read
+# again may come out a little later. Within this of the newest counted one it is the same occurrence.
+SAME_OCCURRENCE_S = 0.05
+LEDGER_FILE = "xid-ledger.json"
+LEDGER_VERSION = 1
 _RESET_COUNTERS = ("TotalEccErrors_CORRECTED_VOLATILE", "TotalEccErrors_UNCORRECTED_VOLATILE")
 _MAX_EVENTS_PER_POLL = 256
 
@@ -57,6 +73,9 @@ class XidEntry:
     # Counted occurrences per source not yet matched by the other channel's copy (NVML event vs
     # kernel log): each occurrence pairs once, so the N-th XID is not counted twice either.
     unpaired: dict[str, list[float]] = field(default_factory=dict)
+    # The newest occurrence counted per source: an event of that source at or before it is a copy
+    # (the kernel log read again after an agent restart), not a new occurrence.
+    seen_until: dict[str, float] = field(default_factory=dict)
 
     def pair(self, source: str, at: float) -> bool:
         """True when this event is the other channel's copy of an occurrence already counted."""
@@ -73,6 +92,24 @@ class XidEntry:
         times = self.unpaired.setdefault(source, [])
         times[:] = [t for t in times if at - t <= DEDUP_S]  # older ones can no longer pair
         times.append(at)
+
+    def already_counted(self, source: str, at: float) -> bool:
+        # Only the kernel log is ever read twice (a restarted agent reads it from the start); NVML
+        # delivers each event once, and two NVML events a few ms apart are two occurrences.
+        return source == "kmsg" and at <= self.seen_until.get(source, float("-inf")) + SAME_OCCURRENCE_S
+
+    def saw(self, source: str, at: float) -> None:
+        self.seen_until[source] = max(at, self.seen_until.get(source, float("-inf")))
+
+    def to_state(self) -> dict[str, Any]:
+        return {**dataclasses.asdict(self), "sources": sorted(self.sources)}
+
+    @classmethod
+    def from_state(cls, d: Mapping[str, Any]) -> XidEntry:
+        names = {f.name for f in dataclasses.fields(cls)}
+        kwargs = {k: v for k, v in d.items() if k in names}
+        kwargs["sources"] = set(kwargs.get("sources", ()))
+        return cls(**kwargs)
 
     def snapshot(self) -> dict[str, Any]:
         return {
@@ -91,17 +128,24 @@ class XidLedger:
         self.app_retention_s = app_retention_s
         self._entries: dict[tuple[str, int], XidEntry] = {}
         self.resets: dict[str, float] = {}
+        self.changes = 0  # bumped on every change: the owner saves when it moved
 
     def add(self, event: XidEvent, gpu_key: str) -> XidEntry:
         key = (gpu_key, event.xid)
         entry = self._entries.get(key)
+        self.changes += 1
         if entry is None:
             entry = XidEntry(gpu_key=gpu_key, gpu_index=event.gpu_index, xid=event.xid,
                              first_seen=event.timestamp, last_seen=event.timestamp, sources={event.source},
                              pci=event.pci_bus_id, detail=event.detail)
             self._entries[key] = entry
             entry.remember(event.source, event.timestamp)
+            entry.saw(event.source, event.timestamp)
             return entry
+        if entry.already_counted(event.source, event.timestamp):
+            self.changes -= 1
+            return entry
+        entry.saw(event.source, event.timestamp)
         if entry.active and entry.pair(event.source, event.timestamp):
             entry.sources.add(event.source)  # the same XID seen through the other channel
             entry.detail = entry.detail or event.detail
@@ -125,22 +169,47 @@ class XidLedger:
     def note_reset(self, gpu_key: str, at: float) -> None:
         """The GPU was reset at ``at``: its XIDs seen before then are resolved (but remembered)."""
         self.resets[gpu_key] = at
+        self.changes += 1
         for entry in self._entries.values():
             if entry.gpu_key == gpu_key and entry.active and entry.last_seen <= at:
                 entry.active = False
                 entry.cleared_by_reset_at = at
+
+    def note_reboot(self, at: float) -> None:
+        """The node booted at ``at``: every GPU was reset then."""
+        for gpu_key in {e.gpu_key for e in self._entries.values()}:
+            self.note_reset(gpu_key, at)
 
     def expire(self, now: float, is_application: Callable[[int], bool]) -> None:
         for entry in self._entries.values():
             keep = self.app_retention_s if is_application(entry.xid) else self.retention_s
             if entry.active and now - entry.last_seen > keep:
                 entry.active = False
+                self.changes += 1
 
     def active(self) -> list[XidEntry]:
         return [e for e in self._entries.values() if e.active]
 
     def counts(self) -> dict[tuple[str, int], int]:
         return {k: e.count for k, e in self._entries.items()}
+
+    def to_state(self, boot_id: str) -> dict[str, Any]:
+        return {"version": LEDGER_VERSION, "boot_id": boot_id, "resets": dict(self.resets),
+                "entries": [e.to_state() for e in self._entries.values()]}
+
+    def load_state(self, doc: Mapping[str, Any], boot_id: str, booted_at: float) -> None:
+        """Replace the ledger with a saved one; ValueError when it is not one of ours."""
+        if not isinstance(doc, Mapping) or doc.get("version") != LEDGER_VERSION:
+            raise ValueError(f"not an XID ledger of version {LEDGER_VERSION}")
+        try:
+            entries = [XidEntry.from_state(d) for d in doc.get("entries", [])]
+            resets = {str(k): float(v) for k, v in dict(doc.get("resets", {})).items()}
+        except (TypeError, ValueError, AttributeError) as exc:
+            raise ValueError(f"malformed XID ledger: {exc}") from exc
+        self._entries = {(e.gpu_key, e.xid): e for e in entries}
+        self.resets = resets
+        if boot_id and doc.get("boot_id") != boot_id:
+            self.note_reboot(booted_at)
 
 
 class _EventPump:
@@ -251,6 +320,8 @@ class XidCollector:
         self._prev_counters: dict[str, dict[str, int]] = {}
         self._gone: set[str] = set()
         self._seen_uuids: set[str] = set()
+        self._state_path: Path | None = None
+        self._saved_changes = -1
 
     # ------------------------------------------------------------------ protocol
     def supported(self, ctx: CollectContext) -> bool:
@@ -259,6 +330,7 @@ class XidCollector:
     def collect(self, ctx: CollectContext) -> Observations:
         obs = Observations(collector=self.name, time=ctx.now)
         with self._lock:
+            self._load_once(ctx, obs)
             self._watch_resets(ctx, obs)
             events = self._nvml_events(ctx, obs) + self._kmsg_events(ctx, obs)
             by_index = {g.index: g.uuid for g in ctx.gpus}
@@ -269,7 +341,49 @@ class XidCollector:
             obs.node["events"] = [_event_dict(ev) for ev in events]
             obs.node["active"] = [e.snapshot() for e in self.ledger.active()]
             obs.node["counts"] = [{"gpu": k[0], "xid": k[1], "count": c} for k, c in self.ledger.counts().items()]
+            self._save_if_changed(obs)
         return obs
+
+    # ------------------------------------------------------------------ persistence (agent only)
+    def _load_once(self, ctx: CollectContext, obs: Observations) -> None:
+        state_dir = ctx.extras.get("state_dir")
+        if self._state_path is not None or not state_dir or ctx.extras.get("one_shot"):
+            return
+        self._state_path = Path(state_dir) / LEDGER_FILE
+        try:
+            doc = json.loads(self._state_path.read_text())
+        except FileNotFoundError:
+            return
+        except (OSError, ValueError) as exc:
+            obs.errors.append(CollectError(None, "xid_ledger", None, f"cannot read {self._state_path}: {exc}"))
+            self._set_aside()
+            return
+        try:
+            self.ledger.load_state(doc, _boot_id(), boot_time())
+        except ValueError as exc:
+            obs.errors.append(CollectError(None, "xid_ledger", None, f"{self._state_path}: {exc}; set aside"))
+            self._set_aside()
+
+    def _set_aside(self) -> None:
+        """Keep an unreadable ledger for a human instead of overwriting it."""
+        assert self._state_path is not None
+        with contextlib.suppress(OSError):
+            self._state_path.rename(self._state_path.with_suffix(f".unreadable-{int(time.time())}"))
+
+    def _save_if_changed(self, obs: Observations) -> None:
+        if self._state_path is None or self.ledger.changes == self._saved_changes:
+            return
+        try:
+            self._state_path.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(prefix=".xid-ledger.", dir=self._state_path.parent)
+            with os.fdopen(fd, "w") as fh:
+                json.dump(self.ledger.to_state(_boot_id()), fh)
+            os.replace(tmp, self._state_path)
+            self._saved_changes = self.ledger.changes
+        except OSError as exc:
+            obs.errors.append(CollectError(None, "xid_ledger", None, f"cannot save {self._state_path}: {exc}"))
+            with contextlib.suppress(OSError, UnboundLocalError):
+                os.unlink(tmp)
 
     def evaluate(self, obs: Observations, history: History, ctx: CollectContext) -> list[Finding]:
         out: list[Finding] = []
@@ -428,6 +542,13 @@ def _message(entry: Mapping[str, Any], info: XidInfo, escalated: bool) -> str:
     if entry.get("detail"):
         text += f" [{entry['detail']}]"
     return text
+
+
+def _boot_id() -> str:
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return ""
 
 
 def create() -> XidCollector:

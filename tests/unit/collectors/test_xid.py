@@ -205,3 +205,77 @@ def test_each_occurrence_counts_once_when_both_channels_report_it() -> None:
     ledger.add(XidEvent(0, 79, 1300.2, source="kmsg"), "GPU-0")
     entry = ledger.add(XidEvent(0, 79, 1301.2, source="kmsg"), "GPU-0")
     assert entry.count == 5 and entry.sources == {"nvml", "kmsg"}
+
+
+# -- the ledger survives an agent restart ------------------------------------------------------------
+
+
+def test_a_restarted_agent_still_reports_an_xid_nvml_will_not_deliver_again(tmp_path: Path, clock) -> None:  # type: ignore[no-untyped-def]
+    state = tmp_path / "state"
+    h = Harness(tmp_path, clock, events=[{"at": 1, "type": "xid", "gpu": 1, "xid": 79}])
+    clock.advance(2)
+    assert [f.code for f in h.run(state_dir=str(state), agent=True).findings] == ["xid.79"]
+    assert (state / "xid-ledger.json").exists()
+    # A new collector (the restarted agent): NVML's event already went to the old process.
+    fresh = Harness(tmp_path, clock, collector=XidCollector(event_thread=False))
+    fresh.fake.events = []  # type: ignore[attr-defined]
+    [f] = fresh.run(state_dir=str(state), agent=True).findings
+    assert (f.code, f.severity, f.entity.gpu_index, f.evidence["count"]) == ("xid.79", Severity.CRITICAL, 1, 1)
+
+
+def test_reading_the_kernel_log_again_after_a_restart_counts_nothing_twice(tmp_path: Path, clock) -> None:  # type: ignore[no-untyped-def]
+    state = tmp_path / "state"
+    usec = int(time.clock_gettime(time.CLOCK_BOOTTIME) * 1e6)
+    line = f"6,100,{usec},-;NVRM: Xid (PCI:0000:00:06): 48, pid=1, name=python3, DBE"
+    h = Harness(tmp_path, clock, kmsg=[line])
+    [f] = h.run(state_dir=str(state)).findings
+    assert f.evidence["count"] == 1
+    again = Harness(tmp_path, clock, collector=XidCollector(event_thread=False), kmsg=[line])  # whole log re-read
+    [f] = again.run(state_dir=str(state)).findings
+    assert f.evidence["count"] == 1
+
+
+def test_an_xid_a_reset_cleared_does_not_come_back_from_the_kernel_log_after_a_restart(tmp_path: Path, clock) -> None:  # type: ignore[no-untyped-def]
+    state = tmp_path / "state"
+    usec = int(time.clock_gettime(time.CLOCK_BOOTTIME) * 1e6)
+    line = f"6,100,{usec},-;NVRM: Xid (PCI:0000:00:06): 48, pid=1, name=python3, DBE"
+    h = Harness(tmp_path, clock, kmsg=[line])
+    assert [f.code for f in h.run(state_dir=str(state)).findings] == ["xid.48"]
+    clock.advance(5)
+    h.collector.note_reset(h.gpus[0].uuid, time.time() + 1)
+    assert h.run(state_dir=str(state)).findings == []
+    again = Harness(tmp_path, clock, collector=XidCollector(event_thread=False), kmsg=[line])
+    assert again.run(state_dir=str(state)).findings == []
+
+
+def test_a_reboot_resets_every_gpu_and_a_repeat_after_it_escalates() -> None:
+    ledger = XidLedger()
+    ledger.add(XidEvent(0, 79, 100.0, "nvml"), "GPU-a")
+    doc = json.loads(json.dumps(ledger.to_state("boot-1")))
+    same_boot = XidLedger()
+    same_boot.load_state(doc, "boot-1", booted_at=50.0)
+    assert [e.xid for e in same_boot.active()] == [79]
+    rebooted = XidLedger()
+    rebooted.load_state(doc, "boot-2", booted_at=200.0)
+    assert rebooted.active() == []
+    entry = rebooted.add(XidEvent(0, 79, 300.0, "nvml"), "GPU-a")
+    assert entry.active and entry.repeats_after_reset == 1  # the reboot did not cure it
+
+
+def test_an_unreadable_ledger_is_set_aside_and_said_not_fatal(tmp_path: Path, clock) -> None:  # type: ignore[no-untyped-def]
+    state = tmp_path / "state"
+    state.mkdir()
+    (state / "xid-ledger.json").write_text("{not json")
+    h = Harness(tmp_path, clock, events=[{"at": 0, "type": "xid", "gpu": 0, "xid": 79}])
+    run = h.run(state_dir=str(state))
+    assert sorted(f.code for f in run.findings) == ["collector.failed", "xid.79"]  # said once, as a warning
+    assert any(e.key == "xid_ledger" for e in run.observations.errors)
+    assert [f.code for f in h.run(state_dir=str(state)).findings] == ["xid.79"]
+    assert [p.name for p in state.iterdir() if p.name.startswith("xid-ledger.unreadable-")]
+    assert json.loads((state / "xid-ledger.json").read_text())["version"] == 1  # a fresh one is kept
+
+
+def test_status_one_shot_never_writes_a_ledger(tmp_path: Path, clock) -> None:  # type: ignore[no-untyped-def]
+    h = Harness(tmp_path, clock, events=[{"at": 0, "type": "xid", "gpu": 0, "xid": 79}])
+    h.run(state_dir=str(tmp_path / "state"), one_shot=True)
+    assert not (tmp_path / "state").exists()
