@@ -117,6 +117,34 @@ class WorkSpan:
         self.work.wait()
 
 
+class FutureSpan:
+    """Host clock from a collective's launch to the moment its future completes: for collectives
+    the calling thread does not wait in (DDP's gradient all_reduce runs beside backward), on
+    backends without NCCL's timing. ``HostTimer`` adds these to the step's collective wait."""
+
+    __slots__ = ("_clock", "_future", "begin", "end")
+    host_clock = True
+
+    def __init__(self, future: Any, clock: Callable[[], float] = time.perf_counter) -> None:
+        self._clock = clock
+        self._future = future
+        self.begin = clock()
+        self.end: float | None = None
+        future.add_done_callback(self._done)
+
+    def _done(self, _future: Any) -> None:
+        self.end = self._clock()
+
+    def ready(self) -> bool:
+        return self.end is not None
+
+    def seconds(self) -> float:
+        return 0.0 if self.end is None else max(0.0, self.end - self.begin)
+
+    def wait(self) -> None:
+        self._future.wait()
+
+
 class HostTimer:
     """perf_counter timing: a collective's wait is the time the host spent inside it."""
 
@@ -128,11 +156,13 @@ class HostTimer:
         self._step = -1
         self._start_time = 0.0
         self._done: list[StepTiming] = []
+        self._spans: list[CommSpan] = []
 
     def begin_step(self, step: int, start_time: float) -> None:
         self._step = step
         self._start_time = start_time
         self._comm = 0.0
+        self._spans = []
         self._t0 = self._clock()
 
     def begin_collective(self) -> None:
@@ -142,15 +172,20 @@ class HostTimer:
         self._comm += self._clock() - self._c0
 
     def add_span(self, span: CommSpan) -> None:
-        """Ignored: on the host, the time spent waiting for the collective is already counted."""
+        """Host-clock spans (``FutureSpan``: collectives nobody waits in on this thread) count at the
+        end of the step; others are ignored: the time spent waiting in them is already counted."""
+        if getattr(span, "host_clock", False):
+            self._spans.append(span)
 
     def end_step(self) -> None:
         wall = self._clock() - self._t0
-        comm = min(self._comm, wall)
+        comm = min(self._comm + sum(s.seconds() for s in self._spans if s.ready()), wall)
+        self._spans = []
         self._done.append(StepTiming(self._step, self._start_time, wall, wall - comm, comm))
 
     def abort_step(self) -> None:
         self._comm = 0.0
+        self._spans = []
 
     def poll(self) -> list[StepTiming]:
         if not self._done:

@@ -30,7 +30,14 @@ from typing import Any
 from gpuhealth.instrument.control import handle_request
 from gpuhealth.instrument.identity import identity_from_env
 from gpuhealth.instrument.link import JSONL_ENV, AgentLink, default_socket_path
-from gpuhealth.instrument.timing import HostTimer, LazyEventTimer, StepTimer, StepTiming, WorkSpan
+from gpuhealth.instrument.timing import (
+    FutureSpan,
+    HostTimer,
+    LazyEventTimer,
+    StepTimer,
+    StepTiming,
+    WorkSpan,
+)
 from gpuhealth.model import RankIdentity, StepRecord
 
 # torch.distributed functions ``wrap_collectives`` patches by default.
@@ -193,6 +200,47 @@ class Tracker:
             self._wrapped[name] = original
             done.append(name)
         return done
+
+    def ddp_comm_hook(self) -> Callable[[Any, Any], Any]:
+        """A DistributedDataParallel communication hook that does what DDP does by default (average
+        the gradient bucket with an all_reduce) and times it for the step record:
+
+            model = DDP(model, ...)
+            model.register_comm_hook(None, tracker.ddp_comm_hook())   # state: a process group or None
+
+        DDP's all_reduce runs from C++ beside backward, where ``wrap_collectives`` cannot see it. What
+        delays the step is the wait for the LAST bucket (``bucket.is_last()``): launched when this rank's
+        backward is done, finished when the slowest rank's is. That wait is the step's collective wait:
+        NCCL's own duration of it (``TORCH_NCCL_ENABLE_TIMING=1``, CUDA timing), else on the host clock
+        from launch to completion (Gloo/CPU). Without NCCL timing under CUDA timing the split stays
+        unknown, as for any collective whose time cannot be read."""
+        torch = _torch()
+        if torch is None:
+            import torch  # the hook is asked for by a DDP script: torch is there
+
+        dist = torch.distributed
+        all_reduce = getattr(dist.all_reduce, _WRAPPED_MARK, dist.all_reduce)  # never time it twice
+
+        def hook(state: Any, bucket: Any) -> Any:
+            tensor = bucket.buffer()
+            tensor.div_(dist.get_world_size(state))
+            work = all_reduce(tensor, group=state, async_op=True)
+            future = work.get_future()
+            if self._in_step and bucket.is_last():
+                span: Any = None
+                if self.nccl_timing:
+                    span = WorkSpan(work)
+                elif isinstance(self._timer, HostTimer):
+                    span = FutureSpan(future)
+                if span is not None:
+                    with self._timer_lock:
+                        self._timer.add_span(span)
+            return future.then(lambda fut: fut.value()[0])
+
+        # DDP checks the hook's annotations; this module's are strings (postponed evaluation).
+        hook.__annotations__ = {"state": object, "bucket": dist.GradBucket,
+                                "return": torch.futures.Future[torch.Tensor]}
+        return hook
 
     def unwrap_collectives(self) -> None:
         dist = getattr(_torch(), "distributed", None)
