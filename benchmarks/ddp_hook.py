@@ -5,7 +5,8 @@ does the hook cost?
 Runs, one process per GPU (NCCL, TORCH_NCCL_ENABLE_TIMING=1, CUDA timing):
   straggler/default   rank 1 does 1.5x the compute; DDP's built-in all_reduce (the hook cannot see it)
   straggler/hook      the same with tracker.ddp_comm_hook()
-  healthy/default, healthy/hook (twice each, alternated): median step time, for the hook's overhead
+  healthy: DDP's built-in hook, ours, PyTorch's Python allreduce_hook (twice each, alternated):
+           median step time, for the hook's overhead
 and prints per-rank median compute / collective wait and the straggler detector's verdict.
 """
 
@@ -50,8 +51,12 @@ def worker(cfg: dict[str, Any]) -> None:
     ddp = DDP(mlp(layers), device_ids=[rank])
     extra = mlp(layers // 2) if cfg["straggler"] and rank == SLOW_RANK else None  # +50 % compute
     tracker = Tracker(cfg["out"].replace("{rank}", str(rank)), socket_path="", timing="cuda")
-    if cfg["hook"]:
+    if cfg["hook"] == "ours":
         ddp.register_comm_hook(None, tracker.ddp_comm_hook())
+    elif cfg["hook"] == "torch":  # PyTorch's own Python all_reduce hook: the cost of any Python hook
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+        ddp.register_comm_hook(None, allreduce_hook)
     opt = torch.optim.SGD(ddp.parameters(), lr=1e-4)
     x = torch.randn(4096, width, device=dev)
     for _ in range(cfg["steps"]):
@@ -73,7 +78,7 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def run(world: int, steps: int, *, hook: bool, straggler: bool) -> list[dict[str, Any]]:
+def run(world: int, steps: int, *, hook: str, straggler: bool) -> list[dict[str, Any]]:
     with tempfile.TemporaryDirectory() as tmp:
         cfg = {"out": f"{tmp}/steps{{rank}}.jsonl", "hook": hook, "straggler": straggler, "steps": steps}
         port = _free_port()
@@ -118,17 +123,19 @@ def main() -> int:
     args = ap.parse_args()
     doc: dict[str, Any] = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                            "gpus": subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True).stdout.strip()}
-    for name, hook in (("straggler/default", False), ("straggler/hook", True)):
+    for name, hook in (("straggler/default", "none"), ("straggler/hook", "ours")):
         doc[name] = summary(run(args.world, args.steps, hook=hook, straggler=True))
         print(name, json.dumps(doc[name]))
-    steps: dict[str, list[float]] = {"default": [], "hook": []}
-    for hook in (False, True, True, False):
+    steps: dict[str, list[float]] = {"none": [], "ours": [], "torch": []}
+    for hook in ("none", "ours", "torch", "torch", "ours", "none"):
         s = summary(run(args.world, args.steps, hook=hook, straggler=False))
-        steps["hook" if hook else "default"].append(s["step_ms_median"])
+        steps[hook].append(s["step_ms_median"])
         doc.setdefault("healthy", []).append({"hook": hook, **s})
-    d, h = statistics.mean(steps["default"]), statistics.mean(steps["hook"])
-    doc["hook_overhead"] = {"default_ms": steps["default"], "hook_ms": steps["hook"], "ratio": round(h / d, 4)}
-    print("healthy step ms: default", steps["default"], "hook", steps["hook"], f"overhead {100 * (h / d - 1):+.2f} %")
+    base = statistics.mean(steps["none"])
+    doc["hook_overhead"] = {k: {"step_ms": v, "vs_builtin": round(statistics.mean(v) / base, 4)}
+                            for k, v in steps.items()}
+    for k, v in steps.items():
+        print(f"healthy step ms, {k:5}: {v}  {100 * (statistics.mean(v) / base - 1):+.2f} % vs DDP's built-in")
     if args.out:
         Path(args.out).write_text(json.dumps(doc, indent=1))
     return 0

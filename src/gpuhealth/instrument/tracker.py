@@ -208,12 +208,18 @@ class Tracker:
             model = DDP(model, ...)
             model.register_comm_hook(None, tracker.ddp_comm_hook())   # state: a process group or None
 
-        DDP's all_reduce runs from C++ beside backward, where ``wrap_collectives`` cannot see it. What
-        delays the step is the wait for the LAST bucket (``bucket.is_last()``): launched when this rank's
-        backward is done, finished when the slowest rank's is. That wait is the step's collective wait:
-        NCCL's own duration of it (``TORCH_NCCL_ENABLE_TIMING=1``, CUDA timing), else on the host clock
-        from launch to completion (Gloo/CPU). Without NCCL timing under CUDA timing the split stays
-        unknown, as for any collective whose time cannot be read."""
+        DDP's all_reduce runs from C++ beside backward, where ``wrap_collectives`` cannot see it.
+        - NCCL with ``TORCH_NCCL_ENABLE_TIMING=1`` (CUDA timing): the step's collective wait is the sum
+          of NCCL's own durations of its buckets. A bucket waits inside NCCL until the slowest rank
+          sends it, so the ranks that wait for a straggler spend more time in collectives than the
+          straggler (as in the flight recorder's ``duration_ms``); the part of it that overlapped
+          backward is the same on every rank, so the straggler's extra time shows in full.
+        - Host clock (Gloo/CPU): the wait for the LAST bucket, from its launch to its completion: the
+          time backward's end is held up for the slowest rank.
+        - CUDA timing without NCCL's timing: the split stays unknown (as for any collective whose
+          time cannot be read).
+        NCCL averages in the all_reduce itself (``ReduceOp.AVG``: no extra pass over the gradients);
+        other backends divide first, as DDP's Python default hook does."""
         torch = _torch()
         if torch is None:
             import torch  # the hook is asked for by a DDP script: torch is there
@@ -223,14 +229,17 @@ class Tracker:
 
         def hook(state: Any, bucket: Any) -> Any:
             tensor = bucket.buffer()
-            tensor.div_(dist.get_world_size(state))
-            work = all_reduce(tensor, group=state, async_op=True)
+            if "nccl" in str(dist.get_backend(state)):
+                work = all_reduce(tensor, op=dist.ReduceOp.AVG, group=state, async_op=True)
+            else:
+                tensor.div_(dist.get_world_size(state))
+                work = all_reduce(tensor, group=state, async_op=True)
             future = work.get_future()
-            if self._in_step and bucket.is_last():
+            if self._in_step:
                 span: Any = None
                 if self.nccl_timing:
                     span = WorkSpan(work)
-                elif isinstance(self._timer, HostTimer):
+                elif isinstance(self._timer, HostTimer) and bucket.is_last():
                     span = FutureSpan(future)
                 if span is not None:
                     with self._timer_lock:
