@@ -31,6 +31,7 @@ from gpuhealth.instrument.control import handle_request
 from gpuhealth.instrument.identity import identity_from_env
 from gpuhealth.instrument.link import JSONL_ENV, AgentLink, default_socket_path
 from gpuhealth.instrument.timing import (
+    EventSpan,
     FutureSpan,
     HostTimer,
     LazyEventTimer,
@@ -208,16 +209,14 @@ class Tracker:
             model = DDP(model, ...)
             model.register_comm_hook(None, tracker.ddp_comm_hook())   # state: a process group or None
 
-        DDP's all_reduce runs from C++ beside backward, where ``wrap_collectives`` cannot see it.
-        - NCCL with ``TORCH_NCCL_ENABLE_TIMING=1`` (CUDA timing): the step's collective wait is the sum
-          of NCCL's own durations of its buckets. A bucket waits inside NCCL until the slowest rank
-          sends it, so the ranks that wait for a straggler spend more time in collectives than the
-          straggler (as in the flight recorder's ``duration_ms``); the part of it that overlapped
-          backward is the same on every rank, so the straggler's extra time shows in full.
-        - Host clock (Gloo/CPU): the wait for the LAST bucket, from its launch to its completion: the
-          time backward's end is held up for the slowest rank.
-        - CUDA timing without NCCL's timing: the split stays unknown (as for any collective whose
-          time cannot be read).
+        DDP's all_reduce runs from C++ beside backward, where ``wrap_collectives`` cannot see it. The
+        step's collective wait is the time this rank is held up for the others: from the end of its
+        backward (the LAST bucket's launch, ``bucket.is_last()``) until that bucket is reduced, i.e.
+        until the slowest rank's backward is done too. Under CUDA timing: two events on the compute
+        stream around a stream-wait on the bucket (what the optimizer step would wait for anyway);
+        on the host clock (Gloo/CPU): launch to completion of its future. Measured on 2 × H200, the
+        sum of NCCL's per-bucket durations instead overstated a 1.45× straggler as 3.5×: the buckets
+        that wait overlap the fast ranks' own backward.
         NCCL averages in the all_reduce itself (``ReduceOp.AVG``: no extra pass over the gradients);
         other backends divide first, as DDP's Python default hook does."""
         torch = _torch()
@@ -229,17 +228,23 @@ class Tracker:
 
         def hook(state: Any, bucket: Any) -> Any:
             tensor = bucket.buffer()
-            if "nccl" in str(dist.get_backend(state)):
+            nccl = "nccl" in str(dist.get_backend(state))
+            if nccl:
                 work = all_reduce(tensor, op=dist.ReduceOp.AVG, group=state, async_op=True)
             else:
                 tensor.div_(dist.get_world_size(state))
                 work = all_reduce(tensor, group=state, async_op=True)
             future = work.get_future()
-            if self._in_step:
+            if self._in_step and bucket.is_last():
                 span: Any = None
-                if self.nccl_timing:
-                    span = WorkSpan(work)
-                elif isinstance(self._timer, HostTimer) and bucket.is_last():
+                if isinstance(self._timer, LazyEventTimer) and tensor.is_cuda:
+                    begin = torch.cuda.Event(enable_timing=True)
+                    begin.record()
+                    work.wait()  # the compute stream waits for the reduced gradients (host does not block)
+                    end = torch.cuda.Event(enable_timing=True)
+                    end.record()
+                    span = EventSpan(begin, end)
+                elif isinstance(self._timer, HostTimer) and not nccl:
                     span = FutureSpan(future)
                 if span is not None:
                     with self._timer_lock:
