@@ -182,6 +182,13 @@ def judge(
                        and found is not None and q.size_bytes >= found[2]]
         if found is None or not judged_here:
             summary["unjudged"].append(coll)
+            why = (f"no {topology} reference curve for {coll}" if found is None else
+                   f"{coll} across {world} ranks has no reference curve of its own; the nearest ({found[1]}) "
+                   f"only holds from {human_bytes(found[2])}, and no size that large was measured")
+            findings.append(Finding(
+                code="busbw.unjudged", severity=Severity.INFO, entity=Entity.node(node),
+                message=f"{coll} bandwidth not judged: {why}", action=Action.NONE,
+                evidence={"collective": coll, "world": world, "topology": topology}, source=SOURCE))
             continue
         curve, curve_name, _ = found
         for p in judged_here:

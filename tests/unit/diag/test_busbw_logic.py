@@ -77,8 +77,9 @@ def test_wrong_data_is_critical_at_any_size_and_unknown_topologies_are_not_judge
     findings, summary = judge([_pt("broadcast", MiB, 1.0, errors=3)], topology="pcie", node="n")
     assert [f.code for f in findings] == ["busbw.data_corrupt"]
     assert findings[0].severity is Severity.CRITICAL
-    _, summary = judge([_pt("broadcast", GiB, 1.0)], topology="pcie", node="n")
+    findings, summary = judge([_pt("broadcast", GiB, 1.0)], topology="pcie", node="n")
     assert summary["unjudged"] == ["broadcast"]
+    assert [(f.code, f.severity) for f in findings] == [("busbw.unjudged", Severity.INFO)]
 
 
 def test_threshold_file(tmp_path: Path) -> None:
@@ -109,9 +110,14 @@ def test_a_rank_count_without_a_curve_is_judged_on_the_plateau_of_the_nearest_on
     findings, summary = judge(eight, topology="nvlink", node="n")
     # 64 MiB and 256 MiB are below the plateau: their value depends on the rank count, so no verdict.
     assert sorted(summary["unjudged"]) == ["all_gather", "sendrecv"]
-    assert [(f.evidence["collective"], f.evidence["size_bytes"]) for f in findings] == [("all_reduce", 2 * GiB)]
-    assert findings[0].evidence["reference"].startswith("nvlink@4")
-    assert findings[0].evidence["reference_gbps"] == 359
+    low = [f for f in findings if f.code == "busbw.low"]
+    assert [(f.evidence["collective"], f.evidence["size_bytes"]) for f in low] == [("all_reduce", 2 * GiB)]
+    assert low[0].evidence["reference"].startswith("nvlink@4")
+    assert low[0].evidence["reference_gbps"] == 359
+    # What was not judged is said, not silently passed (INFO: it does not change the verdict).
+    unjudged = {f.evidence["collective"]: f for f in findings if f.code == "busbw.unjudged"}
+    assert sorted(unjudged) == ["all_gather", "sendrecv"]
+    assert unjudged["sendrecv"].severity is Severity.INFO and "8 ranks" in unjudged["sendrecv"].message
 
 
 def test_a_curve_without_a_rank_count_applies_to_every_rank_count(tmp_path: Path) -> None:
