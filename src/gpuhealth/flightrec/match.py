@@ -24,6 +24,7 @@ that, a circular wait.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import itertools
 from collections import Counter, defaultdict
@@ -465,9 +466,8 @@ def find_roots(result: MatchResult) -> list[Root]:
                 b, (hname, hseq, ran, period) = past[rank]
                 why = (f"rank {rank} never enqueued collective #{b.seq} of group {b.group} (ranks {_fmt(b.waiting)} "
                        f"wait in it) but went on without it: after #{b.seq - 1} of group {b.group} it ran {ran} "
-                       f"collective(s) of group {hname} (up to #{hseq}), where its own history runs at most {period} "
-                       f"between two of group {b.group}. It skipped a collective (a code path that differs on "
-                       "this rank)")
+                       f"collective(s) of group {hname} (up to #{hseq}), where its own earlier steps ran {period} "
+                       f"at that point. It skipped a collective (a code path that differs on this rank)")
                 # the group it ran on in is where the others now wait: _propagate folds it in
                 ahead_group: str | None = None
             else:
@@ -585,36 +585,64 @@ def _propagate(roots: list[Root], explained: set[str], blockers: Sequence[Blocke
                 changed = True
 
 
-# How many earlier periods (gaps between consecutive collectives of one group) _ran_past looks at.
-_PERIODS = 3
+# How far back _ran_past reads one group's history (gaps between its consecutive collectives), and the
+# longest repeating pattern of gaps it looks for (collectives of that group per training step).
+_GAP_HISTORY = 48
+_MAX_CYCLE = 16
+
+
+def _cycle(gaps: Sequence[int]) -> int | None:
+    """The length p of the repeating gap pattern (gaps newest first): the p whose pattern holds over
+    the longest stretch of recent history (at least two cycles); the smallest p on a tie. Older
+    history may break it (warm-up, a checkpoint long ago). None when nothing repeats."""
+    best: tuple[int, int] | None = None  # (stretch, p)
+    for p in range(1, min(_MAX_CYCLE, len(gaps) // 2) + 1):
+        stretch = p
+        while stretch < len(gaps) and gaps[stretch] == gaps[stretch - p]:
+            stretch += 1
+        if stretch >= 2 * p and (best is None or stretch > best[0]):
+            best = (stretch, p)
+    return None if best is None else best[1]
 
 
 def _ran_past(rank: int, gname: str, seq: int, groups: Mapping[str, GroupView]) -> tuple[str, int, int, int] | None:
     """Did ``rank`` go past the place where collective ``seq`` of ``gname`` belongs in its program?
 
     Between two consecutive collectives of ``gname`` a rank runs some number of collectives of each
-    other group (a training step: TP all_reduce, then world all_reduce, …). If, since its ``seq - 1``,
-    it ran MORE of some other group than it ever did in one such gap (the last few gaps of its own
-    history), it did not stop before ``seq``: it skipped it. A rank merely waiting earlier in the
-    step ran at most one gap's worth. Returns (other group, its last seq, count since, largest gap
-    count) or None — also when the ring buffer holds too little history to tell.
+    other group, in a pattern that repeats every training step (TP all_reduces, then the data-parallel
+    gradient buckets, …). The gap that should end at ``seq`` sits at the same place of that cycle as
+    the gap ending one cycle earlier. If, since its ``seq - 1``, the rank ran MORE of some other group
+    than that gap holds, it did not stop before ``seq``: it skipped it. A rank merely waiting earlier
+    in the step ran at most that many. Returns (other group, its last seq, count since, the gap's count)
+    or None — also when the ring buffer holds too little history, or no repeating cycle, to tell.
     """
-    g = groups[gname]
-    mine = g.by_seq.get(rank, {})
-    anchors = [mine.get(seq - i) for i in range(1, _PERIODS + 2)]
-    if anchors[0] is None or anchors[1] is None:
+    mine = groups[gname].by_seq.get(rank, {})
+    anchors: list[int] = []  # record ids of seq-1, seq-2, …: newest first
+    for s in range(seq - 1, max(0, seq - 2 - _GAP_HISTORY), -1):
+        e = mine.get(s)
+        if e is None:
+            break
+        anchors.append(e.record_id)
+    if len(anchors) < 3:
         return None
-    bounds = [a.record_id for a in anchors if a is not None]  # newest first
     for hname, h in groups.items():
         if hname == gname:
             continue
         theirs = sorted(e.record_id for e in h.by_seq.get(rank, {}).values())
-        if not theirs or (h.oldest_seq.get(rank, 1) > 1 and theirs[0] > bounds[-1]):
-            continue  # this group's history does not reach back far enough to compare
-        period = max(sum(1 for x in theirs if lo < x < hi) for hi, lo in itertools.pairwise(bounds))
-        since = [e for e in h.by_seq[rank].values() if e.record_id > bounds[0]]
-        if len(since) > period:
-            return hname, max(e.seq for e in since), len(since), period
+        if not theirs:
+            continue
+        bounds = anchors
+        if h.oldest_seq.get(rank, 1) > 1:  # this group's ring buffer lost its oldest entries
+            bounds = [a for a in anchors if a > theirs[0]]
+        gaps = [bisect.bisect_left(theirs, hi) - bisect.bisect_right(theirs, lo)
+                for hi, lo in itertools.pairwise(bounds)]  # gaps[k] ends at seq-1-k
+        period = _cycle(gaps)
+        if period is None:
+            continue
+        expected = gaps[period - 1]  # the gap one cycle before the one that should end at seq
+        since = [e for e in h.by_seq[rank].values() if e.record_id > anchors[0]]
+        if len(since) > expected:
+            return hname, max(e.seq for e in since), len(since), expected
     return None
 
 

@@ -6,6 +6,7 @@ import json
 import tempfile
 from pathlib import Path
 
+import pytest
 from frbuild import dump, entry, training, write_json
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -321,3 +322,46 @@ def test_rank_lists_stay_readable_at_scale() -> None:
     assert format_ranks(range(0, 40, 2)) == "0-38 every 2nd (20 ranks)"
     long = format_ranks([*range(0, 3000, 3), 1])
     assert long.endswith("(1001 ranks)") and len(long) <= 110
+
+
+def _tp_dp_job(tmp_path: Path, *, skipper: int, tp_per_step: int = 3, buckets: int = 4, steps: int = 5) -> None:
+    """Each step: ``tp_per_step`` TP all_reduces, then ``buckets`` data-parallel gradient buckets in the
+    world group (Gloo, 4 ranks, TP pairs {0,1} {2,3}). In the last step ``skipper`` skips its last TP
+    all_reduce and goes on to the first bucket; its TP peer waits in that TP all_reduce."""
+    peer = skipper ^ 1
+    for r in range(4):
+        tp = "1" if r < 2 else "2"
+        es, rid = [], 0
+        tp_seq = world_seq = 0
+        for step in range(1, steps + 1):
+            last = step == steps
+            for k in range(tp_per_step):
+                if last and r == skipper and k == tp_per_step - 1:
+                    continue
+                tp_seq += 1
+                es.append(entry(tp_seq, record_id=rid, group=tp, desc="undefined", pg_id=1, backend="gloo",
+                                state="scheduled", retired=not (last and r in (skipper, peer) and k == tp_per_step - 1),
+                                created_ns=1_700_000_000_000_000_000 + rid * 1000))
+                rid += 1
+            if last and r == peer:
+                break  # stuck in its last TP all_reduce
+            for _ in range(buckets):
+                world_seq += 1
+                es.append(entry(world_seq, record_id=rid, group="0", pg_id=0, backend="gloo", state="scheduled",
+                                retired=not last, created_ns=1_700_000_000_000_000_000 + rid * 1000))
+                rid += 1
+                if last:
+                    break  # everyone waits in the first bucket (the peer never comes)
+        write_json(tmp_path, f"rank{r}.json", dump(es, pg_config={"": {"name": "", "desc": "", "ranks": "[]"}},
+                                                   comm=""))
+
+
+@pytest.mark.parametrize(("tp_per_step", "buckets"), [(1, 1), (3, 4), (2, 1), (1, 6)])
+def test_a_skipped_tp_collective_is_blamed_on_the_skipper_whatever_the_step_looks_like(
+        tmp_path: Path, tp_per_step: int, buckets: int) -> None:
+    _tp_dp_job(tmp_path, skipper=3, tp_per_step=tp_per_step, buckets=buckets)
+    rep = triage(tmp_path)
+    assert rep.verdict == "hang"
+    assert _codes(rep) == [("collective.missing_rank", 3)], rep.summary
+    ev = rep.findings[0].evidence
+    assert ev["kind"] == "skipped" and ev["group"] == "2" and ev["waiting_ranks"] == [2]
