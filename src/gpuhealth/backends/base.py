@@ -41,6 +41,7 @@ class XidEvent:
     source: str = "nvml"  # "nvml" or "kmsg"
     pci_bus_id: str = ""
     detail: str = ""
+    seq: int | None = None  # the kernel log's record number (unique per boot); None for NVML events
 
 
 FieldResult = Any | NvmlError  # the value, or the error NVML gave for that one field

@@ -138,6 +138,7 @@ def xid_events(
                 source="kmsg",
                 pci_bus_id=parsed.pci,
                 detail=detail,
+                seq=rec.seq,
             )
         )
     return out

@@ -93,10 +93,12 @@ class XidEntry:
         times[:] = [t for t in times if at - t <= DEDUP_S]  # older ones can no longer pair
         times.append(at)
 
-    def already_counted(self, source: str, at: float) -> bool:
-        # Only the kernel log is ever read twice (a restarted agent reads it from the start); NVML
-        # delivers each event once, and two NVML events a few ms apart are two occurrences.
-        return source == "kmsg" and at <= self.seen_until.get(source, float("-inf")) + SAME_OCCURRENCE_S
+    def already_counted(self, event: XidEvent) -> bool:
+        # Only a kernel log is ever read twice (a restarted agent reads it from the start). /dev/kmsg
+        # records carry a sequence number and are filtered by it before they get here (the collector's
+        # cursor); this time test is for logs without one. NVML delivers each event once.
+        return (event.source == "kmsg" and event.seq is None
+                and event.timestamp <= self.seen_until.get(event.source, float("-inf")) + SAME_OCCURRENCE_S)
 
     def saw(self, source: str, at: float) -> None:
         self.seen_until[source] = max(at, self.seen_until.get(source, float("-inf")))
@@ -142,7 +144,7 @@ class XidLedger:
             entry.remember(event.source, event.timestamp)
             entry.saw(event.source, event.timestamp)
             return entry
-        if entry.already_counted(event.source, event.timestamp):
+        if entry.already_counted(event):
             self.changes -= 1
             return entry
         entry.saw(event.source, event.timestamp)
@@ -176,9 +178,17 @@ class XidLedger:
                 entry.cleared_by_reset_at = at
 
     def note_reboot(self, at: float) -> None:
-        """The node booted at ``at``: every GPU was reset then."""
-        for gpu_key in {e.gpu_key for e in self._entries.values()}:
-            self.note_reset(gpu_key, at)
+        """The node booted (at ``at``, by this boot's clock): every GPU was reset. Unconditional — the
+        old boot's timestamps need not compare with this boot's clock — and any recurrence of an XID
+        counts as having survived the reset (``cleared_by_reset_at`` 0)."""
+        self.changes += 1
+        for entry in self._entries.values():
+            self.resets[entry.gpu_key] = at
+            if entry.active:
+                entry.active = False
+                entry.cleared_by_reset_at = 0.0
+            entry.seen_until.clear()
+            entry.unpaired.clear()
 
     def expire(self, now: float, is_application: Callable[[int], bool]) -> None:
         for entry in self._entries.values():
@@ -197,8 +207,9 @@ class XidLedger:
         return {"version": LEDGER_VERSION, "boot_id": boot_id, "resets": dict(self.resets),
                 "entries": [e.to_state() for e in self._entries.values()]}
 
-    def load_state(self, doc: Mapping[str, Any], boot_id: str, booted_at: float) -> None:
-        """Replace the ledger with a saved one; ValueError when it is not one of ours."""
+    def load_state(self, doc: Mapping[str, Any], boot_id: str, booted_at: float) -> bool:
+        """Replace the ledger with a saved one; ValueError when it is not one of ours. Returns whether
+        it was saved in this boot (False: the node rebooted since, and every GPU counts as reset)."""
         if not isinstance(doc, Mapping) or doc.get("version") != LEDGER_VERSION:
             raise ValueError(f"not an XID ledger of version {LEDGER_VERSION}")
         try:
@@ -210,6 +221,8 @@ class XidLedger:
         self.resets = resets
         if boot_id and doc.get("boot_id") != boot_id:
             self.note_reboot(booted_at)
+            return False
+        return True
 
 
 class _EventPump:
@@ -322,6 +335,8 @@ class XidCollector:
         self._seen_uuids: set[str] = set()
         self._state_path: Path | None = None
         self._saved_changes = -1
+        self._saved_extra: Any = None
+        self._kmsg_cursor: int | None = None  # newest /dev/kmsg record counted, this boot
 
     # ------------------------------------------------------------------ protocol
     def supported(self, ctx: CollectContext) -> bool:
@@ -359,10 +374,18 @@ class XidCollector:
             self._set_aside()
             return
         try:
-            self.ledger.load_state(doc, _boot_id(), boot_time())
+            same_boot = self.ledger.load_state(doc, _boot_id(), boot_time())
         except ValueError as exc:
             obs.errors.append(CollectError(None, "xid_ledger", None, f"{self._state_path}: {exc}; set aside"))
             self._set_aside()
+            return
+        if same_boot:  # the kernel log and the volatile ECC counters continue from where we were
+            cursor = doc.get("kmsg_seq")
+            self._kmsg_cursor = cursor if isinstance(cursor, int) and not isinstance(cursor, bool) else None
+            baseline = doc.get("ecc_baseline")
+            if isinstance(baseline, dict):
+                self._prev_counters = {str(u): {str(k): int(v) for k, v in dict(c).items() if isinstance(v, int)}
+                                       for u, c in baseline.items() if isinstance(c, dict)}
 
     def _set_aside(self) -> None:
         """Keep an unreadable ledger for a human instead of overwriting it."""
@@ -371,15 +394,27 @@ class XidCollector:
             self._state_path.rename(self._state_path.with_suffix(f".unreadable-{int(time.time())}"))
 
     def _save_if_changed(self, obs: Observations) -> None:
-        if self._state_path is None or self.ledger.changes == self._saved_changes:
+        extra = (self._kmsg_cursor, self._prev_counters)
+        if self._state_path is None or (self.ledger.changes == self._saved_changes and extra == self._saved_extra):
             return
         try:
             self._state_path.parent.mkdir(parents=True, exist_ok=True)
             fd, tmp = tempfile.mkstemp(prefix=".xid-ledger.", dir=self._state_path.parent)
             with os.fdopen(fd, "w") as fh:
-                json.dump(self.ledger.to_state(_boot_id()), fh)
+                doc = self.ledger.to_state(_boot_id())
+                doc.update(kmsg_seq=self._kmsg_cursor, ecc_baseline=self._prev_counters)
+                json.dump(doc, fh)
+                fh.flush()
+                os.fsync(fh.fileno())  # a crash right after must not leave an empty ledger behind
             os.replace(tmp, self._state_path)
+            with contextlib.suppress(OSError):
+                dfd = os.open(self._state_path.parent, os.O_RDONLY)
+                try:
+                    os.fsync(dfd)
+                finally:
+                    os.close(dfd)
             self._saved_changes = self.ledger.changes
+            self._saved_extra = (self._kmsg_cursor, {u: dict(c) for u, c in self._prev_counters.items()})
         except OSError as exc:
             obs.errors.append(CollectError(None, "xid_ledger", None, f"cannot save {self._state_path}: {exc}"))
             with contextlib.suppress(OSError, UnboundLocalError):
@@ -481,6 +516,11 @@ class XidCollector:
             obs.unsupported.add((None, "kmsg"))
             return []
         obs.node["kmsg"] = getattr(ctx.kmsg, "description", "kmsg")
+        if self._kmsg_cursor is not None:  # records counted before an agent restart, this boot
+            records = [r for r in records if r.seq is None or r.seq > self._kmsg_cursor]
+        seqs = [r.seq for r in records if r.seq is not None]
+        if seqs:
+            self._kmsg_cursor = max(seqs + ([self._kmsg_cursor] if self._kmsg_cursor is not None else []))
         bus_ids = [(g.index, g.pci_bus_id) for g in ctx.gpus]
         return xid_events(records, bus_ids, now=ctx.now)
 

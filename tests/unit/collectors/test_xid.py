@@ -279,3 +279,50 @@ def test_status_one_shot_never_writes_a_ledger(tmp_path: Path, clock) -> None:  
     h = Harness(tmp_path, clock, events=[{"at": 0, "type": "xid", "gpu": 0, "xid": 79}])
     h.run(state_dir=str(tmp_path / "state"), one_shot=True)
     assert not (tmp_path / "state").exists()
+
+
+def test_a_clock_step_between_runs_does_not_count_a_re_read_line_again(tmp_path: Path, clock,  # type: ignore[no-untyped-def]
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    # /dev/kmsg times are boot time + offset, and boot time is derived from the wall clock: after NTP
+    # steps the clock, the same line comes out at another time. Its sequence number does not change.
+    state = tmp_path / "state"
+    usec = int(time.clock_gettime(time.CLOCK_BOOTTIME) * 1e6)
+    line = f"6,100,{usec},-;NVRM: Xid (PCI:0000:00:06): 48, pid=1, name=python3, DBE"
+    h = Harness(tmp_path, clock, kmsg=[line])
+    assert [f.code for f in h.run(state_dir=str(state)).findings] == ["xid.48"]
+    h.collector.note_reset(h.gpus[0].uuid, time.time() + 0.2)
+    assert h.run(state_dir=str(state)).findings == []
+    import gpuhealth.backends.kmsg as kmsg_mod
+
+    stepped = kmsg_mod.boot_time() + 5.0
+    monkeypatch.setattr(kmsg_mod, "boot_time", lambda: stepped)
+    again = Harness(tmp_path, clock, collector=XidCollector(event_thread=False), kmsg=[line])
+    assert again.run(state_dir=str(state)).findings == []  # not back, not escalated
+    entry = next(iter(again.collector.ledger._entries.values()))
+    assert entry.count == 1 and entry.repeats_after_reset == 0
+
+
+def test_after_a_reboot_with_a_clock_behind_old_xids_are_cleared_and_new_ones_counted() -> None:
+    ledger = XidLedger()
+    ledger.add(XidEvent(0, 79, 1000.0, "kmsg", seq=5), "GPU-a")
+    doc = json.loads(json.dumps(ledger.to_state("boot-1")))
+    after = XidLedger()
+    assert after.load_state(doc, "boot-2", booted_at=500.0) is False  # the new boot's clock is behind
+    assert after.active() == []
+    entry = after.add(XidEvent(0, 79, 600.0, "kmsg", seq=3), "GPU-a")
+    assert entry.active and entry.count == 2 and entry.repeats_after_reset == 1
+
+
+def test_a_reset_while_the_agent_was_down_is_seen_from_the_saved_ecc_baseline(tmp_path: Path, clock) -> None:  # type: ignore[no-untyped-def]
+    state = tmp_path / "state"
+    h = Harness(tmp_path, clock, overrides={"1": {"TotalEccErrors_CORRECTED_VOLATILE": 12}},
+                events=[{"at": 1, "type": "xid", "gpu": 1, "xid": 92}])
+    clock.advance(1.5)
+    assert [f.code for f in h.run(state_dir=str(state)).findings] == ["xid.92"]
+    # The operator stops the agent, resets GPU 1 (volatile counters go back to 0), starts it again.
+    after = Harness(tmp_path, clock, collector=XidCollector(event_thread=False),
+                    overrides={"1": {"TotalEccErrors_CORRECTED_VOLATILE": 0}})
+    after.fake.events = []  # type: ignore[attr-defined]
+    run = after.run(state_dir=str(state))
+    assert run.findings == []
+    assert run.observations.gpu(1).get("reset_seen") is True
