@@ -128,20 +128,35 @@ def _fail(message: str, profile: str) -> None:
 @click.option("--tail", "tail_entries", type=click.IntRange(min=1), default=None,
               help="Read only the newest N entries of each dump (default: automatic for very large jobs).")
 @click.option("--job", "job_id", default=None, help="Live mode: the job to triage through the coordinator.")
-@click.option("--coordinator", "address", default=None, metavar="HOST:PORT", help="Live mode: coordinator address.")
-@click.option("--token", default=None, envvar="GPUHEALTH_TOKEN", help="Live mode: coordinator auth token.")
+@click.option("--coordinator", "address", default=None, metavar="HOST:PORT",
+              help="Live mode: coordinator address (default: agent.coordinator from config).")
+@click.option("--token", default=None, envvar="GPUHEALTH_TOKEN",
+              help="Live mode: operator token (default: coordinator.operator_token from config).")
+@click.option("--config", "config_path", type=click.Path(dir_okay=False), default=None,
+              help="Live mode: YAML config with the coordinator's address and credentials.")
+@click.option("--tls-cert", default=None, help="Live mode: client certificate (mutual TLS; an operator name).")
+@click.option("--tls-key", default=None, help="Live mode: client private key.")
+@click.option("--tls-ca", default=None, help="Live mode: CA of the coordinator's certificate.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 @click.option("--exit-codes", "profile", type=click.Choice(PROFILE_NAMES), default="default", show_default=True,
               help="Exit-code dialect: default (0/1/2/3), slurm, npd, nagios.")
 def command(path: str | None, steps: tuple[str, ...], world_size: int | None, groups: tuple[str, ...],
             tail_entries: int | None, job_id: str | None, address: str | None, token: str | None,
+            config_path: str | None, tls_cert: str | None, tls_key: str | None, tls_ca: str | None,
             as_json: bool, profile: str) -> None:
     """Triage a hung or slow job from flight-recorder dumps (PATH: a folder or files)."""
     if job_id or address:
-        if not (job_id and address):
-            _fail("live mode needs both --job ID and --coordinator HOST:PORT", profile)
+        if not job_id:
+            _fail("live mode needs --job ID (and a coordinator: --coordinator HOST:PORT or the config)", profile)
             return
-        report = _live(address, job_id, token, profile)
+        from gpuhealth.cli._coordinator_client import resolve
+
+        try:
+            addr, tok, tls = resolve(config_path, address, token, tls_cert, tls_key, tls_ca)
+        except click.ClickException as exc:
+            _fail(exc.message, profile)
+            return
+        report = _live(addr, job_id, tok, tls, profile)
     else:
         if path is None and not steps:
             _fail("give a folder of dumps (PATH), --steps files, or --job/--coordinator", profile)
@@ -185,7 +200,7 @@ def _parse_groups(items: Sequence[str]) -> dict[str, list[int]]:
     return out
 
 
-def _live(address: str, job_id: str, token: str | None, profile: str) -> dict[str, Any]:
+def _live(address: str, job_id: str, token: str | None, tls: Any, profile: str) -> dict[str, Any]:
     try:
         from gpuhealth.coordinator.query import live_triage
     except ImportError as exc:
@@ -193,7 +208,7 @@ def _live(address: str, job_id: str, token: str | None, profile: str) -> dict[st
               "install gpuhealth[coordinator] or triage a folder of dumps instead", profile)
         raise AssertionError("unreachable") from exc
     try:
-        return dict(live_triage(address, job_id, token=token))
+        return dict(live_triage(address, job_id, token=token, tls=tls))
     except Exception as exc:
         _fail(f"coordinator {address}: {type(exc).__name__}: {exc}", profile)
         raise AssertionError("unreachable") from exc

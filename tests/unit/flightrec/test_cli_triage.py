@@ -61,8 +61,10 @@ def test_bad_input_is_one_clear_line_not_a_traceback(tmp_path: Path) -> None:
     (tmp_path / "rank0.json").write_bytes(b"\x00garbage")
     code, out, _ = _run(str(tmp_path))
     assert code == 3 and out.startswith("INCOMPLETE") and "rank0.json: not a flight-recorder dump" in out
-    code, _, err = _run("--job", "j1")
-    assert code == 3 and "needs both --job ID and --coordinator" in err
+    code, _, err = _run("--coordinator", "127.0.0.1:1")
+    assert code == 3 and "live mode needs --job ID" in err
+    code, _, err = _run("--job", "j1")  # no --coordinator: the config's (here the default, nobody there)
+    assert code == 3 and "coordinator 127.0.0.1:9500" in err and "Traceback" not in err
 
 
 def test_live_mode_reports_an_unreachable_coordinator_cleanly() -> None:
