@@ -53,7 +53,7 @@ from gpuhealth.proto.options import API_VERSION, NODE_METADATA, SESSION_METADATA
 log = logging.getLogger("gpuhealth.agent.coordinator")
 
 _DEVICE = re.compile(r"cpu|cuda(:\d+(,cuda:\d+)*)?")  # the only parameter passed to `gpuhealth diag`
-MAX_DUMP_BYTES = 48 * 1024 * 1024  # under the gRPC message limit with room for the envelope
+MAX_DUMP_BYTES = 32 * 1024 * 1024  # as RankHub's cap; under the gRPC message limit with room for the envelope
 CONNECT_METHOD = "/gpuhealth.v1.Coordinator/Connect"
 REGISTER_METHOD = "/gpuhealth.v1.Coordinator/Register"
 
@@ -410,15 +410,15 @@ class CoordinatorLink:
         out_dir.chmod(0o1733)
         results = self.hub.request_dump(req.job_id, None if req.rank < 0 else req.rank, str(out_dir),
                                         timeout_s=req.timeout_s or 20.0)
-        for rank, res in sorted(results.items()):
+        for rank in sorted(results):
+            res = results.pop(rank)  # one dump in memory at a time once sent
             if isinstance(res, Exception):
                 emit(pb.RequestResult(request_id=req.request_id, rank=rank, ok=False,
                                       error=f"{type(res).__name__}: {res}", format="fr_json"))
                 continue
             try:
                 if isinstance(res, bytes):
-                    data = res
-                    json.loads(data)  # only JSON travels: a pickle or garbage is refused here already
+                    data = _looks_like_json_object(res)
                 else:
                     data = _read_json_file(Path(res), expected=out_dir / f"rank{rank}.json")
                 emit(pb.RequestResult(request_id=req.request_id, rank=rank, ok=True, payload=data, format="fr_json"))
@@ -513,7 +513,20 @@ def _read_json_file(path: Path, *, expected: Path) -> bytes:
             data = fh.read(MAX_DUMP_BYTES + 1)
     finally:
         os.close(fd)
-    json.loads(data)  # only JSON travels: a pickle or garbage is refused here already
+    return _looks_like_json_object(data)
+
+
+def _looks_like_json_object(data: bytes) -> bytes:
+    """Only JSON travels: a pickle or garbage is refused here already. A cheap check (the coordinator
+    parses it with its safe loader): parsing a 30 MB dump here would cost the agent ~10× that in
+    memory, and deeply nested input would not even parse (RecursionError)."""
+    head = data[:64].lstrip()
+    if not head.startswith(b"{") or not data.rstrip().endswith(b"}"):
+        raise ValueError("the rank's dump is not a JSON object")
+    try:
+        data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"the rank's dump is not UTF-8 JSON: {exc}") from exc
     return data
 
 

@@ -107,9 +107,13 @@ class RankHub:
     name = "ranks"
 
     def __init__(self, socket_path: str | os.PathLike[str], *, mode: int = 0o660, send_timeout_s: float = 2.0,
-                 max_dump_bytes: int = 48 * 1024 * 1024) -> None:
+                 max_dump_bytes: int = 32 * 1024 * 1024, max_inflight_dump_bytes: int = 64 * 1024 * 1024) -> None:
         self.socket_path = Path(socket_path)
+        # One rank's dump, and all dumps being received at once: the agent's memory stays bounded however
+        # many ranks answer (a 2000-entry NCCL dump is ~1 MB).
         self.max_dump_bytes = max_dump_bytes
+        self.max_inflight_dump_bytes = max_inflight_dump_bytes
+        self._inflight = 0
         self.mode = mode
         self._send_timeout = send_timeout_s
         self._lock = threading.Lock()
@@ -234,7 +238,8 @@ class RankHub:
 
     def stats(self) -> dict[str, int]:
         with self._lock:
-            return {**self._stats, "connected": len(self._conns), "ranks": len(self._by_rank)}
+            return {**self._stats, "connected": len(self._conns), "ranks": len(self._by_rank),
+                    "dump_bytes_in_flight": self._inflight}
 
     def request_dump(
         self, job_id: str, rank: int | None, out_dir: str | None = None, timeout_s: float = 30.0
@@ -303,7 +308,8 @@ class RankHub:
         for rid, w in waiters.items():
             w.done.wait(max(0.0, deadline - time.monotonic()))
             with self._lock:
-                self._waiters.pop(rid, None)
+                if self._waiters.pop(rid, None) is not None:
+                    self._drop_chunks(w)  # timed out half-way through a dump
             results[w.rank] = w.result if w.done.is_set() else TimeoutError(
                 f"rank {w.rank} did not answer within {timeout_s:g} s")
         return results
@@ -315,7 +321,8 @@ class RankHub:
                 # a reply to a request sent to another connection: not this one's to answer
                 self._stats["foreign_replies"] += 1
                 return
-            self._waiters.pop(rid, None)
+            if self._waiters.pop(rid, None) is not None:
+                self._drop_chunks(w)  # type: ignore[arg-type]
         if w is None:
             with self._lock:
                 self._stats["late_replies"] += 1
@@ -423,10 +430,16 @@ class RankHub:
                 error: Exception | None = RankRequestError(f"rank {w.rank}: dump chunk {index} arrived out of order")
             elif w.size + len(data) > self.max_dump_bytes:
                 error = RankRequestError(f"rank {w.rank}: the dump is over the {self.max_dump_bytes}-byte limit")
+            elif self._inflight + len(data) > self.max_inflight_dump_bytes:
+                error = RankRequestError(f"rank {w.rank}: other ranks' dumps fill the agent's "
+                                         f"{self.max_inflight_dump_bytes}-byte budget; ask again for this rank")
             else:
                 w.chunks.append(data)
                 w.size += len(data)
+                self._inflight += len(data)
                 error = None
+            if error is not None:
+                self._drop_chunks(w)
         if error is not None:
             self._finish(rid, error, from_conn=conn)  # later chunks and the reply count as late
 
@@ -437,11 +450,17 @@ class RankHub:
             if w is None or w.conn is not conn:
                 return dict(msg)  # _finish counts it as late or foreign
             data = b"".join(w.chunks)
-            w.chunks.clear()
+            self._drop_chunks(w)
         if msg.get("bytes") != len(data) or msg.get("sha256") != hashlib.sha256(data).hexdigest():
             return RankRequestError(f"rank {w.rank}: the dump arrived incomplete ({len(data)} of "
                                     f"{msg.get('bytes')} bytes, or a digest mismatch)")
         return {**msg, "data": data}
+
+    def _drop_chunks(self, w: _Waiter) -> None:
+        """Forget a waiter's buffered chunks (call with the lock held)."""
+        self._inflight -= w.size
+        w.chunks.clear()
+        w.size = 0
 
     def _on_hello(self, conn: _Conn, ident: RankIdentity) -> None:
         if conn.peer_pid and ident.pid != conn.peer_pid:

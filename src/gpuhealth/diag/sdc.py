@@ -437,15 +437,15 @@ def run_sdc(
     by_key = {s.ref.key: s for s in specs}
     case_by_id = {c.case_id: c for c in cases}
     selftest_doc: dict[str, Any] = {k.value: {"injected": 0, "detected": 0} for k in faults}
-    for n_spec, spec in enumerate(specs):
+    for spec in specs:
         # One-time host work is not GPU time: compiling the hash kernel (~2 s the first time in a
         # process) and cuBLAS loading each matmul kernel on first use (~0.1 s per square case on an
-        # H200, measured inside the events while the GPU idles). Do it before the clock starts, on the
-        # first GPU (it is per process), and report it apart as setup_seconds.
+        # H200, measured inside the events while the GPU idles; modules load per device). Do it before
+        # the clock starts, on every GPU, and report it apart as setup_seconds.
         t_setup = time.perf_counter()
         with torch.cuda.device(spec.device) if spec.device.type == "cuda" else contextlib.nullcontext():
             hashing.digest(torch.zeros(64, dtype=torch.int32, device=spec.device))
-            if n_spec == 0 and spec.device.type == "cuda":
+            if spec.device.type == "cuda":
                 for case in cases:
                     with math_mode(case.datapath):
                         a, b = _inputs(case, spec.device, seed)

@@ -14,6 +14,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from gpuhealth.agent.coordinator_link import CoordinatorLink, LinkSettings
 from gpuhealth.agent.ranks import RankHub
 from gpuhealth.instrument import protocol
@@ -124,3 +126,12 @@ def test_a_connection_cannot_answer_another_ranks_request(tmp_path: Path) -> Non
     hub.stop()
     assert isinstance(seen[0], str) and seen[0].endswith("rank0.json")
     assert hub.stats()["foreign_replies"] >= 1
+
+
+@pytest.mark.parametrize("data", [b"\x80\x04\x95pickle", b"garbage", b"[" * 200_000, b"{\xff\xfe}"])
+def test_only_a_json_object_is_shipped_and_hostile_bytes_never_crash(data: bytes) -> None:
+    from gpuhealth.agent.coordinator_link import _looks_like_json_object
+
+    with pytest.raises(ValueError):
+        _looks_like_json_object(data)
+    assert _looks_like_json_object(b' {"version": "2.10"}\n') == b' {"version": "2.10"}\n'

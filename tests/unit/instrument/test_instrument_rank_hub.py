@@ -379,3 +379,30 @@ def test_another_connection_cannot_slip_chunks_into_a_ranks_dump(hub: RankHub, s
     assert hub.stats()["foreign_replies"] >= 1
     rank.close()
     intruder.close()
+
+
+def test_dumps_arriving_together_share_one_memory_budget(sock_path: Path) -> None:
+    hub = RankHub(sock_path, max_dump_bytes=40_000, max_inflight_dump_bytes=50_000)
+    hub.start(None)
+    try:
+        # Rank 0 sends its chunks but never the closing reply (it hangs half-way); rank 1, a moment
+        # later, would take the agent past its budget for dumps in flight.
+        stalled = ScriptedRank(sock_path, _inline(b"y" * 30_000, chunk=1000, tamper=lambda msgs: msgs.pop()))
+        stalled.send(protocol.hello(ident(0)))
+        inline = _inline(b"z" * 30_000, chunk=1000)
+
+        def late(msg: dict[str, Any]) -> Any:
+            time.sleep(0.3)
+            return inline(msg)
+
+        second = ScriptedRank(sock_path, late)
+        second.send(protocol.hello(ident(1)))
+        until(lambda: len(hub.ranks()) == 2)
+        res = hub.request_dump("j1", None, timeout_s=2)
+        assert isinstance(res[0], TimeoutError)
+        assert isinstance(res[1], RankRequestError) and "budget" in str(res[1])
+        assert hub.stats()["dump_bytes_in_flight"] == 0  # what the stalled rank sent is let go
+        stalled.close()
+        second.close()
+    finally:
+        hub.stop()
