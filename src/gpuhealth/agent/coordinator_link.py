@@ -611,6 +611,9 @@ def link_from_config(config: Any, *, rank_hub: Any = None) -> CoordinatorLink | 
     if not address:
         return None
     c = config.coordinator
+    if c.operator_token:
+        log.warning("coordinator.operator_token is set in this agent's config: anyone who can read it on this "
+                    "node can make every other node's ranks dump and run GPU work; keep it off the nodes")
     tls = None
     if c.client_tls_cert or c.client_tls_key:
         from gpuhealth.coordinator.security import tls_files

@@ -258,7 +258,9 @@ class CoordinatorServer:
         self.endpoints = Endpoints(port, metrics_port)
         if self.policy.open:
             log.warning("coordinator is running WITHOUT authentication (no token, no mTLS): loopback/tests only")
-        elif not self.policy.operators_configured:
+        if self.policy.operator_names and not self.policy.mtls:
+            log.warning("--operator-names has no effect without mutual TLS (names come from client certificates)")
+        if not self.policy.open and not self.policy.operators_configured:
             log.warning("no operator credentials configured (--operator-token / --operator-names): live triage "
                         "and remote diagnostics are refused; automatic hang investigations still run")
         log.info("coordinator serving gRPC on port %d, metrics on %s", port, metrics_port)
