@@ -456,6 +456,8 @@ def find_roots(result: MatchResult) -> list[Root]:
         # does, the weaker sign that it is ahead of everyone in another group.
         past = {r: hit for r in sorted(blocked_by)
                 if (hit := _ran_past_any([b for b in blocked_by[r] if b.dumped], groups)) is not None}
+        if len(past) > 1:
+            past = {}  # two ranks that each "ran past" the other: history cannot tell, fall back
         for rank in sorted(blocked_by):
             bs = [b for b in blocked_by[rank] if b.dumped]
             if not bs:
@@ -475,10 +477,22 @@ def find_roots(result: MatchResult) -> list[Root]:
                 if ahead is None:
                     continue
                 b = _earliest(bs, groups)
+                # Counting alone cannot tell "this rank skipped #b" from "a rank it waits for in the group it
+                # is ahead in skipped one there" (mirror images); without enough history, name both.
+                also = sorted({x.rank for x in result.blockers if x.group == ahead[0] and x.rank != rank
+                               and x.dumped})
                 why = (f"rank {rank} never enqueued collective #{b.seq} of group {b.group} (ranks {_fmt(b.waiting)} "
                        f"wait in it) but went on to collective #{ahead[1]} of group {ahead[0]} that no other member "
                        "has reached: it skipped a collective (a code path that differs on this rank)")
+                if also:
+                    why += (f" — or rank(s) {_fmt(also)}, missing from #{ahead[1]} of group {ahead[0]}, skipped that "
+                            "one: the flight recorder holds too little repeating history to tell which")
                 ahead_group = ahead[0]
+                roots.append(Root("skipped", (rank, *also), b.group, b.seq, why,
+                                  tuple(sorted({x.group for x in blocked_by[rank]} - {b.group}))))
+                explained.update(x.group for x in blocked_by[rank])
+                explained.add(ahead_group)
+                continue
             roots.append(Root("skipped", (rank,), b.group, b.seq, why,
                               tuple(sorted({x.group for x in blocked_by[rank]} - {b.group}))))
             explained.update(x.group for x in blocked_by[rank])
@@ -587,22 +601,22 @@ def _propagate(roots: list[Root], explained: set[str], blockers: Sequence[Blocke
 
 # How far back _ran_past reads one group's history (gaps between its consecutive collectives), and the
 # longest repeating pattern of gaps it looks for (collectives of that group per training step).
-_GAP_HISTORY = 48
-_MAX_CYCLE = 16
+# A tensor-parallel group runs ~2 collectives per layer: 100+ per step is ordinary.
+_GAP_HISTORY = 1024
+_MAX_CYCLE = 256
 
 
 def _cycle(gaps: Sequence[int]) -> int | None:
-    """The length p of the repeating gap pattern (gaps newest first): the p whose pattern holds over
-    the longest stretch of recent history (at least two cycles); the smallest p on a tie. Older
-    history may break it (warm-up, a checkpoint long ago). None when nothing repeats."""
-    best: tuple[int, int] | None = None  # (stretch, p)
-    for p in range(1, min(_MAX_CYCLE, len(gaps) // 2) + 1):
-        stretch = p
-        while stretch < len(gaps) and gaps[stretch] == gaps[stretch - p]:
-            stretch += 1
-        if stretch >= 2 * p and (best is None or stretch > best[0]):
-            best = (stretch, p)
-    return None if best is None else best[1]
+    """The length p of the repeating gap pattern (gaps newest first): the smallest p that repeats over
+    the WHOLE window read, at least three times; else None — a pattern longer than _MAX_CYCLE, a step
+    shape that changes (gradient accumulation, an evaluation step), or too little history. Guessing a
+    shorter cycle there would compare with a mid-step gap and name a rank that is merely waiting."""
+    if not any(gaps):
+        return None  # the window never left this group: it may all lie inside one step
+    for p in range(1, min(_MAX_CYCLE, len(gaps) // 3) + 1):
+        if all(gaps[i] == gaps[i + p] for i in range(len(gaps) - p)):
+            return p
+    return None
 
 
 def _ran_past(rank: int, gname: str, seq: int, groups: Mapping[str, GroupView]) -> tuple[str, int, int, int] | None:

@@ -324,10 +324,12 @@ def test_rank_lists_stay_readable_at_scale() -> None:
     assert long.endswith("(1001 ranks)") and len(long) <= 110
 
 
-def _tp_dp_job(tmp_path: Path, *, skipper: int, tp_per_step: int = 3, buckets: int = 4, steps: int = 5) -> None:
+def _tp_dp_job(tmp_path: Path, *, skipper: int, tp_per_step: int = 3, buckets: int = 4, steps: int = 5,
+               accum: int = 1) -> None:
     """Each step: ``tp_per_step`` TP all_reduces, then ``buckets`` data-parallel gradient buckets in the
-    world group (Gloo, 4 ranks, TP pairs {0,1} {2,3}). In the last step ``skipper`` skips its last TP
-    all_reduce and goes on to the first bucket; its TP peer waits in that TP all_reduce."""
+    world group (Gloo, 4 ranks, TP pairs {0,1} {2,3}); with ``accum`` > 1 the buckets come only every
+    ``accum``-th step (gradient accumulation). In the last step ``skipper`` skips its last TP all_reduce
+    and goes on to the first bucket; its TP peer waits in that TP all_reduce."""
     peer = skipper ^ 1
     for r in range(4):
         tp = "1" if r < 2 else "2"
@@ -345,6 +347,8 @@ def _tp_dp_job(tmp_path: Path, *, skipper: int, tp_per_step: int = 3, buckets: i
                 rid += 1
             if last and r == peer:
                 break  # stuck in its last TP all_reduce
+            if step % accum:
+                continue  # accumulating: no gradient all_reduce this step
             for _ in range(buckets):
                 world_seq += 1
                 es.append(entry(world_seq, record_id=rid, group="0", pg_id=0, backend="gloo", state="scheduled",
@@ -356,12 +360,30 @@ def _tp_dp_job(tmp_path: Path, *, skipper: int, tp_per_step: int = 3, buckets: i
                                                    comm=""))
 
 
-@pytest.mark.parametrize(("tp_per_step", "buckets"), [(1, 1), (3, 4), (2, 1), (1, 6)])
+@pytest.mark.parametrize(("tp_per_step", "buckets", "steps", "accum"), [
+    (1, 1, 5, 1), (3, 4, 5, 1), (2, 1, 5, 1), (1, 6, 5, 1),
+    (20, 1, 4, 1), (17, 2, 4, 1),  # more collectives per step than a short cycle search would try
+    (2, 2, 16, 4),  # gradient accumulation: the data-parallel buckets come every 4th step
+])
 def test_a_skipped_tp_collective_is_blamed_on_the_skipper_whatever_the_step_looks_like(
-        tmp_path: Path, tp_per_step: int, buckets: int) -> None:
-    _tp_dp_job(tmp_path, skipper=3, tp_per_step=tp_per_step, buckets=buckets)
+        tmp_path: Path, tp_per_step: int, buckets: int, steps: int, accum: int) -> None:
+    _tp_dp_job(tmp_path, skipper=3, tp_per_step=tp_per_step, buckets=buckets, steps=steps, accum=accum)
     rep = triage(tmp_path)
     assert rep.verdict == "hang"
     assert _codes(rep) == [("collective.missing_rank", 3)], rep.summary
     ev = rep.findings[0].evidence
     assert ev["kind"] == "skipped" and ev["group"] == "2" and ev["waiting_ranks"] == [2]
+
+
+@pytest.mark.parametrize(("tp_per_step", "buckets", "steps", "accum"), [(3, 4, 2, 1), (2, 2, 3, 1), (1, 1, 2, 1),
+                                                                        (2, 2, 8, 4)])
+def test_with_too_little_history_both_candidates_are_named_never_only_the_waiting_peer(
+        tmp_path: Path, tp_per_step: int, buckets: int, steps: int, accum: int) -> None:
+    # The skipper (3) and its waiting peer (2) are mirror images by counts alone; only a repeating
+    # history tells them apart. Without one, say both — never the peer alone.
+    _tp_dp_job(tmp_path, skipper=3, tp_per_step=tp_per_step, buckets=buckets, steps=steps, accum=accum)
+    rep = triage(tmp_path)
+    ranks = sorted(r for _, r in _codes(rep))
+    assert ranks in ([3], [2, 3]), rep.summary
+    if ranks == [2, 3]:
+        assert "too little repeating history" in rep.findings[0].evidence["why"]
