@@ -43,6 +43,7 @@ from typing import Any
 import grpc
 
 from gpuhealth import __version__
+from gpuhealth.agent.ranks import DumpBudgetExceeded
 from gpuhealth.agent.spool import Spool, SpoolError
 from gpuhealth.coordinator.security import TlsFiles, channel_credentials, token_metadata
 from gpuhealth.model import EntityKind, Finding, RankIdentity, StepRecord, health_of
@@ -408,14 +409,18 @@ class CoordinatorLink:
         out_dir = Path(base) / "gpuhealth-fr" / f"{_safe(req.job_id)}-{req.request_id}-{os.getpid()}"
         out_dir.mkdir(parents=True, exist_ok=True)
         out_dir.chmod(0o1733)
-        results = self.hub.request_dump(req.job_id, None if req.rank < 0 else req.rank, str(out_dir),
-                                        timeout_s=req.timeout_s or 20.0)
-        for rank in sorted(results):
-            res = results.pop(rank)  # one dump in memory at a time once sent
+        timeout = req.timeout_s or 20.0
+        deadline = time.monotonic() + timeout
+        busy: list[int] = []  # ranks refused for the agent's dump memory budget: asked again, one at a time
+
+        def ship(rank: int, res: bytes | str | Exception, *, may_retry: bool) -> None:
+            if isinstance(res, DumpBudgetExceeded) and may_retry:
+                busy.append(rank)
+                return
             if isinstance(res, Exception):
                 emit(pb.RequestResult(request_id=req.request_id, rank=rank, ok=False,
                                       error=f"{type(res).__name__}: {res}", format="fr_json"))
-                continue
+                return
             try:
                 if isinstance(res, bytes):
                     data = _looks_like_json_object(res)
@@ -425,6 +430,17 @@ class CoordinatorLink:
             except (OSError, ValueError) as exc:
                 emit(pb.RequestResult(request_id=req.request_id, rank=rank, ok=False, error=str(exc),
                                       format="fr_json"))
+
+        # Each dump is shipped as soon as it arrives and dropped: the agent holds one, not the job's.
+        for rank, res in self.hub.iter_dumps(req.job_id, None if req.rank < 0 else req.rank, str(out_dir),
+                                             timeout_s=timeout):
+            ship(rank, res, may_retry=True)
+            del res
+        for rank in busy:
+            left = max(1.0, deadline - time.monotonic())
+            for r, res in self.hub.iter_dumps(req.job_id, rank, str(out_dir), timeout_s=left):
+                ship(r, res, may_retry=False)
+                del res
         shutil.rmtree(out_dir, ignore_errors=True)
 
     def _do_stacks(self, req: pb.AgentRequest, emit: Callable[[pb.RequestResult], None]) -> None:

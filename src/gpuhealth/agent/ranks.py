@@ -27,13 +27,14 @@ import hashlib
 import itertools
 import logging
 import os
+import queue
 import selectors
 import socket
 import stat
 import struct
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -56,6 +57,10 @@ class RankHubError(RuntimeError):
 
 class RankRequestError(RuntimeError):
     """A rank answered a request with an error (its message is the rank's)."""
+
+
+class DumpBudgetExceeded(RankRequestError):
+    """Other ranks' dumps in flight fill the agent's memory budget: ask this rank again later."""
 
 
 class RankNotConnectedError(LookupError):
@@ -92,6 +97,8 @@ class _Waiter:
     result: Any = None
     chunks: list[bytes] = field(default_factory=list)  # an inline dump, as it arrives
     size: int = 0
+    answered: queue.SimpleQueue[str] | None = None  # where _finish says "done" (the request's queue)
+    rid: str = ""
 
 
 @dataclass(frozen=True)
@@ -130,7 +137,8 @@ class RankHub:
         self._stopping = threading.Event()
         self._inode: int | None = None
         self._stats = {"connections": 0, "disconnects": 0, "malformed": 0, "bad_records": 0, "records": 0,
-                       "listener_errors": 0, "unknown_messages": 0, "late_replies": 0, "foreign_replies": 0}
+                       "listener_errors": 0, "unknown_messages": 0, "late_replies": 0, "foreign_replies": 0,
+                       "dump_budget_refusals": 0}
 
     # -- lifecycle ----------------------------------------------------------------------------------
 
@@ -250,20 +258,24 @@ class RankHub:
         inline dumps writes ``<out_dir>/rank<N>.json`` instead and answers with its path (a str), when
         ``out_dir`` is given. An Exception stands in for a rank that failed (RankRequestError,
         RankNotConnectedError, TimeoutError). Waits at most ``timeout_s``."""
+        return dict(self.iter_dumps(job_id, rank, out_dir, timeout_s))
+
+    def iter_dumps(
+        self, job_id: str, rank: int | None, out_dir: str | None = None, timeout_s: float = 30.0
+    ) -> Iterator[tuple[int, bytes | str | Exception]]:
+        """``request_dump``, one rank at a time as each answers: a caller that ships and drops each
+        dump holds one in memory, not the whole job's."""
         # Absolute: the rank resolves the folder from its own working directory, not the agent's.
         folder = os.path.abspath(out_dir) if out_dir else None
-        results = self._request(job_id, rank, timeout_s, lambda rid: protocol.dump_fr_request(rid, folder))
-        out: dict[int, bytes | str | Exception] = {}
-        for r, res in results.items():
+        for r, res in self._request_iter(job_id, rank, timeout_s, lambda rid: protocol.dump_fr_request(rid, folder)):
             if isinstance(res, Exception):
-                out[r] = res
+                yield r, res
             elif isinstance(res.get("data"), bytes):
-                out[r] = res["data"]
+                yield r, res["data"]
             elif folder and isinstance(res.get("path"), str):
-                out[r] = res["path"]
+                yield r, res["path"]
             else:
-                out[r] = RankRequestError(f"rank {r} replied without a dump")
-        return out
+                yield r, RankRequestError(f"rank {r} replied without a dump")
 
     def request_stacks(
         self, job_id: str, rank: int | None, timeout_s: float = 10.0
@@ -284,35 +296,52 @@ class RankHub:
     def _request(
         self, job_id: str, rank: int | None, timeout_s: float, build: Callable[[str], dict[str, Any]]
     ) -> dict[int, Any]:
-        results: dict[int, Any] = {}
+        return dict(self._request_iter(job_id, rank, timeout_s, build))
+
+    def _request_iter(
+        self, job_id: str, rank: int | None, timeout_s: float, build: Callable[[str], dict[str, Any]]
+    ) -> Iterator[tuple[int, Any]]:
+        """Send the request to the ranks and yield (rank, answer or Exception) as each one answers,
+        then the ranks that did not answer in time. Stopping early forgets the rest."""
+        answered: queue.SimpleQueue[str] = queue.SimpleQueue()
         with self._lock:
             if rank is None:
                 targets = [(r, c) for (j, r), c in self._by_rank.items() if j == job_id]
             else:
                 conn = self._by_rank.get((job_id, rank))
                 targets = [(rank, conn)] if conn is not None else []
-                if conn is None:
-                    results[rank] = RankNotConnectedError(f"rank {rank} of job {job_id} is not connected here")
             waiters: dict[str, _Waiter] = {}
             for r, conn in targets:
                 rid = f"{os.getpid()}-{next(self._ids)}"
-                waiters[rid] = self._waiters[rid] = _Waiter(conn, r)
-        for rid, w in waiters.items():
-            try:
-                line = protocol.encode(build(rid))
-                with w.conn.send_lock:
-                    w.conn.sock.sendall(line)
-            except (OSError, protocol.ProtocolError) as exc:
-                self._finish(rid, RankNotConnectedError(f"rank {w.rank}: cannot send the request: {exc}"))
-        deadline = time.monotonic() + timeout_s
-        for rid, w in waiters.items():
-            w.done.wait(max(0.0, deadline - time.monotonic()))
+                waiters[rid] = self._waiters[rid] = _Waiter(conn, r, answered=answered, rid=rid)
+        if rank is not None and not targets:
+            yield rank, RankNotConnectedError(f"rank {rank} of job {job_id} is not connected here")
+        try:
+            for rid, w in waiters.items():
+                try:
+                    line = protocol.encode(build(rid))
+                    with w.conn.send_lock:
+                        w.conn.sock.sendall(line)
+                except (OSError, protocol.ProtocolError) as exc:
+                    self._finish(rid, RankNotConnectedError(f"rank {w.rank}: cannot send the request: {exc}"))
+            deadline = time.monotonic() + timeout_s
+            pending = dict(waiters)
+            while pending:
+                try:
+                    rid = answered.get(timeout=max(0.0, deadline - time.monotonic()))
+                except queue.Empty:
+                    break
+                done = pending.pop(rid, None)
+                if done is not None:
+                    result, done.result = done.result, None  # the caller holds the only reference from here
+                    yield done.rank, result
+            for w in pending.values():
+                yield w.rank, TimeoutError(f"rank {w.rank} did not answer within {timeout_s:g} s")
+        finally:
             with self._lock:
-                if self._waiters.pop(rid, None) is not None:
-                    self._drop_chunks(w)  # timed out half-way through a dump
-            results[w.rank] = w.result if w.done.is_set() else TimeoutError(
-                f"rank {w.rank} did not answer within {timeout_s:g} s")
-        return results
+                for rid, w in waiters.items():
+                    if self._waiters.pop(rid, None) is not None:
+                        self._drop_chunks(w)  # timed out (or abandoned) half-way through a dump
 
     def _finish(self, rid: str, result: Any, *, from_conn: _Conn | None = None) -> None:
         with self._lock:
@@ -329,6 +358,8 @@ class RankHub:
             return
         w.result = result
         w.done.set()
+        if w.answered is not None:
+            w.answered.put(w.rid)
 
     # -- hub thread ---------------------------------------------------------------------------------
 
@@ -431,8 +462,9 @@ class RankHub:
             elif w.size + len(data) > self.max_dump_bytes:
                 error = RankRequestError(f"rank {w.rank}: the dump is over the {self.max_dump_bytes}-byte limit")
             elif self._inflight + len(data) > self.max_inflight_dump_bytes:
-                error = RankRequestError(f"rank {w.rank}: other ranks' dumps fill the agent's "
-                                         f"{self.max_inflight_dump_bytes}-byte budget; ask again for this rank")
+                error = DumpBudgetExceeded(f"rank {w.rank}: other ranks' dumps fill the agent's "
+                                           f"{self.max_inflight_dump_bytes}-byte budget; ask again for this rank")
+                self._stats["dump_budget_refusals"] += 1
             else:
                 w.chunks.append(data)
                 w.size += len(data)

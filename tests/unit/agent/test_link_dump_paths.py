@@ -135,3 +135,55 @@ def test_only_a_json_object_is_shipped_and_hostile_bytes_never_crash(data: bytes
     with pytest.raises(ValueError):
         _looks_like_json_object(data)
     assert _looks_like_json_object(b' {"version": "2.10"}\n') == b' {"version": "2.10"}\n'
+
+
+def _inline_rank(sock_path: Path, rank: int, data: bytes, delay_s: float, stop: threading.Event) -> None:
+    """A rank of job "bigjob" that answers a dump request inline, in small chunks, after ``delay_s``."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.connect(str(sock_path))
+        s.sendall(protocol.encode(protocol.hello(RankIdentity("bigjob", rank, 2, "h", os.getpid()))))
+        buf = protocol.LineBuffer()
+        s.settimeout(0.2)
+        while not stop.is_set():
+            try:
+                got = s.recv(65536)
+            except TimeoutError:
+                continue
+            if not got:
+                return
+            for msg in buf.feed(got):
+                if msg.get("type") == protocol.DUMP_FR:
+                    rid = protocol.request_id_of(msg)
+                    chunks = protocol.dump_chunks(rid, data, chunk_bytes=4096)
+                    for i, c in enumerate(chunks):
+                        s.sendall(protocol.encode(c))
+                        if i == 0:
+                            time.sleep(delay_s)  # both ranks' dumps are in flight at once
+                    s.sendall(protocol.encode(protocol.inline_dump_reply(rid, data, len(chunks))))
+
+
+def test_ranks_refused_for_the_memory_budget_are_asked_again_and_every_dump_ships(tmp_path: Path) -> None:
+    hub = RankHub(tmp_path / "agent.sock", max_dump_bytes=60_000, max_inflight_dump_bytes=70_000)
+    hub.start(None)
+    stop = threading.Event()
+    dumps = {r: json.dumps({"version": "2.10", "rank": r, "pad": "x" * 50_000}).encode() for r in range(2)}
+    for r in range(2):
+        threading.Thread(target=_inline_rank, args=(tmp_path / "agent.sock", r, dumps[r], 0.3, stop),
+                         daemon=True).start()
+    deadline = time.monotonic() + 5
+    while len(hub.ranks()) < 2 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    link = CoordinatorLink(LinkSettings(address="127.0.0.1:1", spool_path=str(tmp_path / "spool.db"),
+                                        work_dir=str(tmp_path / "fr")), rank_hub=hub)
+    out: list[pb.RequestResult] = []
+    try:
+        link._do_dump(pb.AgentRequest(request_id=9, kind=pb.DUMP_FLIGHT_RECORDER, job_id="bigjob", rank=-1,
+                                      timeout_s=10), out.append)
+    finally:
+        stop.set()
+        hub.stop()
+        link.spool.close()
+    assert sorted((r.rank, r.ok) for r in out) == [(0, True), (1, True)], [r.error for r in out]
+    assert {r.rank: r.payload for r in out} == dumps
+    assert hub.stats()["dump_budget_refusals"] >= 1  # one was refused while both were in flight
+    assert hub.stats()["dump_bytes_in_flight"] == 0
