@@ -52,7 +52,7 @@ def worker(cfg: dict[str, Any]) -> None:
     extra = mlp(layers // 2) if cfg["straggler"] and rank == SLOW_RANK else None  # +50 % compute
     tracker = Tracker(cfg["out"].replace("{rank}", str(rank)), socket_path="", timing="cuda")
     if cfg["hook"] == "ours":
-        ddp.register_comm_hook(None, tracker.ddp_comm_hook())
+        ddp.register_comm_hook(ddp.process_group, tracker.ddp_comm_hook())
     elif cfg["hook"] == "torch":  # PyTorch's own Python all_reduce hook: the cost of any Python hook
         from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 

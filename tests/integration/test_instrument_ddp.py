@@ -49,7 +49,7 @@ def _worker(cfg: dict[str, Any]) -> None:
     ddp = DDP(model, bucket_cap_mb=0.25)
     tracker = Tracker(cfg["out"].replace("{rank}", str(rank)), socket_path="", timing="cpu")
     if cfg["hook"]:
-        ddp.register_comm_hook(None, tracker.ddp_comm_hook())
+        ddp.register_comm_hook(ddp.process_group, tracker.ddp_comm_hook())
     opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
     gen = torch.Generator().manual_seed(100 + rank)
     for _ in range(STEPS):

@@ -243,6 +243,11 @@ class LazyEventTimer:
     def _event(self) -> TimingEvent:
         return self._pool.pop() if self._pool else self._new_event()
 
+    def event(self) -> TimingEvent:
+        """An event from this timer's pool, for a span handed back with ``add_span`` (it returns to
+        the pool when the step is resolved, so events are not created every step)."""
+        return self._event()
+
     def _release(self, p: _PendingStep) -> None:
         self._pool.append(p.start)
         if p.end is not None:

@@ -207,7 +207,10 @@ class Tracker:
         the gradient bucket with an all_reduce) and times it for the step record:
 
             model = DDP(model, ...)
-            model.register_comm_hook(None, tracker.ddp_comm_hook())   # state: a process group or None
+            model.register_comm_hook(model.process_group, tracker.ddp_comm_hook())
+
+        The hook's state is the process group it reduces over: pass DDP's own (``model.process_group``,
+        the data-parallel group in a TP+DP job); ``None`` means the default group.
 
         DDP's all_reduce runs from C++ beside backward, where ``wrap_collectives`` cannot see it. The
         step's collective wait is the time this rank is held up for the others: from the end of its
@@ -228,7 +231,8 @@ class Tracker:
 
         def hook(state: Any, bucket: Any) -> Any:
             tensor = bucket.buffer()
-            nccl = "nccl" in str(dist.get_backend(state))
+            # "cpu:gloo,cuda:nccl" backends: what runs this bucket depends on where it lives
+            nccl = tensor.is_cuda and "nccl" in str(dist.get_backend(state))
             if nccl:
                 work = all_reduce(tensor, op=dist.ReduceOp.AVG, group=state, async_op=True)
             else:
@@ -238,10 +242,10 @@ class Tracker:
             if self._in_step and bucket.is_last():
                 span: Any = None
                 if isinstance(self._timer, LazyEventTimer) and tensor.is_cuda:
-                    begin = torch.cuda.Event(enable_timing=True)
+                    with self._timer_lock:
+                        begin, end = self._timer.event(), self._timer.event()
                     begin.record()
                     work.wait()  # the compute stream waits for the reduced gradients (host does not block)
-                    end = torch.cuda.Event(enable_timing=True)
                     end.record()
                     span = EventSpan(begin, end)
                 elif isinstance(self._timer, HostTimer) and not nccl:

@@ -216,3 +216,22 @@ def test_non_finite_durations_never_become_records(gpu: Any) -> None:
     broken.begin_step(0, 0.0)
     broken.end_step()
     assert broken.poll() == [] and broken.invalid == 1 and broken.pending == 0
+
+
+def test_spans_made_from_the_timers_own_events_do_not_grow_its_pool(gpu: Any) -> None:
+    # The DDP hook's span (two events around the wait for the last gradient bucket) comes from the
+    # timer's pool and goes back to it: a thousand steps need a handful of events, not two thousand more.
+    timer = LazyEventTimer(gpu.event)
+    for n in range(1000):
+        timer.begin_step(n, float(n))
+        gpu.launch(1.0)
+        begin, end = timer.event(), timer.event()
+        begin.record()
+        gpu.launch(0.5)  # the wait for the bucket
+        end.record()
+        timer.add_span(EventSpan(begin, end))
+        timer.end_step()
+        gpu.run(2.0)
+        (t,) = timer.poll()
+        assert t.comm_wait_s == pytest.approx(0.0005)
+    assert gpu.events_created <= 12 and len(timer._pool) <= 12
