@@ -203,13 +203,14 @@ class XidLedger:
     def counts(self) -> dict[tuple[str, int], int]:
         return {k: e.count for k, e in self._entries.items()}
 
-    def to_state(self, boot_id: str) -> dict[str, Any]:
-        return {"version": LEDGER_VERSION, "boot_id": boot_id, "resets": dict(self.resets),
+    def to_state(self, boot_id: str, booted_at: float | None = None) -> dict[str, Any]:
+        return {"version": LEDGER_VERSION, "boot_id": boot_id, "booted_at": booted_at, "resets": dict(self.resets),
                 "entries": [e.to_state() for e in self._entries.values()]}
 
     def load_state(self, doc: Mapping[str, Any], boot_id: str, booted_at: float) -> bool:
         """Replace the ledger with a saved one; ValueError when it is not one of ours. Returns whether
-        it was saved in this boot (False: the node rebooted since, and every GPU counts as reset)."""
+        it was saved in this boot (False: the node rebooted since, and every GPU counts as reset). The
+        boot is known by its id, else (no id readable) by its boot time."""
         if not isinstance(doc, Mapping) or doc.get("version") != LEDGER_VERSION:
             raise ValueError(f"not an XID ledger of version {LEDGER_VERSION}")
         try:
@@ -219,10 +220,14 @@ class XidLedger:
             raise ValueError(f"malformed XID ledger: {exc}") from exc
         self._entries = {(e.gpu_key, e.xid): e for e in entries}
         self.resets = resets
-        if boot_id and doc.get("boot_id") != boot_id:
+        if boot_id:
+            same = doc.get("boot_id") == boot_id
+        else:  # no boot id (unreadable /proc): the boot time must match, within a minute of clock drift
+            saved = doc.get("booted_at")
+            same = isinstance(saved, int | float) and abs(float(saved) - booted_at) < 60.0
+        if not same:
             self.note_reboot(booted_at)
-            return False
-        return True
+        return same
 
 
 class _EventPump:
@@ -401,7 +406,7 @@ class XidCollector:
             self._state_path.parent.mkdir(parents=True, exist_ok=True)
             fd, tmp = tempfile.mkstemp(prefix=".xid-ledger.", dir=self._state_path.parent)
             with os.fdopen(fd, "w") as fh:
-                doc = self.ledger.to_state(_boot_id())
+                doc = self.ledger.to_state(_boot_id(), boot_time())
                 doc.update(kmsg_seq=self._kmsg_cursor, ecc_baseline=self._prev_counters)
                 json.dump(doc, fh)
                 fh.flush()

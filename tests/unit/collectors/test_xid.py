@@ -326,3 +326,19 @@ def test_a_reset_while_the_agent_was_down_is_seen_from_the_saved_ecc_baseline(tm
     run = after.run(state_dir=str(state))
     assert run.findings == []
     assert run.observations.gpu(1).get("reset_seen") is True
+
+
+def test_without_a_boot_id_an_old_boots_kernel_log_cursor_is_not_trusted(tmp_path: Path, clock,  # type: ignore[no-untyped-def]
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    import gpuhealth.collectors.xid as xid_mod
+
+    monkeypatch.setattr(xid_mod, "_boot_id", lambda: "")  # /proc/sys/kernel/random/boot_id unreadable
+    state = tmp_path / "state"
+    usec = int(time.clock_gettime(time.CLOCK_BOOTTIME) * 1e6)
+    h = Harness(tmp_path, clock, kmsg=[f"6,900,{usec},-;NVRM: Xid (PCI:0000:00:06): 13, pid=1, name=a, SM"])
+    h.run(state_dir=str(state))
+    # The node rebooted: boot time moved by an hour; the new boot's first XID has a low sequence number.
+    monkeypatch.setattr(xid_mod, "boot_time", lambda: time.time() - time.clock_gettime(time.CLOCK_BOOTTIME) + 3600)
+    after = Harness(tmp_path, clock, collector=XidCollector(event_thread=False),
+                    kmsg=[f"6,12,{usec},-;NVRM: Xid (PCI:0000:00:06): 79, pid=0, name=, fell off the bus"])
+    assert [f.code for f in after.run(state_dir=str(state)).findings] == ["xid.79"]
