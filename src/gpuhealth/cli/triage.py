@@ -150,11 +150,25 @@ def command(path: str | None, steps: tuple[str, ...], world_size: int | None, gr
             _fail("live mode needs --job ID (and a coordinator: --coordinator HOST:PORT or the config)", profile)
             return
         from gpuhealth.cli._coordinator_client import resolve
+        from gpuhealth.config import ConfigError, load_config
 
+        try:
+            configured = load_config(config_path).agent.coordinator
+        except ConfigError as exc:
+            _fail(str(exc), profile)
+            return
+        if not (address or configured):
+            _fail("live mode needs a coordinator: --coordinator HOST:PORT (or agent.coordinator in the config)",
+                  profile)
+            return
         try:
             addr, tok, tls = resolve(config_path, address, token, tls_cert, tls_key, tls_ca)
         except click.ClickException as exc:
             _fail(exc.message, profile)
+            return
+        except ImportError as exc:  # grpc (the coordinator extra) is not installed
+            _fail(f"live triage is not available in this installation: the coordinator part is missing ({exc}); "
+                  "install gpuhealth[coordinator] or triage a folder of dumps instead", profile)
             return
         report = _live(addr, job_id, tok, tls, profile)
     else:

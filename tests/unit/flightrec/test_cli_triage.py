@@ -63,8 +63,8 @@ def test_bad_input_is_one_clear_line_not_a_traceback(tmp_path: Path) -> None:
     assert code == 3 and out.startswith("INCOMPLETE") and "rank0.json: not a flight-recorder dump" in out
     code, _, err = _run("--coordinator", "127.0.0.1:1")
     assert code == 3 and "live mode needs --job ID" in err
-    code, _, err = _run("--job", "j1")  # no --coordinator: the config's (here the default, nobody there)
-    assert code == 3 and "coordinator 127.0.0.1:9500" in err and "Traceback" not in err
+    code, _, err = _run("--job", "j1")  # no --coordinator and none in the config
+    assert code == 3 and "live mode needs a coordinator" in err and "Traceback" not in err
 
 
 def test_live_mode_reports_an_unreachable_coordinator_cleanly() -> None:
@@ -79,3 +79,15 @@ def test_steps_only() -> None:
     assert code == 1 and "rank 1 is a straggler" in out and "since step 10" in out
     code, out, _ = _run("--steps", str(NCCL / "healthy"))
     assert code == 0 and out.startswith("HEALTHY: 2 rank(s)")
+
+
+def test_live_mode_without_the_coordinator_extra_says_what_to_install() -> None:
+    import subprocess
+    import sys
+
+    code = ("import sys; sys.modules['grpc'] = None\n"  # as if gpuhealth[coordinator] were not installed
+            "from gpuhealth.cli.main import cli\n"
+            "cli(['triage', '--job', 'j1', '--coordinator', '127.0.0.1:1'])")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 3, res.stderr
+    assert "install gpuhealth[coordinator]" in res.stderr and "Traceback" not in res.stderr
