@@ -199,7 +199,7 @@ async def investigate(
         "job_id": job.job_id,
         "reason": reason,
         "culprit_details": culprits,
-        "summary": f"{reason}: {report.get('verdict', '?')}: {summary_who}",
+        "summary": f"{_label(reason, str(report.get('verdict', '?')))}: {summary_who}",
         "evidence": {
             "dir": str(folder), "fr_dumps": {str(r): p for r, p in dumps.items()},
             "stacks_ranks": sorted(stacks), "fr_missing_ranks": missing, "errors": errors,
@@ -232,3 +232,8 @@ def sdc_digests_of(result: Any) -> list[tuple[str, str, str]]:
             if isinstance(case, dict) and isinstance(case.get("digest"), str) and isinstance(case.get("case"), str):
                 out.append((uuid, f"{key_id}/{case['case']}", case["digest"]))
     return out
+
+
+def _label(reason: str, verdict: str) -> str:
+    """"hang" when an investigation of a hang finds one; else what it found and why it looked."""
+    return verdict if verdict == reason else f"{verdict} (looked because: {reason.replace('_', ' ')})"
