@@ -137,8 +137,10 @@ def test_only_a_json_object_is_shipped_and_hostile_bytes_never_crash(data: bytes
     assert _looks_like_json_object(b' {"version": "2.10"}\n') == b' {"version": "2.10"}\n'
 
 
-def _inline_rank(sock_path: Path, rank: int, data: bytes, delay_s: float, stop: threading.Event) -> None:
-    """A rank of job "bigjob" that answers a dump request inline, in small chunks, after ``delay_s``."""
+def _inline_rank(sock_path: Path, rank: int, data: bytes, both_sent: threading.Barrier, stop: threading.Event) -> None:
+    """A rank of job "bigjob" that answers a dump request inline in small chunks. The first time, it
+    holds its closing reply until the other rank has sent all its chunks too: both dumps are in flight."""
+    first = True
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
         s.connect(str(sock_path))
         s.sendall(protocol.encode(protocol.hello(RankIdentity("bigjob", rank, 2, "h", os.getpid()))))
@@ -155,10 +157,12 @@ def _inline_rank(sock_path: Path, rank: int, data: bytes, delay_s: float, stop: 
                 if msg.get("type") == protocol.DUMP_FR:
                     rid = protocol.request_id_of(msg)
                     chunks = protocol.dump_chunks(rid, data, chunk_bytes=4096)
-                    for i, c in enumerate(chunks):
+                    for c in chunks:
                         s.sendall(protocol.encode(c))
-                        if i == 0:
-                            time.sleep(delay_s)  # both ranks' dumps are in flight at once
+                    if first:
+                        first = False
+                        both_sent.wait(5)
+                        time.sleep(0.2)  # let the hub read both before either reply
                     s.sendall(protocol.encode(protocol.inline_dump_reply(rid, data, len(chunks))))
 
 
@@ -167,8 +171,9 @@ def test_ranks_refused_for_the_memory_budget_are_asked_again_and_every_dump_ship
     hub.start(None)
     stop = threading.Event()
     dumps = {r: json.dumps({"version": "2.10", "rank": r, "pad": "x" * 50_000}).encode() for r in range(2)}
+    both_sent = threading.Barrier(2)
     for r in range(2):
-        threading.Thread(target=_inline_rank, args=(tmp_path / "agent.sock", r, dumps[r], 0.3, stop),
+        threading.Thread(target=_inline_rank, args=(tmp_path / "agent.sock", r, dumps[r], both_sent, stop),
                          daemon=True).start()
     deadline = time.monotonic() + 5
     while len(hub.ranks()) < 2 and time.monotonic() < deadline:
