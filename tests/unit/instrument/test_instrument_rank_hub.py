@@ -360,7 +360,7 @@ def test_another_connection_cannot_slip_chunks_into_a_ranks_dump(hub: RankHub, s
     real = json.dumps({"entries": [1, 2, 3]}).encode()
 
     def slow(msg: dict[str, Any]) -> Any:
-        time.sleep(0.5)
+        time.sleep(1.0)  # the intruder (at 0.2 s) gets in first, even on a loaded machine
         return _inline(real)(msg)
 
     rank = ScriptedRank(sock_path, slow)
