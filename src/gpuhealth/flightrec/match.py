@@ -454,7 +454,10 @@ def find_roots(result: MatchResult) -> list[Root]:
         # Every blocker waits somewhere else too. Best evidence first: a rank whose own history shows it
         # ran past the place where the missing collective belongs (see _ran_past); only when no rank
         # does, the weaker sign that it is ahead of everyone in another group.
-        past = {r: hit for r in sorted(blocked_by)
+        # Reading history is per candidate; a wait that involves very many ranks (a pipeline-wide cycle)
+        # is left to the counting rule rather than reading thousands of histories.
+        candidates = sorted(blocked_by) if len(blocked_by) <= _MAX_HISTORY_CANDIDATES else []
+        past = {r: hit for r in candidates
                 if (hit := _ran_past_any([b for b in blocked_by[r] if b.dumped], groups)) is not None}
         if len(past) > 1:
             past = {}  # two ranks that each "ran past" the other: history cannot tell, fall back
@@ -604,6 +607,7 @@ def _propagate(roots: list[Root], explained: set[str], blockers: Sequence[Blocke
 # A tensor-parallel group runs ~2 collectives per layer: 100+ per step is ordinary.
 _GAP_HISTORY = 1024
 _MAX_CYCLE = 256
+_MAX_HISTORY_CANDIDATES = 64
 
 
 def _cycle(gaps: Sequence[int]) -> int | None:
