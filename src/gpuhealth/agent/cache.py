@@ -84,6 +84,10 @@ class Cache:
         self._snapshot = self._build()
 
     # ------------------------------------------------------------------ registration
+    def is_registered(self, name: str) -> bool:
+        with self._lock:
+            return name in self._entries
+
     def register(self, name: str, lane: str, interval_s: float) -> History:
         """Declare a collector (idempotent; a reload may change its interval). Returns its history."""
         with self._lock:

@@ -46,7 +46,7 @@ from gpuhealth import __version__
 from gpuhealth.agent.ranks import DumpBudgetExceeded
 from gpuhealth.agent.spool import Spool, SpoolError
 from gpuhealth.coordinator.security import TlsFiles, channel_credentials, token_metadata
-from gpuhealth.model import EntityKind, Finding, RankIdentity, StepRecord, health_of
+from gpuhealth.model import EntityKind, Finding, MetricKind, RankIdentity, Sample, StepRecord, health_of
 from gpuhealth.proto import gpuhealth_v1_pb2 as pb
 from gpuhealth.proto.convert import finding_to_pb, identity_to_pb, steps_to_pb
 from gpuhealth.proto.options import API_VERSION, NODE_METADATA, SESSION_METADATA, UNARY_DEADLINE_S, client_options
@@ -392,6 +392,21 @@ class CoordinatorLink:
             log.exception("request %d failed", rid)
             emit(pb.RequestResult(request_id=rid, rank=-1, ok=False, error=f"{type(exc).__name__}: {exc}"))
         emit(pb.RequestResult(request_id=rid, rank=-1, ok=True, final=True))
+
+    def samples(self) -> list[Sample]:
+        """For the agent's /metrics: is the coordinator reachable, and what waits in the spool."""
+        sp = self.spool.stats()
+        return [
+            Sample("agent_coordinator_connected", 1.0 if self.connected.is_set() else 0.0,
+                   "1 while the agent's stream to the coordinator is up"),
+            Sample("agent_coordinator_spool_records", float(sp.depth),
+                   "Records waiting in the agent's disk spool for the coordinator's acknowledgement"),
+            Sample("agent_coordinator_spool_dropped_records", float(sp.dropped),
+                   "Spooled records dropped because the spool was full (coordinator away too long)",
+                   MetricKind.COUNTER),
+            Sample("agent_coordinator_connects", float(self.stats["connects"]),
+                   "Streams opened to the coordinator (reconnects included)", MetricKind.COUNTER),
+        ]
 
     def _no_hub(self, req: pb.AgentRequest, emit: Callable[[pb.RequestResult], None]) -> bool:
         if self.hub is None:

@@ -45,7 +45,7 @@ from gpuhealth.collectors.base import CollectContext, Collector, GpuIdentity, La
 from gpuhealth.collectors.runner import CollectorRun, CollectorRunner
 from gpuhealth.config import Config
 from gpuhealth.exporters import ExportSnapshot
-from gpuhealth.model import Action, Entity, EntityKind, Finding, Health, Severity, health_of
+from gpuhealth.model import Action, Entity, EntityKind, Finding, Health, Sample, Severity, health_of
 
 log = logging.getLogger("gpuhealth.agent")
 
@@ -60,6 +60,7 @@ LOST_GPU_REINIT_MAX_S = 600.0
 IDLE_TICK_S = 5.0  # longest the scheduler loop sleeps (wakeups cost CPU; jobs wake it when due)
 EVENT_WAIT_DRAIN_S = 0.6  # > the XID pump's 500 ms wait_xid_events timeout
 _ENUMERATE, _REINIT, _LABELS = "_enumerate", "_nvml_reinit", "_gpu_labels"
+_EXTENSIONS = "agent_extensions"  # the cache entry extensions' own samples are exported under
 
 
 class Agent:
@@ -311,6 +312,8 @@ class Agent:
         self.cache.unregister_except(self._collectors)
         self.scheduler.add(Job(_LABELS, cfg.fast_interval_s, self._labels_job, timeout_s=timeout, pool="labels",
                                enabled=lambda: self._label_provider is not None))
+        self.scheduler.add(Job(_EXTENSIONS, cfg.fast_interval_s, self._extensions_job, timeout_s=timeout,
+                               pool="labels"))
 
     def _wanted_collectors(self) -> dict[str, Collector]:
         if self._given_collectors is not None:
@@ -503,6 +506,25 @@ class Agent:
             if self._lost_gpus - new:
                 log.warning("GPU(s) %s answer again", sorted(self._lost_gpus - new))
             self._lost_gpus = new
+
+    def _extensions_job(self) -> None:
+        """Export what the extensions say about themselves (``samples()``: connected ranks, the
+        coordinator link's state and backlog), registered only once one has something to say."""
+        samples: list[Sample] = []
+        for ext in list(self._started_extensions):
+            fn = getattr(ext, "samples", None)
+            if fn is None:
+                continue
+            try:
+                samples.extend(fn())
+            except Exception:
+                log.exception("extension %s: samples() failed", getattr(ext, "name", ext))
+        if not samples and not self.cache.is_registered(_EXTENSIONS):
+            return
+        interval = self.config.collectors.fast_interval_s
+        self.cache.register(_EXTENSIONS, "external", interval)
+        self.cache.record(RunOutcome(collector=_EXTENSIONS, finished_at=time.time(), duration_s=0.0, ok=True,
+                                     samples=tuple(samples)))
 
     def _labels_job(self) -> None:
         provider = self._label_provider

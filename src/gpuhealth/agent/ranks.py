@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from gpuhealth.instrument import protocol
-from gpuhealth.model import RankIdentity, StepRecord
+from gpuhealth.model import MetricKind, RankIdentity, Sample, StepRecord
 
 log = logging.getLogger(__name__)
 
@@ -243,6 +243,27 @@ class RankHub:
         if job_id is not None:
             idents = [i for i in idents if i.job_id == job_id]
         return sorted(idents, key=lambda i: (i.job_id, i.rank))
+
+    def samples(self) -> list[Sample]:
+        """For the agent's /metrics: who is connected, what arrived, what was refused."""
+        st = self.stats()
+        per_job: dict[str, int] = {}
+        for ident in self.ranks():
+            per_job[ident.job_id] = per_job.get(ident.job_id, 0) + 1
+        out = [
+            Sample("agent_ranks_connected", float(st["ranks"]),
+                   "Training ranks connected to this agent's socket (gpuhealth.instrument)"),
+            Sample("agent_rank_step_records", float(st["records"]), "Step records received from ranks",
+                   MetricKind.COUNTER),
+            Sample("agent_rank_malformed_messages", float(st["malformed"] + st["bad_records"]),
+                   "Lines or step records from ranks that were not valid (skipped)", MetricKind.COUNTER),
+            Sample("agent_dump_budget_refusals", float(st["dump_budget_refusals"]),
+                   "Flight-recorder dumps refused for the agent's memory budget (asked again one at a time)",
+                   MetricKind.COUNTER),
+        ]
+        out += [Sample("agent_job_ranks_connected", float(n), "Connected ranks of one job on this node",
+                       labels=(("job_id", job),)) for job, n in sorted(per_job.items())]
+        return out
 
     def stats(self) -> dict[str, int]:
         with self._lock:

@@ -65,3 +65,36 @@ def test_published_diagnostic_findings_join_health_and_metrics(tmp_path: Any) ->
         assert agent.ready
     finally:
         agent.stop()
+
+
+def test_connected_ranks_show_in_the_agents_metrics(tmp_path: Any) -> None:
+    import socket
+
+    from gpuhealth.agent.ranks import RankHub
+    from gpuhealth.exporters.prometheus import build_families, encode_text
+    from gpuhealth.instrument import protocol
+    from gpuhealth.model import RankIdentity
+
+    backend = FakeNvml.bundled()
+    cfg = fast_config()
+    cfg.agent.socket_path = ""
+    hub = RankHub(tmp_path / "agent.sock")
+    agent = Agent(cfg, backend, collectors=[TempCollector()], extensions=[hub],
+                  notifier=SystemdNotifier(env={}), serve_http=False)
+    agent.start()
+    rank = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        wait_for(lambda: agent.ready, what="first sweep")
+        rank.connect(str(tmp_path / "agent.sock"))
+        rank.sendall(protocol.encode(protocol.hello(RankIdentity("job-7", 3, 8, "h", 1))))
+
+        def text() -> str:
+            return encode_text(build_families(agent.snapshot())).decode()
+
+        wait_for(lambda: 'gpuhealth_agent_job_ranks_connected{job_id="job-7"} 1' in text(), what="the rank in /metrics")
+        assert "gpuhealth_agent_ranks_connected 1" in text()
+        assert "gpuhealth_agent_dump_budget_refusals_total 0" in text()
+        assert agent.ready  # an extension's samples never hold /ready back
+    finally:
+        rank.close()
+        agent.stop()
