@@ -156,6 +156,7 @@ def stack() -> Iterator[Stack]:
             "pod_resources_socket": str(root / "kubelet.sock"),
             "slurm_job_dir": str(jobs),
             "node_name": "node-a",
+            "coordinator": f"127.0.0.1:{s.coord_port}",  # the link's own metrics, used by an alert
         }}))
         s.spawn([GPUHEALTH, "agent", "--config", str(root / "agent.yaml"), "--dcgm-compat", "--nvml-snapshot",
                  str(root / "scenario.yaml"), "--listen", f"127.0.0.1:{s.agent_port}"], "agent")
@@ -346,6 +347,9 @@ def test_all_rules_evaluate_and_xid_alert_fires(stack: Stack) -> None:
     assert xid["slurm_job_id"] == "4242"  # routed to the job that holds GPU 0
     assert "GpuhealthAgentDown" not in alerts
     assert "GpuhealthCollectorFailing" not in alerts
+    # The agent's link to the coordinator is up, as Prometheus sees it.
+    wait_for(lambda: stack.promql("gpuhealth_agent_coordinator_connected == 1")["data"]["result"],
+             "the agent's coordinator link up")
 
 
 def test_gpu_series_carry_slurm_job_and_pod_attribution(stack: Stack) -> None:
