@@ -69,6 +69,7 @@ class _PeriodicDiagnostics:
     def __init__(self, interval_s: float) -> None:
         self.interval_s = interval_s
         self.periodic: Any = None
+        self.agent: Any = None
 
     def start(self, agent: object) -> None:
         from gpuhealth.diag.periodic import PeriodicDiagnostics  # torch-free: the checks run in a child
@@ -78,8 +79,18 @@ class _PeriodicDiagnostics:
         def on_findings(findings: list[Finding]) -> None:
             publish(self.name, findings, interval_s=self.interval_s)
 
+        self.agent = agent
         self.periodic = PeriodicDiagnostics(on_findings=on_findings)
         self.periodic.start(agent)
+
+    def samples(self) -> list[Any]:
+        """The numbers behind the findings (bandwidths, GPU time, last run), for /metrics."""
+        if self.periodic is None or self.agent is None:
+            return []
+        from gpuhealth.diag.metrics import diag_samples
+
+        return diag_samples(self.periodic.latest(), self.periodic.finished_at(),
+                            {g.uuid: g.index for g in self.agent.gpus})
 
     def stop(self) -> None:
         if self.periodic is not None:

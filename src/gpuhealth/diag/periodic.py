@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -60,6 +61,7 @@ class PeriodicDiagnostics:
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
         self._latest: dict[str, DiagOutcome] = {}
+        self._finished_at: dict[str, float] = {}
         self.cycles = 0
 
     def start(self, agent: Any) -> None:
@@ -82,6 +84,11 @@ class PeriodicDiagnostics:
         with self._lock:
             return dict(self._latest)
 
+    def finished_at(self) -> dict[str, float]:
+        """diag → when its latest run ended (wall clock)."""
+        with self._lock:
+            return dict(self._finished_at)
+
     def findings(self) -> list[Finding]:
         with self._lock:
             return [f for o in self._latest.values() for f in o.findings]
@@ -102,6 +109,7 @@ class PeriodicDiagnostics:
                 log.warning("periodic %s %s: %s", diag, outcome.status, outcome.reason)
             with self._lock:
                 self._latest[diag] = outcome
+                self._finished_at[diag] = time.time()
         self.cycles += 1
         if self._on_findings is not None:
             try:

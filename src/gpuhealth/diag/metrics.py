@@ -1,0 +1,77 @@
+"""What the agent's periodic diagnostics export to Prometheus, from their latest outcomes (pure).
+
+Findings (``sdc.mismatch``, ``busbw.low``, ``bandwidth.low`` …) already reach ``gpuhealth_findings``;
+these are the measured numbers behind them, for trends per node and GPU in Grafana:
+
+- ``gpuhealth_diag_success{diag}``: 1 if the last run finished, 0 if it failed or timed out (none
+  while a run is skipped, e.g. every GPU busy with a job);
+- ``gpuhealth_diag_last_run_timestamp_seconds{diag}``;
+- ``gpuhealth_diag_gpu_seconds{diag}`` per GPU: GPU time the last run used (what the budget charges);
+- ``gpuhealth_diag_busbw_gbps{collective, size_bytes, ranks}``: bus bandwidth per collective and size;
+- ``gpuhealth_diag_memory_bandwidth_gbps{direction}`` per GPU: device copy, pinned host↔device.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from gpuhealth.model import Sample
+
+_BANDWIDTH_DIRECTIONS = (("d2d_gbps", "device_to_device"), ("h2d_gbps", "host_to_device"),
+                         ("d2h_gbps", "device_to_host"))
+
+
+def diag_samples(latest: Mapping[str, Any], finished_at: Mapping[str, float],
+                 gpu_index: Mapping[str, int]) -> list[Sample]:
+    """``latest``: diag name → DiagOutcome; ``gpu_index``: GPU UUID → the agent's GPU index."""
+    out: list[Sample] = []
+    for diag, outcome in sorted(latest.items()):
+        labels = (("diag", diag),)
+        if outcome.status != "skipped":
+            out.append(Sample("diag_success", 1.0 if outcome.status == "ok" else 0.0,
+                              "1 if the diagnostic's last periodic run finished, 0 if it failed or timed out",
+                              labels=labels))
+        if diag in finished_at:
+            out.append(Sample("diag_last_run_timestamp_seconds", finished_at[diag],
+                              "When the diagnostic last ran (seconds since the epoch)", labels=labels))
+        for uuid, seconds in sorted(outcome.gpu_seconds.items()):
+            if uuid in gpu_index:
+                out.append(Sample("diag_gpu_seconds", float(seconds),
+                                  "GPU time the diagnostic's last run used on this GPU", gpu=gpu_index[uuid],
+                                  labels=labels))
+        if outcome.status != "ok" or not isinstance(outcome.result, Mapping):
+            continue
+        if diag == "busbw":
+            out += _busbw(outcome.result)
+        elif diag == "bandwidth":
+            out += _bandwidth(outcome.result, gpu_index)
+    return out
+
+
+def _busbw(result: Mapping[str, Any]) -> list[Sample]:
+    out = []
+    for p in result.get("points", []):
+        try:
+            labels = (("collective", str(p["collective"])), ("size_bytes", str(int(p["size_bytes"]))),
+                      ("ranks", str(int(p["world"]))))
+            out.append(Sample("diag_busbw_gbps", float(p["busbw_gbps"]),
+                              "Bus bandwidth (nccl-tests formula) the last periodic probe measured", labels=labels))
+        except (KeyError, TypeError, ValueError):
+            continue  # a malformed point is not exported; the others are
+    return out
+
+
+def _bandwidth(result: Mapping[str, Any], gpu_index: Mapping[str, int]) -> list[Sample]:
+    out = []
+    for g in result.get("gpus", []):
+        index = gpu_index.get(str(g.get("uuid", "")))
+        if index is None:
+            continue
+        for key, direction in _BANDWIDTH_DIRECTIONS:
+            value = g.get(key)
+            if isinstance(value, int | float):
+                out.append(Sample("diag_memory_bandwidth_gbps", float(value),
+                                  "Memory bandwidth the last periodic probe measured on this GPU", gpu=index,
+                                  labels=(("direction", direction),)))
+    return out
