@@ -455,6 +455,24 @@ ts(
     desc="Goal: <= 0.01 cores and <= 80 MiB RSS per node.",
 )
 next_line(8)
+ts(
+    "Link to the coordinator",
+    [
+        target(f"gpuhealth_agent_coordinator_connected{{{N}}}", "{{instance}} connected"),
+        target(f"gpuhealth_agent_coordinator_spool_records{{{N}}}", "{{instance}} spooled records", ref="B"),
+    ],
+    0,
+    desc="1 while the agent streams to the coordinator; records wait in the agent's disk spool while it is away "
+    "(GpuhealthCoordinatorUnreachable after 10 minutes).",
+)
+ts(
+    "Instrumented ranks on the node",
+    [target(f"gpuhealth_agent_ranks_connected{{{N}}}", "{{instance}}")],
+    12,
+    desc="Training ranks connected to the agent's socket (gpuhealth.instrument); per job: "
+    "gpuhealth_agent_job_ranks_connected. A job missing here is invisible to straggler and hang detection.",
+)
+next_line(8)
 
 dashboard = {
     "__requires": [
