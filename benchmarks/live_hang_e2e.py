@@ -59,6 +59,15 @@ def stuck_on_host(release: Path) -> None:
         time.sleep(0.05)
 
 
+def _wait_for(cond: Any, procs: list[subprocess.Popen[bytes]], what: str, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        dead = [p.args for p in procs if p.poll() is not None]
+        if dead or time.monotonic() > deadline:
+            raise RuntimeError(f"waiting for {what}: " + (f"exited: {dead}" if dead else f"not within {timeout_s:g} s"))
+        time.sleep(0.1)
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -83,15 +92,13 @@ def main() -> int:
                                        "--db", str(tmp / "c.db"), "--evidence-dir", str(tmp / "evidence"),
                                        "--hang-floor", str(args.hang_floor), "--ready-file", str(ready)],
                                       stdout=logs["coordinator"], stderr=subprocess.STDOUT))
-        while not ready.exists():
-            time.sleep(0.1)
+        _wait_for(ready.exists, procs, "the coordinator to start")
         coord = f"127.0.0.1:{json.loads(ready.read_text())['grpc_port']}"
         env = {**os.environ, "GPUHEALTH_AGENT_COORDINATOR": coord, "GPUHEALTH_AGENT_STATE_DIR": str(tmp / "agent"),
                "GPUHEALTH_AGENT_SOCKET_PATH": str(tmp / "agent.sock"), "GPUHEALTH_AGENT_NODE_NAME": "gpu-node"}
         procs.append(subprocess.Popen([*base, "agent", "--listen", f"127.0.0.1:{_free_port()}"], env=env,
                                       stdout=logs["agent"], stderr=subprocess.STDOUT))
-        while not (tmp / "agent.sock").exists():
-            time.sleep(0.1)
+        _wait_for((tmp / "agent.sock").exists, procs, "the agent's rank socket")
         cfg = {"stuck_file": str(tmp / "stuck"), "release": str(tmp / "release")}
         port = _free_port()
         job = f"live-hang-{int(time.time())}"

@@ -457,18 +457,23 @@ ts(
 next_line(8)
 ts(
     "Link to the coordinator",
-    [
-        target(f"gpuhealth_agent_coordinator_connected{{{N}}}", "{{instance}} connected"),
-        target(f"gpuhealth_agent_coordinator_spool_records{{{N}}}", "{{instance}} spooled records", ref="B"),
-    ],
+    [target(f"gpuhealth_agent_coordinator_connected{{{N}}}", "{{instance}}")],
     0,
-    desc="1 while the agent streams to the coordinator; records wait in the agent's disk spool while it is away "
-    "(GpuhealthCoordinatorUnreachable after 10 minutes).",
+    w=8,
+    desc="1 while the agent streams to the coordinator (GpuhealthCoordinatorUnreachable after 10 minutes at 0).",
+)
+ts(
+    "Records spooled for the coordinator",
+    [target(f"gpuhealth_agent_coordinator_spool_records{{{N}}}", "{{instance}}")],
+    8,
+    w=8,
+    desc="Records waiting in the agent's disk spool while the coordinator is away; sent when it is back.",
 )
 ts(
     "Instrumented ranks on the node",
     [target(f"gpuhealth_agent_ranks_connected{{{N}}}", "{{instance}}")],
-    12,
+    16,
+    w=8,
     desc="Training ranks connected to the agent's socket (gpuhealth.instrument); per job: "
     "gpuhealth_agent_job_ranks_connected. A job missing here is invisible to straggler and hang detection.",
 )

@@ -18,6 +18,7 @@ Everything runs on the link's own thread and event loop; ``start`` returns at on
 from __future__ import annotations
 
 import asyncio
+import codecs
 import concurrent.futures
 import contextlib
 import json
@@ -52,6 +53,9 @@ from gpuhealth.proto.convert import finding_to_pb, identity_to_pb, steps_to_pb
 from gpuhealth.proto.options import API_VERSION, NODE_METADATA, SESSION_METADATA, UNARY_DEADLINE_S, client_options
 
 log = logging.getLogger("gpuhealth.agent.coordinator")
+
+# Queues a result for the coordinator; may return an event set once it is on the wire.
+Emit = Callable[[pb.RequestResult], object]
 
 _DEVICE = re.compile(r"cpu|cuda(:\d+(,cuda:\d+)*)?")  # the only parameter passed to `gpuhealth diag`
 MAX_DUMP_BYTES = 32 * 1024 * 1024  # as RankHub's cap; under the gRPC message limit with room for the envelope
@@ -93,7 +97,8 @@ class CoordinatorLink:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stop_event: asyncio.Event | None = None
         self._wake: asyncio.Event | None = None
-        self._results: asyncio.Queue[pb.RequestResult] | None = None
+        # (result, set once it is written): a dump's sender waits for that, so dumps do not pile up here
+        self._results: asyncio.Queue[tuple[pb.RequestResult, threading.Event]] | None = None
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="gpuhealth-req")
         self.connected = threading.Event()
         self.stats: dict[str, int] = defaultdict(int)
@@ -320,7 +325,10 @@ class CoordinatorLink:
         next_beat = 0.0
         while not self._stop_event.is_set() and not reader.done():
             while not self._results.empty():
-                await call.write(pb.AgentMessage(result=self._results.get_nowait()).SerializeToString())
+                result, written = self._results.get_nowait()
+                await call.write(pb.AgentMessage(result=result).SerializeToString())
+                del result
+                written.set()
             if time.monotonic() >= next_beat:
                 await call.write(pb.AgentMessage(health=self.health_summary()).SerializeToString())
                 next_beat = time.monotonic() + self._heartbeat_s
@@ -370,14 +378,17 @@ class CoordinatorLink:
         assert loop is not None
         self.stats["requests"] += 1
 
-        def emit(result: pb.RequestResult) -> None:
+        def emit(result: pb.RequestResult) -> threading.Event:
+            """Queue a result for the coordinator; the event is set once it is written to the stream."""
             assert self._results is not None and self._wake is not None
-            loop.call_soon_threadsafe(self._results.put_nowait, result)
+            written = threading.Event()
+            loop.call_soon_threadsafe(self._results.put_nowait, (result, written))
             loop.call_soon_threadsafe(self._wake.set)
+            return written
 
         self._pool.submit(self._execute, req, emit)
 
-    def _execute(self, req: pb.AgentRequest, emit: Callable[[pb.RequestResult], None]) -> None:
+    def _execute(self, req: pb.AgentRequest, emit: Emit) -> None:
         rid = req.request_id
         try:
             if req.kind == pb.DUMP_FLIGHT_RECORDER:
@@ -408,13 +419,13 @@ class CoordinatorLink:
                    "Streams opened to the coordinator (reconnects included)", MetricKind.COUNTER),
         ]
 
-    def _no_hub(self, req: pb.AgentRequest, emit: Callable[[pb.RequestResult], None]) -> bool:
+    def _no_hub(self, req: pb.AgentRequest, emit: Emit) -> bool:
         if self.hub is None:
             emit(pb.RequestResult(request_id=req.request_id, rank=-1, ok=False, error="no rank hub on this agent"))
             return True
         return False
 
-    def _do_dump(self, req: pb.AgentRequest, emit: Callable[[pb.RequestResult], None]) -> None:
+    def _do_dump(self, req: pb.AgentRequest, emit: Emit) -> None:
         if self._no_hub(req, emit):
             return
         # Ranks send their dump inline over the socket. The folder is only for hooks older than that,
@@ -441,7 +452,13 @@ class CoordinatorLink:
                     data = _looks_like_json_object(res)
                 else:
                     data = _read_json_file(Path(res), expected=out_dir / f"rank{rank}.json")
-                emit(pb.RequestResult(request_id=req.request_id, rank=rank, ok=True, payload=data, format="fr_json"))
+                written = emit(pb.RequestResult(request_id=req.request_id, rank=rank, ok=True, payload=data,
+                                                format="fr_json"))
+                del data
+                # Wait until it is on the wire before taking the next: dumps do not pile up in the send queue
+                # behind a slow link (past the deadline it stays queued and the next one is taken anyway).
+                if isinstance(written, threading.Event):
+                    written.wait(max(0.0, deadline - time.monotonic()))
             except (OSError, ValueError) as exc:
                 emit(pb.RequestResult(request_id=req.request_id, rank=rank, ok=False, error=str(exc),
                                       format="fr_json"))
@@ -452,13 +469,17 @@ class CoordinatorLink:
             ship(rank, res, may_retry=True)
             del res
         for rank in busy:
-            left = max(1.0, deadline - time.monotonic())
+            left = deadline - time.monotonic()
+            if left <= 0:  # the coordinator stops listening at its deadline: say so instead of answering late
+                ship(rank, TimeoutError(f"rank {rank}: refused for the agent's dump memory budget and no time "
+                                        "was left to ask again"), may_retry=False)
+                continue
             for r, res in self.hub.iter_dumps(req.job_id, rank, str(out_dir), timeout_s=left):
                 ship(r, res, may_retry=False)
                 del res
         shutil.rmtree(out_dir, ignore_errors=True)
 
-    def _do_stacks(self, req: pb.AgentRequest, emit: Callable[[pb.RequestResult], None]) -> None:
+    def _do_stacks(self, req: pb.AgentRequest, emit: Emit) -> None:
         if self._no_hub(req, emit):
             return
         rank = None if req.rank < 0 else req.rank
@@ -482,7 +503,7 @@ class CoordinatorLink:
                                   payload=json.dumps(answer, default=str).encode() if ok else b"",
                                   error="" if ok else str(answer.get("hook_error") or answer.get("py_spy_error"))))
 
-    def _do_diag(self, req: pb.AgentRequest, emit: Callable[[pb.RequestResult], None]) -> None:
+    def _do_diag(self, req: pb.AgentRequest, emit: Emit) -> None:
         name = req.diagnostic
         if not name.isidentifier():
             emit(pb.RequestResult(request_id=req.request_id, rank=-1, ok=False, error=f"bad diagnostic {name!r}"))
@@ -552,10 +573,13 @@ def _looks_like_json_object(data: bytes) -> bytes:
     parses it with its safe loader): parsing a 30 MB dump here would cost the agent ~10× that in
     memory, and deeply nested input would not even parse (RecursionError)."""
     head = data[:64].lstrip()
-    if not head.startswith(b"{") or not data.rstrip().endswith(b"}"):
+    if not head.startswith(b"{") or not data[-64:].rstrip().endswith(b"}"):
         raise ValueError("the rank's dump is not a JSON object")
+    decoder = codecs.getincrementaldecoder("utf-8")()  # slice by slice: no full copy of the dump
+    view = memoryview(data)
     try:
-        data.decode("utf-8")
+        for off in range(0, len(data), 1 << 20):
+            decoder.decode(view[off:off + (1 << 20)], final=off + (1 << 20) >= len(data))
     except UnicodeDecodeError as exc:
         raise ValueError(f"the rank's dump is not UTF-8 JSON: {exc}") from exc
     return data

@@ -57,6 +57,9 @@ class _RankHubGuard:
         if self.error is None:
             self.hub.stop()
 
+    def samples(self) -> list[Any]:
+        return [] if self.error is not None else list(self.hub.samples())  # no socket: no rank metrics
+
     def __getattr__(self, item: str) -> object:  # the coordinator link finds the hub's API through us
         return getattr(self.hub, item)
 
@@ -89,7 +92,7 @@ class _PeriodicDiagnostics:
             return []
         from gpuhealth.diag.metrics import diag_samples
 
-        return diag_samples(self.periodic.latest(), self.periodic.finished_at(),
+        return diag_samples(self.periodic.measured(), self.periodic.finished_at(),
                             {g.uuid: g.index for g in self.agent.gpus})
 
     def stop(self) -> None:

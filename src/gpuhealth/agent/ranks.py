@@ -290,13 +290,16 @@ class RankHub:
         folder = os.path.abspath(out_dir) if out_dir else None
         for r, res in self._request_iter(job_id, rank, timeout_s, lambda rid: protocol.dump_fr_request(rid, folder)):
             if isinstance(res, Exception):
-                yield r, res
+                out: bytes | str | Exception = res
             elif isinstance(res.get("data"), bytes):
-                yield r, res["data"]
+                out = res["data"]
             elif folder and isinstance(res.get("path"), str):
-                yield r, res["path"]
+                out = res["path"]
             else:
-                yield r, RankRequestError(f"rank {r} replied without a dump")
+                out = RankRequestError(f"rank {r} replied without a dump")
+            del res
+            yield r, out
+            del out  # nothing of this dump is kept while the next one is awaited
 
     def request_stacks(
         self, job_id: str, rank: int | None, timeout_s: float = 10.0
@@ -356,13 +359,17 @@ class RankHub:
                 if done is not None:
                     result, done.result = done.result, None  # the caller holds the only reference from here
                     yield done.rank, result
+                    del result
+                    with self._lock:
+                        self._drop_chunks(done)  # the caller is done with that dump: its bytes leave the budget
             for w in pending.values():
                 yield w.rank, TimeoutError(f"rank {w.rank} did not answer within {timeout_s:g} s")
         finally:
             with self._lock:
                 for rid, w in waiters.items():
-                    if self._waiters.pop(rid, None) is not None:
-                        self._drop_chunks(w)  # timed out (or abandoned) half-way through a dump
+                    self._waiters.pop(rid, None)
+                    self._drop_chunks(w)  # timed out, abandoned, or answered but never taken
+                    w.result = None
 
     def _finish(self, rid: str, result: Any, *, from_conn: _Conn | None = None) -> None:
         with self._lock:
@@ -371,7 +378,7 @@ class RankHub:
                 # a reply to a request sent to another connection: not this one's to answer
                 self._stats["foreign_replies"] += 1
                 return
-            if self._waiters.pop(rid, None) is not None:
+            if self._waiters.pop(rid, None) is not None and not (isinstance(result, dict) and "data" in result):
                 self._drop_chunks(w)  # type: ignore[arg-type]
         if w is None:
             with self._lock:
@@ -503,8 +510,10 @@ class RankHub:
             if w is None or w.conn is not conn:
                 return dict(msg)  # _finish counts it as late or foreign
             data = b"".join(w.chunks)
-            self._drop_chunks(w)
+            w.chunks.clear()  # the bytes stay charged to the budget (w.size) until the caller is done with them
         if msg.get("bytes") != len(data) or msg.get("sha256") != hashlib.sha256(data).hexdigest():
+            with self._lock:
+                self._drop_chunks(w)
             return RankRequestError(f"rank {w.rank}: the dump arrived incomplete ({len(data)} of "
                                     f"{msg.get('bytes')} bytes, or a digest mismatch)")
         return {**msg, "data": data}

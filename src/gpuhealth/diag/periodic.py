@@ -61,6 +61,9 @@ class PeriodicDiagnostics:
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
         self._latest: dict[str, DiagOutcome] = {}
+        # The last run that measured something (not skipped), and when: what /metrics shows. On a node
+        # whose GPUs are always busy, "last ran" must not move while nothing runs.
+        self._measured: dict[str, DiagOutcome] = {}
         self._finished_at: dict[str, float] = {}
         self.cycles = 0
 
@@ -85,9 +88,14 @@ class PeriodicDiagnostics:
             return dict(self._latest)
 
     def finished_at(self) -> dict[str, float]:
-        """diag → when its latest run ended (wall clock)."""
+        """diag → when its latest run that was not skipped ended (wall clock)."""
         with self._lock:
             return dict(self._finished_at)
+
+    def measured(self) -> dict[str, DiagOutcome]:
+        """diag → its latest outcome that was not skipped."""
+        with self._lock:
+            return dict(self._measured)
 
     def findings(self) -> list[Finding]:
         with self._lock:
@@ -109,7 +117,9 @@ class PeriodicDiagnostics:
                 log.warning("periodic %s %s: %s", diag, outcome.status, outcome.reason)
             with self._lock:
                 self._latest[diag] = outcome
-                self._finished_at[diag] = time.time()
+                if outcome.status != "skipped":
+                    self._measured[diag] = outcome
+                    self._finished_at[diag] = time.time()
         self.cycles += 1
         if self._on_findings is not None:
             try:

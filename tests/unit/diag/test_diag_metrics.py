@@ -50,7 +50,39 @@ def test_the_agents_diagnostics_extension_exports_them() -> None:
 
     ext = _PeriodicDiagnostics(3600)
     assert ext.samples() == []  # not started: nothing to say
-    ext.periodic = SimpleNamespace(latest=_outcomes, finished_at=lambda: {"sdc": 1.0})
+    ext.periodic = SimpleNamespace(measured=_outcomes, finished_at=lambda: {"sdc": 1.0})
     ext.agent = SimpleNamespace(gpus=[SimpleNamespace(uuid=g["uuid"], index=g["index"]) for g in DOC["gpus"]])
     names = {s.name for s in ext.samples()}
     assert {"diag_success", "diag_busbw_gbps", "diag_memory_bandwidth_gbps", "diag_gpu_seconds"} <= names
+
+
+def test_a_skipped_cycle_keeps_the_last_measurement_and_its_time() -> None:
+    from types import SimpleNamespace
+
+    from gpuhealth.diag.periodic import PeriodicDiagnostics
+
+    outcomes = iter([DiagOutcome("busbw", "ok", result={"points": []}),
+                     DiagOutcome("busbw", "skipped", reason="every GPU is busy")])
+
+    class Runner:
+        def __init__(self, *a: object, **k: object) -> None:
+            pass
+
+        def run(self, *a: object, **k: object) -> DiagOutcome:
+            return next(outcomes)
+
+    import gpuhealth.diag.periodic as periodic_mod
+
+    saved = periodic_mod.DiagRunner
+    periodic_mod.DiagRunner = Runner  # type: ignore[assignment,misc]
+    try:
+        p = PeriodicDiagnostics(steps=[("busbw", ())])
+        agent = SimpleNamespace(config=__import__("gpuhealth.config", fromlist=["Config"]).Config(),
+                                gpus=[SimpleNamespace(uuid="GPU-a", index=0)])
+        p.run_cycle(agent, None)
+        first = p.finished_at()["busbw"]
+        p.run_cycle(agent, None)  # skipped: every GPU busy with a job
+    finally:
+        periodic_mod.DiagRunner = saved
+    assert p.latest()["busbw"].status == "skipped"  # findings follow the newest cycle
+    assert p.measured()["busbw"].status == "ok" and p.finished_at()["busbw"] == first  # metrics do not

@@ -406,3 +406,46 @@ def test_dumps_arriving_together_share_one_memory_budget(sock_path: Path) -> Non
         second.close()
     finally:
         hub.stop()
+
+
+def test_a_dump_stays_charged_to_the_budget_until_the_caller_is_done_with_it(sock_path: Path) -> None:
+    # A slow caller (a slow link to the coordinator): answered dumps must not pile up uncounted.
+    hub = RankHub(sock_path, max_dump_bytes=40_000, max_inflight_dump_bytes=50_000)
+    hub.start(None)
+    peak = [0]
+    stop = threading.Event()
+
+    def watch() -> None:
+        while not stop.is_set():
+            peak[0] = max(peak[0], hub.stats()["dump_bytes_in_flight"])
+            time.sleep(0.002)
+
+    try:
+        ranks = []
+        for n in range(4):
+            inline = _inline(bytes([65 + n]) * 30_000, chunk=5000)
+
+            def staggered(msg: dict[str, Any], n: int = n, inline: Any = inline) -> Any:
+                time.sleep(0.05 * n)
+                return inline(msg)
+
+            r = ScriptedRank(sock_path, staggered)
+            r.send(protocol.hello(ident(n)))
+            ranks.append(r)
+        until(lambda: len(hub.ranks()) == 4)
+        threading.Thread(target=watch, daemon=True).start()
+        got: dict[int, Any] = {}
+        for rank, res in hub.iter_dumps("j1", None, timeout_s=5):
+            got[rank] = res
+            time.sleep(0.3)  # shipping it takes a while
+        stop.set()
+        shipped = [r for r, v in got.items() if isinstance(v, bytes)]
+        refused = [r for r, v in got.items() if isinstance(v, RankRequestError) and "budget" in str(v)]
+        assert sorted(shipped + refused) == [0, 1, 2, 3] and shipped and refused
+        assert peak[0] <= 50_000  # never more than the budget held, answered dumps included
+        assert hub.stats()["dump_bytes_in_flight"] == 0
+        for r in ranks:
+            r.close()
+    finally:
+        stop.set()
+        hub.stop()
