@@ -14,9 +14,10 @@ from collections.abc import Callable
 import torch
 import triton
 import triton.language as tl
+from sdc_bench import _capture
 
 from gpuhealth.diag import hashing
-from gpuhealth.diag._triton_hash import K_POS, _fmix, _fold, hash_words, hash_words_fast
+from gpuhealth.diag._triton_hash import _fold, hash_words, hash_words_fast
 
 
 @triton.jit
@@ -31,55 +32,9 @@ def _read_only(words_ptr, n_words, out_ptr, BLOCK: tl.constexpr):  # type: ignor
     _fold(acc, acc, out_ptr)
 
 
-@triton.jit
-def _fast_x2(words_ptr, n_words, out_ptr, BLOCK: tl.constexpr):  # type: ignore[no-untyped-def]
-    """hash_words_fast with two blocks loaded per round (more bytes in flight); tail as usual."""
-    pid = tl.program_id(0)
-    programs = tl.num_programs(0)
-    step = programs * BLOCK
-    n_full = n_words // BLOCK * BLOCK
-    lanes = tl.arange(0, BLOCK)
-    acc_sum = tl.zeros([BLOCK], dtype=tl.uint32)
-    acc_xor = tl.zeros([BLOCK], dtype=tl.uint32)
-    k_pos = tl.full([BLOCK], K_POS, tl.uint32)
-    c1 = tl.full([BLOCK], 0x85EBCA6B, tl.uint32)
-    c2 = tl.full([BLOCK], 0xC2B2AE35, tl.uint32)
-    for start in range(pid * BLOCK, n_full, 2 * step):
-        offs = start + lanes
-        second = start + step
-        w0 = tl.load(words_ptr + offs).to(tl.uint32, bitcast=True)
-        m1 = (second + lanes) < n_full
-        w1 = tl.load(words_ptr + second + lanes, mask=m1, other=0).to(tl.uint32, bitcast=True)
-        x0 = _fmix(w0 ^ (offs.to(tl.uint32) * k_pos), c1, c2)
-        x1 = _fmix(w1 ^ ((second + lanes).to(tl.uint32) * k_pos), c1, c2)
-        x1 = tl.where(m1, x1, tl.zeros_like(x1))
-        acc_sum += x0 + x1
-        acc_xor ^= x0 ^ x1
-    if pid == programs - 1:
-        offs = n_full + lanes
-        mask = offs < n_words
-        w = tl.load(words_ptr + offs, mask=mask, other=0).to(tl.uint32, bitcast=True)
-        x = _fmix(w ^ (offs.to(tl.uint32) * k_pos), c1, c2)
-        x = tl.where(mask, x, tl.zeros_like(x))
-        acc_sum += x
-        acc_xor ^= x
-    _fold(acc_sum, acc_xor, out_ptr)
-
-
 def graph_ms(fn: Callable[[], object], inner: int = 20, replays: int = 5) -> float:
     """GPU time per call: ``inner`` calls captured in one CUDA graph, replayed (no host gaps)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(inner):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
+    graph = _capture(fn, inner)
     times = []
     for _ in range(replays):
         s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -91,8 +46,9 @@ def graph_ms(fn: Callable[[], object], inner: int = 20, replays: int = 5) -> flo
     return sorted(times)[len(times) // 2]
 
 
-KERNELS = {"v1 (first shipped)": hash_words, "fast (shipped)": hash_words_fast, "fast_x2": _fast_x2,
-           "read-only ceiling": _read_only}
+# A variant loading two blocks per round ("fast_x2") was tried and gave nothing over "fast"
+# (benchmarks/results/hash_tune_h200_2026-11-26b.txt); it is no longer carried here.
+KERNELS = {"v1 (first shipped)": hash_words, "fast (shipped)": hash_words_fast, "read-only ceiling": _read_only}
 
 
 def main() -> None:
