@@ -473,6 +473,7 @@ def find_roots(result: MatchResult) -> list[Root]:
                        f"wait in it) but went on without it: after #{b.seq - 1} of group {b.group} it ran {ran} "
                        f"collective(s) of group {hname} (up to #{hseq}), where its own earlier steps ran {period} "
                        f"at that point. It skipped a collective (a code path that differs on this rank)")
+                culprits: tuple[int, ...] = (rank,)
                 # the group it ran on in is where the others now wait: _propagate folds it in
                 ahead_group: str | None = None
             else:
@@ -490,13 +491,9 @@ def find_roots(result: MatchResult) -> list[Root]:
                 if also:
                     why += (f" — or rank(s) {_fmt(also)}, missing from #{ahead[1]} of group {ahead[0]}, skipped that "
                             "one: the flight recorder holds too little repeating history to tell which")
+                culprits = (rank, *also)
                 ahead_group = ahead[0]
-                roots.append(Root("skipped", (rank, *also), b.group, b.seq, why,
-                                  tuple(sorted({x.group for x in blocked_by[rank]} - {b.group}))))
-                explained.update(x.group for x in blocked_by[rank])
-                explained.add(ahead_group)
-                continue
-            roots.append(Root("skipped", (rank,), b.group, b.seq, why,
+            roots.append(Root("skipped", culprits, b.group, b.seq, why,
                               tuple(sorted({x.group for x in blocked_by[rank]} - {b.group}))))
             explained.update(x.group for x in blocked_by[rank])
             if ahead_group is not None:
