@@ -1,6 +1,6 @@
 """gpuhealth: GPU fleet health and distributed-debug daemon.
 
-Nothing happens at import time; see ``gpuhealth.cli`` for the commands and DESIGN.md for the shape.
+Nothing happens at import time; see ``gpuhealth.cli`` for the commands and docs/architecture.md for the shape.
 """
 
 __version__ = "0.1.0"

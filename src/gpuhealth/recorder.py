@@ -1,7 +1,7 @@
 """Write an "NVML recording v1" of this node: what NVML answers, and how long each call takes.
 
-The same keys and entry shapes as ``shared/tools/nvml_record.py`` (DESIGN.md), so ``FakeNvml``
-loads the output as is: per device, per NVML getter, ``{"value": V, "median_us": T}`` or
+The format is "NVML recording v1" (docs/architecture.md, Contracts), so ``FakeNvml`` loads the
+output as is: per device, per NVML getter, ``{"value": V, "median_us": T}`` or
 ``{"error": text, "code": nvml_return}`` (``{"error": text}`` without a code when the bindings
 themselves failed). A few extra top-level keys say who wrote it and when; readers ignore them.
 ``anonymize`` replaces serial numbers, UUIDs and the PDI so a recording can be committed.

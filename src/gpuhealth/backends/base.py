@@ -1,6 +1,6 @@
 """The narrow GPU-access protocol every collector uses.
 
-Keys are those of "NVML recording v1" (DESIGN.md): the NVML getter name without ``nvmlDeviceGet``
+Keys are those of "NVML recording v1" (docs/architecture.md): the NVML getter name without ``nvmlDeviceGet``
 plus argument suffixes (``TotalEccErrors_UNCORRECTED_VOLATILE``, ``ClockInfo_SM``,
 ``TemperatureThreshold_SLOWDOWN``, ``ViolationStatus_THERMAL``). Values are plain JSON-like data:
 ints, strings, lists, and dicts named by the NVML struct's fields (``MemoryInfo`` →

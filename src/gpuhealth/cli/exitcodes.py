@@ -1,4 +1,4 @@
-"""Exit-code profiles (DESIGN.md): the same verdict, spoken in the dialect of the caller."""
+"""Exit-code profiles (docs/architecture.md, Contracts): the same verdict, spoken in the dialect of the caller."""
 
 from __future__ import annotations
 

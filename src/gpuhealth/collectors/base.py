@@ -1,4 +1,4 @@
-"""The collector protocol (DESIGN rule 1): read in ``collect``, judge in a pure ``evaluate``.
+"""The collector protocol (docs/architecture.md, rule 1): read in ``collect``, judge in a pure ``evaluate``.
 
 A collector is a small object with a ``name``, a ``lane`` (fast/slow, which sets its default
 interval), ``supported(ctx)``, ``collect(ctx) -> Observations``, a pure

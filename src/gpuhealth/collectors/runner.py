@@ -1,4 +1,4 @@
-"""Runs one collector with isolation: the agent never dies from a collector (DESIGN rule 2).
+"""Runs one collector with isolation: the agent never dies from a collector (docs/architecture.md, rule 2).
 
 ``CollectorRunner.run(collector, ctx, history) -> CollectorRun`` is the one call the agent's
 scheduler (and ``gpuhealth status``) makes, per collector, at that collector's interval:
