@@ -124,10 +124,10 @@ def measure_process(seconds: float, warmup: float, dcgm_compat: bool, live: bool
 
 def measure_render(repeat: int = 200) -> list[dict[str, Any]]:
     from gpuhealth.agent.daemon import Agent
-    from gpuhealth.agent.sdnotify import SystemdNotifier
     from gpuhealth.backends.nvml_fake import FakeNvml
     from gpuhealth.config import Config
     from gpuhealth.exporters.prometheus import MetricsEndpoint
+    from gpuhealth.runtime.sdnotify import SystemdNotifier
 
     work = Path(tempfile.mkdtemp(prefix="gpuhealth-bench-"))
     (work / "eight.yaml").write_text(SCENARIO)

@@ -46,11 +46,11 @@ import grpc
 from gpuhealth import __version__
 from gpuhealth.agent.ranks import DumpBudgetExceeded
 from gpuhealth.agent.spool import Spool, SpoolError
-from gpuhealth.coordinator.security import TlsFiles, channel_credentials, token_metadata
 from gpuhealth.model import EntityKind, Finding, MetricKind, RankIdentity, Sample, StepRecord, health_of
 from gpuhealth.proto import gpuhealth_v1_pb2 as pb
 from gpuhealth.proto.convert import finding_to_pb, identity_to_pb, steps_to_pb
 from gpuhealth.proto.options import API_VERSION, NODE_METADATA, SESSION_METADATA, UNARY_DEADLINE_S, client_options
+from gpuhealth.runtime.tls import TlsFiles, channel_credentials, token_metadata
 
 log = logging.getLogger("gpuhealth.agent.coordinator")
 
@@ -671,7 +671,7 @@ def link_from_config(config: Any, *, rank_hub: Any = None) -> CoordinatorLink | 
                     "node can make every other node's ranks dump and run GPU work; keep it off the nodes")
     tls = None
     if c.client_tls_cert or c.client_tls_key:
-        from gpuhealth.coordinator.security import tls_files
+        from gpuhealth.runtime.tls import tls_files
 
         tls = tls_files(c.client_tls_cert, c.client_tls_key, c.tls_ca)
     settings = LinkSettings(address=address, spool_path=str(Path(config.agent.state_dir) / "coordinator-spool.db"),

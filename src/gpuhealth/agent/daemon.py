@@ -38,7 +38,6 @@ from gpuhealth import __version__
 from gpuhealth.agent.cache import Cache, NodeFacts, RunOutcome
 from gpuhealth.agent.extensions import AgentExtension
 from gpuhealth.agent.scheduler import Job, Scheduler
-from gpuhealth.agent.sdnotify import SystemdNotifier
 from gpuhealth.backends.base import NvmlBackend
 from gpuhealth.backends.errors import DRIVER_GONE_CODES, GPU_GONE_CODES, BackendUnavailable, NvmlError
 from gpuhealth.collectors.base import CollectContext, Collector, GpuIdentity, Lane
@@ -46,6 +45,7 @@ from gpuhealth.collectors.runner import CollectorRun, CollectorRunner
 from gpuhealth.config import Config
 from gpuhealth.exporters import ExportSnapshot
 from gpuhealth.model import Action, Entity, EntityKind, Finding, Health, Sample, Severity, health_of
+from gpuhealth.runtime.sdnotify import SystemdNotifier
 
 log = logging.getLogger("gpuhealth.agent")
 

@@ -27,7 +27,7 @@ def coordinator_options(func: Callable[..., Any]) -> Callable[..., Any]:
 
 def resolve(config_path: str | None, address: str | None, token: str | None, tls_cert: str | None,
             tls_key: str | None, tls_ca: str | None) -> tuple[str, str | None, Any]:
-    from gpuhealth.coordinator.security import SecurityConfigError, tls_files
+    from gpuhealth.runtime.tls import SecurityConfigError, tls_files
 
     try:
         cfg = load_config(config_path)

@@ -56,11 +56,11 @@ def check_config(config: Config) -> str | None:
 
 def run_agent(config: Config, reload_config: Any = None) -> int:
     from gpuhealth.agent.daemon import Agent
-    from gpuhealth.agent.logs import setup_logging
     from gpuhealth.backends.base import NvmlBackend
     from gpuhealth.backends.errors import BackendUnavailable, NvmlError, RecordingError
     from gpuhealth.backends.nvml_fake import BUNDLED_RECORDINGS, FakeNvml, bundled_recording_path
     from gpuhealth.backends.nvml_real import RealNvml
+    from gpuhealth.runtime.logs import setup_logging
 
     log = logging.getLogger("gpuhealth.agent")
     backend: NvmlBackend

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import logging
 import signal
 import sys
 from pathlib import Path
@@ -11,6 +10,7 @@ from pathlib import Path
 import click
 
 from gpuhealth.config import ConfigError, load_config
+from gpuhealth.runtime.logs import setup_logging
 
 
 @click.command(name="coordinator")
@@ -28,14 +28,16 @@ from gpuhealth.config import ConfigError, load_config
 @click.option("--hang-floor", "hang_floor_s", type=float, help="Hang floor in seconds.")
 @click.option("--evidence-dir", help="Where hang evidence (FR dumps, stacks) is kept.")
 @click.option("--ready-file", type=click.Path(dir_okay=False), help="Write the bound ports here as JSON.")
-@click.option("--log-level", default="info", show_default=True)
+@click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info",
+              show_default=True, help="Least severe log records written to stderr.")
+@click.option("--json-logs/--text-logs", default=False, help="Log JSON lines instead of text.")
 def command(config_path: str | None, listen: str | None, metrics_listen: str | None, db_path: str | None,
             tls_cert: str | None, tls_key: str | None, tls_ca: str | None, token: str | None,
             operator_token: str | None, operator_names: str | None, hang_k: float | None,
             hang_floor_s: float | None, evidence_dir: str | None, ready_file: str | None,
-            log_level: str) -> None:
+            log_level: str, json_logs: bool) -> None:
     """Run the cluster coordinator."""
-    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_logging(json_lines=json_logs, level=log_level)  # the agent's format: one line per record
     try:
         cfg = load_config(config_path, overrides={"coordinator": {
             "listen": listen, "metrics_listen": metrics_listen, "db_path": db_path, "tls_cert": tls_cert,

@@ -8,13 +8,14 @@ import logging
 from collections.abc import Callable
 from pathlib import Path
 
-from gpuhealth.agent.sdnotify import SystemdNotifier
 from gpuhealth.config import CoordinatorConfig
-from gpuhealth.coordinator.security import AuthPolicy, SecurityConfigError, tls_files
+from gpuhealth.coordinator.security import AuthPolicy
 from gpuhealth.coordinator.server import CoordinatorServer, Endpoints, write_ready_file
 from gpuhealth.coordinator.service import Coordinator, Settings
 from gpuhealth.coordinator.store import Store, StoreError
 from gpuhealth.coordinator.straggler_feed import BudgetedStragglerFeed
+from gpuhealth.runtime.sdnotify import SystemdNotifier
+from gpuhealth.runtime.tls import SecurityConfigError, tls_files
 
 log = logging.getLogger("gpuhealth.coordinator")
 

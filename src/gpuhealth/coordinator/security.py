@@ -16,56 +16,20 @@ from __future__ import annotations
 
 import hmac
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
-
-import grpc
 
 from gpuhealth.proto.options import TOKEN_METADATA
 
-
-class SecurityConfigError(ValueError):
-    """TLS files missing or unreadable, or half a TLS configuration."""
-
-
-@dataclass(frozen=True, slots=True)
-class TlsFiles:
-    cert: str
-    key: str
-    ca: str
-
-    def read(self) -> tuple[bytes, bytes, bytes]:
-        out = []
-        for what, path in (("certificate", self.cert), ("key", self.key), ("CA", self.ca)):
-            try:
-                out.append(Path(path).read_bytes())
-            except OSError as exc:
-                raise SecurityConfigError(f"cannot read TLS {what} {path}: {exc.strerror or exc}") from exc
-        return out[0], out[1], out[2]
-
-
-def tls_files(cert: str | None, key: str | None, ca: str | None) -> TlsFiles | None:
-    given = [x for x in (cert, key, ca) if x]
-    if not given:
-        return None
-    if len(given) != 3:
-        raise SecurityConfigError("mutual TLS needs all of --tls-cert, --tls-key and --tls-ca")
-    assert cert and key and ca
-    return TlsFiles(cert, key, ca)
-
-
-def server_credentials(tls: TlsFiles) -> grpc.ServerCredentials:
-    cert, key, ca = tls.read()
-    return grpc.ssl_server_credentials([(key, cert)], root_certificates=ca, require_client_auth=True)
-
-
-def channel_credentials(tls: TlsFiles) -> grpc.ChannelCredentials:
-    cert, key, ca = tls.read()
-    return grpc.ssl_channel_credentials(root_certificates=ca, private_key=key, certificate_chain=cert)
-
-
-def token_metadata(token: str | None) -> tuple[tuple[str, str], ...]:
-    return ((TOKEN_METADATA, f"Bearer {token}"),) if token else ()
+# TLS files, credentials and token metadata are shared with every gRPC client (the agent's link, the
+# CLI): they live in gpuhealth.runtime.tls; re-exported for the coordinator's modules.
+from gpuhealth.runtime.tls import (
+    SecurityConfigError,
+    TlsFiles,
+    channel_credentials,
+    server_credentials,
+    tls_files,
+    token_metadata,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,3 +89,7 @@ def peer_names(auth_context: dict[str, list[bytes]]) -> set[str]:
         for value in auth_context.get(key, []):
             names.add(value.decode(errors="replace"))
     return names
+
+
+__all__ = ["AuthPolicy", "SecurityConfigError", "TlsFiles", "channel_credentials", "peer_names", "server_credentials",
+           "tls_files", "token_metadata"]

@@ -16,7 +16,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from gpuhealth.exporters import ExportSnapshot
-from gpuhealth.exporters.prometheus import FamilySet, Labels, clean_extra_labels
+from gpuhealth.exporters.families import FamilySet, Labels, clean_extra_labels
 
 MIB = float(1 << 20)
 DCGM_LABELS = ("gpu", "UUID", "pci_bus_id", "device", "modelName", "Hostname", "DCGM_FI_DRIVER_VERSION")

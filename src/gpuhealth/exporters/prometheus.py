@@ -18,9 +18,7 @@ from __future__ import annotations
 
 import math
 import platform
-import re
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from dataclasses import dataclass, field
 
 from prometheus_client.core import CollectorRegistry, Metric
 from prometheus_client.exposition import choose_encoder
@@ -28,75 +26,13 @@ from prometheus_client.process_collector import ProcessCollector
 from prometheus_client.samples import Sample as PromSample
 
 from gpuhealth.exporters import ExportSnapshot
+from gpuhealth.exporters.families import Family, FamilySet, Labels, clean_extra_labels
 from gpuhealth.model import EntityKind, MetricKind
 
 PREFIX = "gpuhealth_"
-GPU_LABELS = ("gpu", "uuid", "pci_bus_id", "model_name")
-# Extension labels may not shadow ours (nor dcgm-exporter's, in compat mode).
-RESERVED_LABELS = frozenset(GPU_LABELS) | {"UUID", "device", "modelName", "Hostname", "DCGM_FI_DRIVER_VERSION"}
-_LABEL_NAME = re.compile(r"^[a-zA-Z_][a-zA-Z0-9_]*$")
-
 SnapshotSource = Callable[[], ExportSnapshot]
 TEXT_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 OPENMETRICS_CONTENT_TYPE = "application/openmetrics-text; version=1.0.0; charset=utf-8"
-Labels = tuple[tuple[str, str], ...]
-
-
-@dataclass(slots=True)
-class Family:
-    """One metric family. ``series`` holds (shared label prefix, own labels, value): the prefix is
-    the same tuple object for every series of one GPU, so its text is rendered once."""
-
-    name: str  # exposed name; counters without ``_total``, info without ``_info``
-    help: str
-    kind: str  # "gauge" | "counter" | "info" | "unknown"
-    series: list[tuple[Labels, Labels, float]] = field(default_factory=list)
-
-    def add(self, value: float, own: Labels = (), prefix: Labels = ()) -> None:
-        self.series.append((prefix, own, value))
-
-    @property
-    def sample_name(self) -> str:
-        if self.kind == "counter":
-            return self.name + "_total"
-        if self.kind == "info":
-            return self.name + "_info"
-        return self.name
-
-
-class FamilySet:
-    """Families of one scrape, by exposed name, in first-use order."""
-
-    def __init__(self) -> None:
-        self.by_name: dict[str, Family] = {}
-
-    def get(self, name: str, help_text: str, kind: str) -> Family:
-        fam = self.by_name.get(name)
-        if fam is None:
-            fam = self.by_name[name] = Family(name, help_text, kind)
-        return fam
-
-    def __iter__(self) -> Iterator[Family]:
-        return iter(self.by_name.values())
-
-
-def clean_extra_labels(raw: Mapping[str, Mapping[str, str]] | None) -> dict[str, dict[str, str]]:
-    """Keep only valid, non-reserved label names with string values (a provider bug must not
-    break the scrape or overwrite ``gpu``)."""
-    out: dict[str, dict[str, str]] = {}
-    if not raw:
-        return out
-    for uuid, labels in raw.items():
-        if not isinstance(labels, Mapping):
-            continue
-        kept = {
-            str(k): str(v)
-            for k, v in labels.items()
-            if isinstance(k, str) and _LABEL_NAME.match(k) and k not in RESERVED_LABELS and not k.startswith("__")
-        }
-        if kept:
-            out[str(uuid)] = kept
-    return out
 
 
 def gpu_label_sets(snap: ExportSnapshot) -> dict[int, Labels]:

@@ -13,10 +13,10 @@ import pytest
 from agent_testing import HangingCollector, RaisingCollector, TempCollector, fast_config, wait_for
 
 from gpuhealth.agent.daemon import NVML_UNAVAILABLE, Agent
-from gpuhealth.agent.sdnotify import SystemdNotifier
 from gpuhealth.backends.nvml_fake import FakeNvml
 from gpuhealth.collectors.registry import all_collectors
 from gpuhealth.model import Finding, Health
+from gpuhealth.runtime.sdnotify import SystemdNotifier
 
 QUIET = SystemdNotifier(env={})
 

@@ -8,9 +8,9 @@ from agent_testing import TempCollector, fast_config, wait_for
 
 from gpuhealth.agent.daemon import Agent
 from gpuhealth.agent.extensions import default_extensions
-from gpuhealth.agent.sdnotify import SystemdNotifier
 from gpuhealth.backends.nvml_fake import FakeNvml
 from gpuhealth.model import Action, Entity, Finding, Health, Severity
+from gpuhealth.runtime.sdnotify import SystemdNotifier
 
 
 def test_default_extensions_follow_the_config(tmp_path: Any) -> None:

@@ -1,7 +1,7 @@
-"""Structured logs for the agent: one line per record, human text or JSON lines.
+"""Structured logs for both daemons: one line per record, human text or JSON lines.
 
 Extra context travels as ``extra={...}`` on the log call (``collector``, ``gpu``, ``duration_s``);
-the JSON formatter emits every such key. When the agent runs on a recording or scenario every
+the JSON formatter emits every such key. When an agent runs on a recording or scenario every
 record says so (``"simulated": true`` / a ``[SIMULATED]`` prefix), so nobody mistakes replayed
 readings for a live node.
 """
@@ -71,11 +71,11 @@ def setup_logging(
     second call (config reload) replaces the handler this function installed before."""
     logger = logging.getLogger(LOGGER_NAME)
     for h in list(logger.handlers):
-        if getattr(h, "_gpuhealth_agent", False):
+        if getattr(h, "_gpuhealth_own", False):
             logger.removeHandler(h)
     handler = logging.StreamHandler(stream or sys.stderr)
     handler.setFormatter(JsonLinesFormatter(simulated=simulated) if json_lines else TextFormatter(simulated=simulated))
-    handler._gpuhealth_agent = True  # type: ignore[attr-defined]
+    handler._gpuhealth_own = True  # type: ignore[attr-defined]
     logger.addHandler(handler)
     numeric = logging.getLevelName(level.strip().upper())
     logger.setLevel(numeric if isinstance(numeric, int) else logging.INFO)

@@ -6,7 +6,7 @@ import io
 import json
 import logging
 
-from gpuhealth.agent.logs import setup_logging
+from gpuhealth.runtime.logs import setup_logging
 
 
 def test_json_lines_with_extras_and_simulated_flag() -> None:

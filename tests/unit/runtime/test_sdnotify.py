@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from gpuhealth.agent.sdnotify import SystemdNotifier
+from gpuhealth.runtime.sdnotify import SystemdNotifier
 
 
 def _listener(address: str | bytes) -> socket.socket:
