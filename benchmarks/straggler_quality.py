@@ -1,0 +1,428 @@
+"""Straggler detection quality on a synthetic corpus of synchronous data-parallel jobs, judged
+through the entry points a user has: ``detect_stragglers`` (step records), ``detect_from_durations``
+(flight-recorder ``duration_ms`` only) and, for a sample, ``gpuhealth triage --steps``.
+
+The corpus model (per case): compute[r, s] = base × factor[r, s] × job[s] × noise[r, s];
+wall[s] = max_r compute[r, s] + collective[s] (every rank waits for the slowest);
+wait[r, s] = wall[s] − compute[r, s]. Noise is independent per (rank, step): normal, lognormal or
+Student-t (3 dof) with CV 0–30 %, plus rare heavy-tail spikes (1.5–5×). Families:
+
+    const       one rank slower by 1.05–2× from step 0 or from mid-run (4–64 ranks)
+    large       1,024 ranks, three stragglers of 1.1–2×
+    alternate   a rank slow on every other step
+    transient   a rank slow for 40–70 steps, then back to normal (expected: found, and recovered)
+    fr          flight-recorder durations only (one world all_reduce, or a TP pair + world per step)
+    healthy     no straggler, noise 0–30 %, 2–1,024 ranks, some with data-dependent step times
+    spikes      no straggler, heavy-tail spikes on random (rank, step)s
+    checkpoint  no straggler, every 50th step slow on every rank (or on rank 0 alone: it saves)
+    job_slow    no straggler, the whole job slows down (sustained or gradual): never a straggler
+
+Tune on seeds 0–4, report on 100–104 (``--seed``); the held-out corpus uses other seeds.
+
+    .venv/bin/python benchmarks/straggler_quality.py [--seed 100 101 102 103 104] [--cli-sample 6]
+        [--no-delay] [--json OUT.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import zlib
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from gpuhealth.model import Finding, StepRecord
+from gpuhealth.stragglers import detect_from_durations, detect_stragglers
+
+STEPS = 200
+BASES = (0.005, 0.05, 1.0)  # step compute of 5 ms, 50 ms, 1 s
+NOISE_KINDS = ("normal", "lognormal", "t3")
+SPLITS = ("compute", "wait", "both")
+
+
+@dataclass(frozen=True, slots=True)
+class Slow:
+    """One straggler: ``factor`` × compute on steps [onset, end) (every other step if alternate)."""
+
+    rank: int
+    factor: float
+    onset: int
+    end: int = STEPS
+    alternate: bool = False
+
+
+@dataclass(slots=True)
+class Case:
+    name: str
+    family: str
+    world: int
+    base: float
+    noise: float
+    seed: int
+    slow: tuple[Slow, ...] = ()
+    noise_kind: str = "normal"
+    split: str = "compute"
+    spike_p: float = 0.002
+    job: str = ""  # "", "checkpoint", "checkpoint_rank0", "sustained", "gradual", "data"
+    fr: str = ""  # "", "world", "tp" (flight-recorder durations instead of step records)
+    steps: int = STEPS
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+# ----------------------------------------------------------------------------------------- corpus
+
+
+def build_corpus(seed: int) -> list[Case]:
+    rng = np.random.default_rng(seed)
+    cases: list[Case] = []
+
+    def pick(options: Sequence[Any]) -> Any:
+        return options[int(rng.integers(len(options)))]
+
+    def mid() -> int:
+        return int(rng.integers(60, 141))
+
+    # One straggler, every factor × noise, onset at 0 and mid-run.
+    for factor in (1.05, 1.1, 1.2, 1.3, 1.5, 2.0):
+        for noise in (0.0, 0.05, 0.15, 0.30):
+            for onset_kind in ("start", "mid"):
+                world = pick((4, 8, 16, 32, 64))
+                onset = 0 if onset_kind == "start" else mid()
+                cases.append(Case(f"const f={factor} cv={noise} n={world} {onset_kind}", "const", world, pick(BASES),
+                                  noise, seed, (Slow(int(rng.integers(world)), factor, onset),),
+                                  pick(NOISE_KINDS), pick(SPLITS), extra={"onset_kind": onset_kind}))
+    # 1,024 ranks: three stragglers each.
+    for noise in (0.05, 0.15, 0.05, 0.15):
+        ranks = rng.choice(1024, size=3, replace=False)
+        factors = rng.choice((1.1, 1.2, 1.3, 1.5, 2.0), size=3)
+        slow = tuple(Slow(int(r), float(f), 0 if i == 0 else mid()) for i, (r, f) in enumerate(zip(ranks, factors,
+                                                                                                   strict=True)))
+        cases.append(Case(f"large n=1024 cv={noise}", "large", 1024, pick(BASES), noise, seed, slow,
+                          pick(NOISE_KINDS), pick(SPLITS)))
+    # A rank slow on every other step.
+    for factor in (1.25, 1.5, 2.0):
+        for noise in (0.05, 0.15):
+            world = pick((4, 16, 64))
+            cases.append(Case(f"alternate f={factor} cv={noise} n={world}", "alternate", world, pick(BASES), noise,
+                              seed, (Slow(int(rng.integers(world)), factor, pick((0, mid())), alternate=True),),
+                              pick(NOISE_KINDS), pick(SPLITS)))
+    # Transient: slow for 40–70 steps, then recovered.
+    for factor, noise in ((1.3, 0.05), (1.5, 0.15), (2.0, 0.05), (2.0, 0.15)):
+        world = pick((4, 16, 64))
+        onset = int(rng.integers(30, 90))
+        end = onset + int(rng.integers(40, 71))
+        cases.append(Case(f"transient f={factor} cv={noise} n={world}", "transient", world, pick(BASES), noise, seed,
+                          (Slow(int(rng.integers(world)), factor, onset, end),), pick(NOISE_KINDS), pick(SPLITS)))
+    # Flight-recorder durations only.
+    for factor in (1.1, 1.2, 1.5, 2.0):
+        for noise in (0.05, 0.15):
+            world = pick((2, 4, 8))
+            cases.append(Case(f"fr f={factor} cv={noise} n={world}", "fr", world, pick(BASES), noise, seed,
+                              (Slow(int(rng.integers(world)), factor, pick((0, mid()))),), pick(NOISE_KINDS),
+                              fr=pick(("world", "tp"))))
+    # ---- no straggler (47 per seed) ----
+    for world in (4, 16, 64, 256, 1024):
+        for noise in (0.0, 0.05, 0.15, 0.30):
+            cases.append(Case(f"healthy cv={noise} n={world}", "healthy", world, pick(BASES), noise, seed,
+                              noise_kind=pick(NOISE_KINDS), split=pick(SPLITS)))
+    for noise in (0.05, 0.15, 0.30):
+        cases.append(Case(f"healthy n=2 cv={noise}", "healthy", 2, pick(BASES), noise, seed,
+                          noise_kind=pick(NOISE_KINDS), split=pick(SPLITS)))
+    for noise in (0.05, 0.15, 0.30):
+        cases.append(Case(f"healthy data-dependent cv={noise}", "healthy", pick((4, 16, 64)), pick(BASES), noise,
+                          seed, noise_kind=pick(NOISE_KINDS), split=pick(SPLITS), job="data"))
+    for world in (4, 16, 64):
+        for noise in (0.05, 0.15, 0.30):
+            cases.append(Case(f"spikes cv={noise} n={world}", "spikes", world, pick(BASES), noise, seed,
+                              noise_kind=pick(NOISE_KINDS), split=pick(SPLITS), spike_p=0.03))
+    for world in (4, 16, 64):
+        for job in ("checkpoint", "checkpoint_rank0"):
+            cases.append(Case(f"{job} n={world}", "checkpoint", world, pick(BASES), pick((0.05, 0.15)), seed,
+                              noise_kind=pick(NOISE_KINDS), split=pick(SPLITS), job=job))
+    for world in (4, 16, 64):
+        for job in ("sustained", "gradual"):
+            cases.append(Case(f"job slowdown {job} n={world}", "job_slow", world, pick(BASES), pick((0.05, 0.15)),
+                              seed, noise_kind=pick(NOISE_KINDS), split=pick(SPLITS), job=job))
+    return cases
+
+
+def simulate(case: Case) -> tuple[np.ndarray, np.ndarray]:
+    """(compute[rank, step], wall[step]) in seconds."""
+    rng = np.random.default_rng([case.seed, zlib.crc32(case.name.encode())])
+    n, s = case.world, case.steps
+    cv = case.noise
+    if cv == 0:
+        noise = np.ones((n, s))
+    elif case.noise_kind == "lognormal":
+        sigma = np.sqrt(np.log1p(cv * cv))
+        noise = np.exp(rng.normal(-sigma * sigma / 2, sigma, (n, s)))
+    elif case.noise_kind == "t3":
+        noise = 1.0 + cv * rng.standard_t(3, (n, s)) / np.sqrt(3.0)
+    else:
+        noise = 1.0 + cv * rng.normal(0.0, 1.0, (n, s))
+    noise = np.maximum(noise, 0.2)
+    spikes = rng.random((n, s)) < case.spike_p
+    noise[spikes] *= rng.uniform(1.5, 5.0, int(spikes.sum()))
+    factor = np.ones((n, s))
+    for sl in case.slow:
+        cols = np.arange(sl.onset, min(sl.end, s))
+        if sl.alternate:
+            cols = cols[(cols - sl.onset) % 2 == 1]
+        factor[sl.rank, cols] = sl.factor
+    job = np.ones(s)
+    if case.job in ("checkpoint", "checkpoint_rank0"):
+        ckpt = np.arange(49, s, 50)
+        if case.job == "checkpoint":
+            job[ckpt] = rng.uniform(3.0, 10.0, len(ckpt))
+        else:
+            factor[0, ckpt] *= rng.uniform(3.0, 10.0, len(ckpt))
+    elif case.job == "sustained":
+        job[s // 2:] = 1.3
+    elif case.job == "gradual":
+        job = np.linspace(1.0, 1.5, s)
+    elif case.job == "data":
+        job = rng.uniform(0.6, 1.4, s)  # sequence lengths vary per step, the same on every rank
+    compute = case.base * factor * job[None, :] * noise
+    collective = case.base * 0.15 * np.maximum(0.5, 1.0 + 0.1 * rng.normal(0.0, 1.0, s))
+    wall = compute.max(axis=0) + collective
+    return compute, wall
+
+
+def step_records(case: Case, compute: np.ndarray, wall: np.ndarray) -> list[StepRecord]:
+    n, s = compute.shape
+    start = 1.7e9 + np.concatenate(([0.0], np.cumsum(wall)[:-1]))
+    wait = wall[None, :] - compute
+    out = []
+    for step in range(s):
+        w = float(wall[step])
+        t = float(start[step])
+        for r in range(n):
+            c = float(compute[r, step])
+            q = float(wait[r, step])
+            out.append(StepRecord("bench", r, step, t, w, compute_s=None if case.split == "wait" else c,
+                                  comm_wait_s=None if case.split == "compute" else q))
+    return out
+
+
+def durations(case: Case, compute: np.ndarray, wall: np.ndarray) -> dict[int, list[tuple[str, int, float]]]:
+    """{rank: [(group, seq, ms), …]} as triage passes them: each rank's collectives in its own order."""
+    n, s = compute.shape
+    rng = np.random.default_rng([case.seed, 7])
+    coll = wall - compute.max(axis=0)
+    out: dict[int, list[tuple[str, int, float]]] = {r: [] for r in range(n)}
+    for step in range(s):
+        c = compute[:, step]
+        arrive_world = c.copy()
+        if case.fr == "tp" and n >= 2:
+            # A TP all_reduce within each pair first: the pair leaves it when its slower member arrives.
+            for p in range(0, n - 1, 2):
+                done = max(c[p], c[p + 1]) + coll[step] * 0.3
+                for r in (p, p + 1):
+                    ms = (done - c[r]) * 1000 * (1 + 0.02 * rng.normal())
+                    out[r].append((f"tp{p // 2}", step + 1, float(max(ms, 0.001))))
+                    arrive_world[r] = done
+        done = arrive_world.max() + coll[step]
+        for r in range(n):
+            ms = (done - arrive_world[r]) * 1000 * (1 + 0.02 * rng.normal())
+            out[r].append(("world", step + 1, float(max(ms, 0.001))))
+    return out
+
+
+# ---------------------------------------------------------------------------------------- running
+
+
+def _flagged(findings: Sequence[Finding]) -> dict[int, Finding]:
+    return {int(f.evidence["rank"]): f for f in findings if f.code == "rank.straggler"}
+
+
+def _run(case: Case, compute: np.ndarray, wall: np.ndarray) -> tuple[list[Finding], float, Callable[[int], set[int]]]:
+    """Findings on the whole run, detection seconds, and a function: flagged ranks on the first p steps."""
+    if case.fr:
+        dur = durations(case, compute, wall)
+        t0 = time.perf_counter()
+        found = detect_from_durations(dur)
+        elapsed = time.perf_counter() - t0
+
+        def prefix_fr(p: int) -> set[int]:
+            # Collectives are numbered by step (seq = step + 1): the first p steps' worth.
+            return set(_flagged(detect_from_durations({r: [x for x in v if x[1] <= p] for r, v in dur.items()})))
+
+        return found, elapsed, prefix_fr
+    recs = step_records(case, compute, wall)
+    t0 = time.perf_counter()
+    found = detect_stragglers(recs)
+    elapsed = time.perf_counter() - t0
+    n = case.world
+
+    def prefix(p: int) -> set[int]:
+        return set(_flagged(detect_stragglers(recs[: p * n])))
+
+    return found, elapsed, prefix
+
+
+def _first_flag(prefix: Callable[[int], set[int]], rank: int, lo: int, hi: int) -> int | None:
+    """Smallest p in (lo, hi] with ``rank`` flagged on the first p steps (bisection; None if never)."""
+    if rank not in prefix(hi):
+        return None
+    while hi - lo > 1:
+        m = (lo + hi) // 2
+        if rank in prefix(m):
+            hi = m
+        else:
+            lo = m
+    return hi
+
+
+@dataclass(slots=True)
+class Outcome:
+    case: Case
+    flagged: dict[int, Finding]
+    seconds: float
+    delays: dict[int, int] = field(default_factory=dict)
+    other: list[Finding] = field(default_factory=list)
+
+
+def evaluate(cases: Sequence[Case], delay: bool) -> list[Outcome]:
+    out = []
+    for case in cases:
+        compute, wall = simulate(case)
+        found, seconds, prefix = _run(case, compute, wall)
+        o = Outcome(case, _flagged(found), seconds, other=[f for f in found if f.code != "rank.straggler"])
+        if delay:
+            for sl in case.slow:
+                if sl.rank in o.flagged and sl.end >= case.steps and case.world <= 64:
+                    first = _first_flag(prefix, sl.rank, sl.onset, case.steps)
+                    if first is not None:
+                        o.delays[sl.rank] = first - 1 - sl.onset  # steps after the onset step
+        out.append(o)
+    return out
+
+
+def triage_cli(case: Case, tmp: Path) -> dict[str, Any]:
+    compute, wall = simulate(case)
+    path = tmp / f"{zlib.crc32(case.name.encode())}.jsonl"
+    path.write_text("".join(json.dumps(r.to_dict()) + "\n" for r in step_records(case, compute, wall)))
+    proc = subprocess.run([sys.executable, "-m", "gpuhealth.cli.main", "triage", "--steps", str(path), "--json"],
+                          capture_output=True, text=True, timeout=600)
+    try:
+        doc: dict[str, Any] = json.loads(proc.stdout)
+    except ValueError:
+        return {"verdict": "error", "culprits": [], "stderr": proc.stderr[-400:]}
+    return doc
+
+
+# ---------------------------------------------------------------------------------------- scoring
+
+
+def report(outcomes: Sequence[Outcome], cli: list[tuple[Case, dict[str, Any], set[int]]]) -> dict[str, Any]:
+    pos_by: dict[tuple[float, float], list[bool]] = defaultdict(list)
+    fam_hits: dict[str, list[bool]] = defaultdict(list)
+    onset_err: list[int] = []
+    delays: list[int] = []
+    negatives = flagged_neg = 0
+    wrong_ranks = 0
+    exact = 0
+    recovered_ok: list[bool] = []
+    job_slow_found: list[bool] = []
+    flagged_names: list[str] = []
+    for o in outcomes:
+        c = o.case
+        expected = {sl.rank for sl in c.slow}
+        got = set(o.flagged)
+        exact += got == expected
+        wrong_ranks += len(got - expected)
+        if not c.slow:
+            negatives += 1
+            if got:
+                flagged_neg += 1
+                flagged_names.append(f"{c.name} seed={c.seed}: ranks {sorted(got)}")
+            if c.family == "job_slow" and c.job == "sustained":
+                job_slow_found.append(any(f.code == "job.slowdown" for f in o.other))
+            continue
+        for sl in c.slow:
+            hit = sl.rank in got
+            fam_hits[c.family].append(hit)
+            if c.family == "const":
+                pos_by[(sl.factor, c.noise)].append(hit)
+            if hit and c.family in ("const", "large"):
+                since = o.flagged[sl.rank].evidence.get("since_step", o.flagged[sl.rank].evidence.get("onset_step"))
+                if isinstance(since, int):
+                    onset_err.append(abs(since - sl.onset))
+            if c.family == "transient" and hit:
+                recovered_ok.append(o.flagged[sl.rank].evidence.get("active") is False)
+        delays += list(o.delays.values())
+    factors = sorted({k[0] for k in pos_by})
+    noises = sorted({k[1] for k in pos_by})
+
+    def rate(xs: Sequence[bool]) -> float | None:
+        return round(sum(xs) / len(xs), 3) if xs else None
+
+    table = {f"{f}": {f"{cv}": rate(pos_by[(f, cv)]) for cv in noises} for f in factors}
+    recall_factor = {f"{f}": rate([h for cv in noises for h in pos_by[(f, cv)]]) for f in factors}
+    recall_factor_le15 = {f"{f}": rate([h for cv in noises if cv <= 0.15 for h in pos_by[(f, cv)]]) for f in factors}
+    large_time = [o.seconds for o in outcomes if o.case.world == 1024 and not o.case.fr]
+    return {
+        "cases": len(outcomes),
+        "recall_by_factor_and_noise": table,
+        "recall_by_factor": recall_factor,
+        "recall_by_factor_noise_le_15pct": recall_factor_le15,
+        "recall_by_family": {k: f"{sum(v)}/{len(v)}" for k, v in sorted(fam_hits.items())},
+        "negative_cases_flagged": f"{flagged_neg}/{negatives}",
+        "negative_cases_flagged_names": flagged_names,
+        "wrong_ranks_flagged_total": wrong_ranks,
+        "headline_correct": f"{exact}/{len(outcomes)}",
+        "transient_reported_recovered": f"{sum(recovered_ok)}/{len(recovered_ok)}",
+        "job_slowdown_reported_sustained": f"{sum(job_slow_found)}/{len(job_slow_found)}",
+        "onset_abs_error_median_steps": statistics.median(onset_err) if onset_err else None,
+        "delay_steps_median": statistics.median(delays) if delays else None,
+        "delay_steps_p90": sorted(delays)[int(0.9 * (len(delays) - 1))] if delays else None,
+        "delays_measured": len(delays),
+        "seconds_1024x200_median": round(statistics.median(large_time), 3) if large_time else None,
+        "seconds_1024x200_max": round(max(large_time), 3) if large_time else None,
+        "seconds_total_detection": round(sum(o.seconds for o in outcomes), 2),
+        "cli_agrees": f"{sum(1 for c, d, lib in cli if set(d.get('culprits') or []) == lib)}/{len(cli)}",
+        "cli_verdicts": [(c.name, d.get("verdict"), d.get("culprits")) for c, d, _ in cli],
+    }
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--seed", type=int, nargs="+", default=[100, 101, 102, 103, 104])
+    p.add_argument("--cli-sample", type=int, default=6, help="cases also run through `gpuhealth triage --steps`")
+    p.add_argument("--no-delay", action="store_true", help="skip the detection-delay bisection (faster)")
+    p.add_argument("--family", default="", help="only this family (tuning)")
+    p.add_argument("--json", default="", help="write the report here too")
+    args = p.parse_args()
+    t0 = time.perf_counter()
+    cases = [c for s in args.seed for c in build_corpus(s) if not args.family or c.family == args.family]
+    outcomes = evaluate(cases, delay=not args.no_delay)
+    cli = []
+    if args.cli_sample:
+        sample = [c for c in cases if not c.fr and c.world <= 64]
+        step = max(1, len(sample) // args.cli_sample)
+        lib = {id(o.case): set(o.flagged) for o in outcomes}
+        with tempfile.TemporaryDirectory() as tmp:
+            for c in sample[::step][: args.cli_sample]:
+                cli.append((c, triage_cli(c, Path(tmp)), lib[id(c)]))
+    rep = report(outcomes, cli)
+    rep.update(seeds=args.seed, date=time.strftime("%Y-%m-%d"), python=platform.python_version(),
+               machine=platform.machine(), wall_s=round(time.perf_counter() - t0, 1))
+    print(json.dumps(rep, indent=2))
+    if args.json:
+        Path(args.json).write_text(json.dumps(rep, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
