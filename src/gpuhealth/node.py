@@ -9,12 +9,16 @@ isolating ``CollectorRunner`` and returns a ``NodeReport`` whose ``to_dict()`` i
 ``{"node": {...}, "gpus": [{"index", "uuid", "name", "pci_bus_id", "health", "findings": [...]}],
 "findings": [...]}`` — ``gpus[].findings`` are the findings about that GPU (or its links);
 top-level ``findings`` are those about the node as a whole.
+
+The agent's ``/health`` is the same document from the same builder (``report_of_snapshot``): a
+running agent adds what only it knows (``AgentFacts``: driver, NVML up, ready, its version) and
+per collector the counts over every run. Both are golden-tested (``tests/golden/``).
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,9 +31,10 @@ from gpuhealth.backends.sysfs import sysfs_for
 from gpuhealth.catalog.thresholds import load_thresholds
 from gpuhealth.collectors.base import CollectContext, Collector, GpuIdentity, History
 from gpuhealth.collectors.registry import all_collectors
-from gpuhealth.collectors.runner import CollectorRun, CollectorRunner, enumerate_gpus
+from gpuhealth.collectors.runner import CollectorRun, CollectorRunner, CollectorStatus, enumerate_gpus
 from gpuhealth.collectors.versions import versions_of
 from gpuhealth.config import Config
+from gpuhealth.exporters import ExportSnapshot
 from gpuhealth.model import Action, EntityKind, Finding, Health, health_of, worst_action
 
 
@@ -64,10 +69,11 @@ def default_kmsg(backend: NvmlBackend, config: Config) -> KmsgSource | None:
 class GpuReport:
     identity: GpuIdentity
     findings: list[Finding] = field(default_factory=list)
+    nvml_up: bool = True  # False: nothing current to judge the GPU by
 
     @property
     def health(self) -> Health:
-        return health_of(self.findings)
+        return health_of(self.findings) if self.nvml_up else Health.UNKNOWN
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -81,6 +87,16 @@ class GpuReport:
         }
 
 
+@dataclass(frozen=True, slots=True)
+class AgentFacts:
+    """What only a running agent knows; its report (``/health``) carries these in ``node``."""
+
+    driver_version: str
+    cuda_driver_version: str
+    ready: bool
+    agent_version: str
+
+
 @dataclass(slots=True)
 class NodeReport:
     node: str
@@ -90,16 +106,20 @@ class NodeReport:
     gpus: list[GpuReport] = field(default_factory=list)
     findings: list[Finding] = field(default_factory=list)  # node-level
     versions: dict[str, Any] = field(default_factory=dict)
-    runs: list[CollectorRun] = field(default_factory=list)
+    runs: list[CollectorRun] = field(default_factory=list)  # a one-shot sweep's runs (status, qualify)
+    collectors: list[CollectorStatus] = field(default_factory=list)
+    nvml_up: bool = True
+    agent: AgentFacts | None = None
 
     def all_findings(self) -> list[Finding]:
         return [*self.findings, *(f for g in self.gpus for f in g.findings)]
 
     @property
     def health(self) -> Health:
-        """Worst of all findings; UNKNOWN when there was nothing to check (no GPU at all)."""
+        """Worst of all findings; UNKNOWN when there is nothing to judge by (no GPU, or NVML down,
+        and no finding)."""
         findings = self.all_findings()
-        if not self.gpus and not findings:
+        if not findings and (not self.gpus or not self.nvml_up):
             return Health.UNKNOWN
         return health_of(findings)
 
@@ -108,21 +128,47 @@ class NodeReport:
         return worst_action(self.all_findings())
 
     def to_dict(self) -> dict[str, Any]:
+        node: dict[str, Any] = {
+            "name": self.node,
+            "health": str(self.health),
+            "action": str(self.action),
+            "simulated": self.simulated,
+            "backend": self.backend,
+            "time": self.time,
+            "gpu_count": len(self.gpus),
+            "versions": self.versions,
+            "collectors": [c.to_dict(totals=self.agent is not None) for c in self.collectors],
+        }
+        if self.agent is not None:
+            node.update(driver_version=self.agent.driver_version, cuda_driver_version=self.agent.cuda_driver_version,
+                        nvml_up=self.nvml_up, ready=self.agent.ready, agent_version=self.agent.agent_version)
         return {
-            "node": {
-                "name": self.node,
-                "health": str(self.health),
-                "action": str(self.action),
-                "simulated": self.simulated,
-                "backend": self.backend,
-                "time": self.time,
-                "gpu_count": len(self.gpus),
-                "versions": self.versions,
-                "collectors": [r.summary() for r in self.runs],
-            },
+            "node": node,
             "gpus": [g.to_dict() for g in self.gpus],
             "findings": [f.to_dict() for f in _ordered(self.findings)],
         }
+
+
+def assemble_report(*, node: str, simulated: bool, backend: str, time: float, gpus: Sequence[GpuIdentity],
+                    findings: Iterable[Finding], versions: Mapping[str, Any], collectors: Sequence[CollectorStatus],
+                    runs: Sequence[CollectorRun] = (), nvml_up: bool = True, agent: AgentFacts | None = None,
+                    ) -> NodeReport:
+    """The one node-report builder. Findings are grouped by GPU (anything on a GPU: the GPU, its
+    links, its processes); the rest are the node's."""
+    reports = {g.index: GpuReport(g, nvml_up=nvml_up) for g in gpus}
+    by_uuid = {g.uuid: g.index for g in gpus}
+    node_findings: list[Finding] = []
+    for f in findings:
+        index = f.entity.gpu_index
+        if index is None and f.entity.kind is EntityKind.GPU:
+            index = by_uuid.get(f.entity.id)
+        if index is not None and index in reports and f.entity.kind is not EntityKind.NODE:
+            reports[index].findings.append(f)
+        else:
+            node_findings.append(f)
+    return NodeReport(node=node, simulated=simulated, backend=backend, time=time,
+                      gpus=[reports[i] for i in sorted(reports)], findings=node_findings, versions=dict(versions),
+                      runs=list(runs), collectors=list(collectors), nvml_up=nvml_up, agent=agent)
 
 
 def _ordered(findings: Sequence[Finding]) -> list[Finding]:
@@ -175,27 +221,21 @@ def collect_once(
 
 
 def build_report(ctx: CollectContext, runs: Sequence[CollectorRun]) -> NodeReport:
-    """Group the runs' findings by GPU (anything on a GPU: the GPU, its links, its processes) and node."""
-    reports = {g.index: GpuReport(g) for g in ctx.gpus}
-    by_uuid = {g.uuid: g.index for g in ctx.gpus}
-    node_findings: list[Finding] = []
-    for run in runs:
-        for f in run.findings:
-            index = f.entity.gpu_index
-            if index is None and f.entity.kind is EntityKind.GPU:
-                index = by_uuid.get(f.entity.id)
-            if index is not None and index in reports and f.entity.kind is not EntityKind.NODE:
-                reports[index].findings.append(f)
-            else:
-                node_findings.append(f)
+    """The report of one sweep (``gpuhealth status``)."""
     versions_run = next((r for r in runs if r.name == "versions"), None)
-    return NodeReport(
-        node=ctx.node_name,
-        simulated=ctx.backend.simulated,
-        backend=ctx.backend.description,
-        time=ctx.now,
-        gpus=[reports[i] for i in sorted(reports)],
-        findings=node_findings,
+    return assemble_report(
+        node=ctx.node_name, simulated=ctx.backend.simulated, backend=ctx.backend.description, time=ctx.now,
+        gpus=ctx.gpus, findings=[f for run in runs for f in run.findings],
         versions=versions_of(versions_run.observations if versions_run else None),
-        runs=list(runs),
+        collectors=[CollectorStatus(r.name, r.lane.value, 0.0).after(r) for r in runs], runs=runs,
+    )
+
+
+def report_of_snapshot(snap: ExportSnapshot, versions: Mapping[str, Any] | None = None) -> NodeReport:
+    """The report of a running agent (``/health``), from its cache."""
+    return assemble_report(
+        node=snap.node_name, simulated=snap.simulated, backend=snap.backend, time=snap.generated_at, gpus=snap.gpus,
+        findings=snap.findings, versions=versions or {}, collectors=snap.collectors, nvml_up=snap.nvml_up,
+        agent=AgentFacts(driver_version=snap.driver_version, cuda_driver_version=snap.cuda_driver_version,
+                         ready=snap.ready, agent_version=snap.version),
     )

@@ -10,34 +10,18 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field, replace
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, fields, replace
 
-from gpuhealth.collectors.base import GpuIdentity, History, Observations
-from gpuhealth.exporters import CollectorStatus, ExportSnapshot
+from gpuhealth.collectors.base import History
+from gpuhealth.collectors.runner import CollectorRun, CollectorStatus
+from gpuhealth.exporters import ExportSnapshot, NodeFacts
 from gpuhealth.model import Finding, Sample
 
 # Samples of a collector that stopped succeeding stay exported this many intervals, then vanish
 # (one missed beat should not punch holes in dashboards; stale readings must not linger).
 STALE_AFTER_INTERVALS = 3.0
-
-
-@dataclass(frozen=True, slots=True)
-class RunOutcome:
-    """One finished (or abandoned) collector run, whatever runner produced it."""
-
-    collector: str
-    finished_at: float  # wall clock
-    duration_s: float
-    ok: bool
-    observations: Observations | None = None
-    findings: tuple[Finding, ...] = ()
-    samples: tuple[Sample, ...] = ()
-    error: str = ""
-    timed_out: bool = False
-    nvml_codes: frozenset[int] = frozenset()  # NVML error codes seen during the run
-    gone_gpus: frozenset[int] = frozenset()  # GPU indexes that answered GPU_IS_LOST / RESET_REQUIRED
-    answered_gpus: frozenset[int] = frozenset()  # GPU indexes that gave at least one reading
+_FACTS = tuple(f.name for f in fields(NodeFacts))
 
 
 @dataclass(slots=True)
@@ -52,23 +36,6 @@ class _CollectorEntry:
     findings: tuple[Finding, ...] = ()  # of the last successful run (judgements outlive a failed run)
     failure_findings: tuple[Finding, ...] = ()  # collector.failed from the last run, if it failed
     completed_once: bool = False
-
-
-@dataclass(slots=True)
-class NodeFacts:
-    """Slow-changing node state the scheduler sets (identities, versions, NVML state)."""
-
-    node_name: str
-    simulated: bool = False
-    backend: str = ""
-    version: str = ""
-    driver_version: str = ""
-    cuda_driver_version: str = ""
-    nvml_up: bool = True
-    nvml_reinits_total: int = 0
-    gpus: tuple[GpuIdentity, ...] = ()
-    agent_findings: tuple[Finding, ...] = ()  # the agent's own: gpu.lost, nvml.unavailable, collector.failed
-    gpu_labels: Mapping[str, Mapping[str, str]] = field(default_factory=dict)
 
 
 class Cache:
@@ -117,30 +84,20 @@ class Cache:
             return self._entries[name].history
 
     # ------------------------------------------------------------------ writes
-    def record(self, outcome: RunOutcome) -> None:
+    def record(self, run: CollectorRun) -> None:
         with self._lock:
-            entry = self._entries.get(outcome.collector)
+            entry = self._entries.get(run.name)
             if entry is None:
                 return  # unregistered by a reload while it ran
-            st = entry.status
-            entry.status = replace(
-                st,
-                success=outcome.ok,
-                duration_s=outcome.duration_s,
-                last_success_time=outcome.finished_at if outcome.ok else st.last_success_time,
-                runs_total=st.runs_total + 1,
-                errors_total=st.errors_total + (0 if outcome.ok else 1),
-                timeouts_total=st.timeouts_total + (1 if outcome.timed_out else 0),
-                last_error="" if outcome.ok else outcome.error,
-            )
+            entry.status = entry.status.after(run)
             entry.completed_once = True
-            if outcome.ok:
-                entry.samples = outcome.samples
-                entry.samples_at = outcome.finished_at
-                entry.findings = outcome.findings
+            if run.success:
+                entry.samples = tuple(run.samples)
+                entry.samples_at = run.finished_at
+                entry.findings = tuple(run.findings)
                 entry.failure_findings = ()
             else:
-                entry.failure_findings = outcome.findings
+                entry.failure_findings = tuple(run.findings)
             snap = self._publish()
         self._notify(snap)
 
@@ -166,11 +123,11 @@ class Cache:
         self._notify(snap)
 
     def update_facts(self, **changes: object) -> None:
+        unknown = set(changes) - set(_FACTS)
+        if unknown:
+            raise AttributeError(f"NodeFacts has no field(s) {sorted(unknown)}")
         with self._lock:
-            for key, value in changes.items():
-                if not hasattr(self._facts, key):
-                    raise AttributeError(f"NodeFacts has no field {key!r}")
-                setattr(self._facts, key, value)
+            self._facts = replace(self._facts, **changes)  # type: ignore[arg-type]
             snap = self._publish()
         self._notify(snap)
 
@@ -223,19 +180,10 @@ class Cache:
         findings.extend(facts.agent_findings)
         ready = bool(self._entries) and all(e.completed_once for e in self._entries.values())
         return ExportSnapshot(
-            node_name=facts.node_name,
+            **{name: getattr(facts, name) for name in _FACTS},
             generated_at=now,
-            simulated=facts.simulated,
-            backend=facts.backend,
-            version=facts.version,
-            driver_version=facts.driver_version,
-            cuda_driver_version=facts.cuda_driver_version,
-            nvml_up=facts.nvml_up,
-            nvml_reinits_total=facts.nvml_reinits_total,
             ready=ready,
-            gpus=facts.gpus,
             samples=tuple(samples),
             findings=tuple(findings),
             collectors=tuple(statuses),
-            gpu_labels=facts.gpu_labels,
         )

@@ -35,16 +35,16 @@ from types import FrameType
 from typing import Any
 
 from gpuhealth import __version__
-from gpuhealth.agent.cache import Cache, NodeFacts, RunOutcome
+from gpuhealth.agent.cache import Cache
 from gpuhealth.agent.extensions import AgentExtension
 from gpuhealth.agent.scheduler import Job, Scheduler
 from gpuhealth.backends.base import NvmlBackend
-from gpuhealth.backends.errors import DRIVER_GONE_CODES, GPU_GONE_CODES, BackendUnavailable, NvmlError
+from gpuhealth.backends.errors import DRIVER_GONE_CODES, BackendUnavailable, NvmlError
 from gpuhealth.collectors.base import CollectContext, Collector, GpuIdentity, Lane
 from gpuhealth.collectors.runner import CollectorRun, CollectorRunner
 from gpuhealth.config import Config
-from gpuhealth.exporters import ExportSnapshot
-from gpuhealth.model import Action, Entity, EntityKind, Finding, Health, Sample, Severity, health_of
+from gpuhealth.exporters import ExportSnapshot, NodeFacts
+from gpuhealth.model import Action, Entity, Finding, Health, Sample, Severity
 from gpuhealth.runtime.sdnotify import SystemdNotifier
 
 log = logging.getLogger("gpuhealth.agent")
@@ -142,7 +142,9 @@ class Agent:
         return list(self.cache.snapshot().findings)
 
     def node_report(self) -> dict[str, Any]:
-        return build_node_report(self.cache.snapshot(), self._versions())
+        from gpuhealth.node import report_of_snapshot
+
+        return report_of_snapshot(self.cache.snapshot(), self._versions()).to_dict()
 
     def _versions(self) -> dict[str, Any]:
         if "versions" not in self._collectors:
@@ -160,8 +162,7 @@ class Agent:
         """Findings from outside the scheduler (e.g. periodic SDC checks) under collector name ``source``.
         Registered on first use, so an extension that never publishes never holds ``/ready`` back."""
         self.cache.register(source, "external", interval_s)
-        self.cache.record(RunOutcome(collector=source, finished_at=time.time(), duration_s=0.0, ok=ok,
-                                     findings=tuple(findings), error=error))
+        self.cache.record(CollectorRun(source, time.time(), 0.0, ok, error=error or None, findings=list(findings)))
 
     def add_findings_listener(self, callback: FindingsListener) -> None:
         self._listeners.append(callback)
@@ -366,23 +367,22 @@ class Agent:
         def run() -> None:
             history = self.cache.history(name)
             try:
-                crun = self.runner.run(collector, self._context(), history)
-                outcome = outcome_of(crun)
+                outcome = self.runner.run(collector, self._context(), history)
             except Exception as exc:  # the runner itself failed: still never the agent
                 log.exception("runner failed on %s", name)
-                outcome = RunOutcome(name, time.time(), 0.0, False, error=f"runner: {exc}")
+                outcome = CollectorRun(name, time.time(), 0.0, False, error=f"runner: {exc}")
             driver_codes = outcome.nvml_codes & DRIVER_GONE_CODES
             if driver_codes:
-                self.cache.record(replace(outcome, ok=False, findings=(), samples=(),
+                self.cache.record(replace(outcome, success=False, findings=[], samples=[],
                                           error=f"NVML unavailable (code {min(driver_codes)})"))
                 self._nvml_lost(f"collector {name} saw NVML error {min(driver_codes)}")
                 return
             previous = self.cache.statuses().get(name)
             self.cache.record(outcome)
-            if not outcome.ok and (previous is None or previous.success is not False):
+            if not outcome.success and (previous is None or previous.success is not False):
                 log.warning("collector %s failed: %s", name, outcome.error,
                             extra={"collector": name, "timed_out": outcome.timed_out})
-            elif outcome.ok and previous is not None and previous.success is False:
+            elif outcome.success and previous is not None and previous.success is False:
                 log.info("collector %s recovered", name, extra={"collector": name})
             self._note_gone_gpus(outcome)
 
@@ -490,7 +490,7 @@ class Agent:
         )
         self.cache.update_facts(nvml_up=False, agent_findings=(finding,))
 
-    def _note_gone_gpus(self, outcome: RunOutcome) -> None:
+    def _note_gone_gpus(self, outcome: CollectorRun) -> None:
         """Lost GPUs are those the presence collector reports (``gpu.lost``); other collectors only
         hint (their GPU_IS_LOST errors), so a hint without a finding starts the re-init clock too."""
         lost = {f.entity.gpu_index for f in self.cache.snapshot().findings
@@ -523,8 +523,7 @@ class Agent:
             return
         interval = self.config.collectors.fast_interval_s
         self.cache.register(_EXTENSIONS, "external", interval)
-        self.cache.record(RunOutcome(collector=_EXTENSIONS, finished_at=time.time(), duration_s=0.0, ok=True,
-                                     samples=tuple(samples)))
+        self.cache.record(CollectorRun(_EXTENSIONS, time.time(), 0.0, True, samples=samples))
 
     def _labels_job(self) -> None:
         provider = self._label_provider
@@ -561,8 +560,8 @@ class Agent:
             finding = Finding("collector.failed", Severity.WARNING, Entity.node(self.node_name),
                               f"collector '{job.name}' failed: {error}", Action.MONITOR,
                               {"collector": job.name, "error": error}, "agent")
-            self.cache.record(RunOutcome(job.name, time.time(), elapsed, False, timed_out=True, error=error,
-                                         findings=(finding,)))
+            self.cache.record(CollectorRun(job.name, time.time() - elapsed, elapsed, False, error=error,
+                                           findings=[finding], timed_out=True))
 
     # ================================================================== notifications
     def _on_snapshot(self, snap: ExportSnapshot) -> None:
@@ -622,78 +621,6 @@ class Agent:
 
 
 # ====================================================================== helpers
-def outcome_of(run: CollectorRun) -> RunOutcome:
-    """``collectors.runner.CollectorRun`` → the cache's ``RunOutcome``."""
-    obs = run.observations
-    codes: set[int] = set()
-    gone: set[int] = set()
-    answered: set[int] = set()
-    if obs is not None:
-        for err in obs.errors:
-            if err.code is not None:
-                codes.add(err.code)
-                if err.code in GPU_GONE_CODES and err.gpu is not None:
-                    gone.add(err.gpu)
-        # a GPU answered when a collector got readings from it (presence marks lost ones present=False)
-        answered = {i for i, rec in obs.per_gpu.items() if rec and rec.get("present", True) is not False}
-        answered -= gone
-    return RunOutcome(
-        collector=run.name,
-        finished_at=run.started + run.duration_s,
-        duration_s=run.duration_s,
-        ok=bool(run.success),
-        observations=obs,
-        findings=tuple(run.findings),
-        samples=tuple(run.samples),
-        error=run.error or "",
-        timed_out=run.timed_out,
-        nvml_codes=frozenset(codes),
-        gone_gpus=frozenset(gone),
-        answered_gpus=frozenset(answered),
-    )
-
-
-def build_node_report(snap: ExportSnapshot, versions: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    """The ``gpuhealth status --json`` shape (``node.NodeReport.to_dict``), from the agent's cache:
-    ``gpus[].findings`` are about that GPU or its links; top-level ``findings`` are node-level."""
-    from gpuhealth.node import GpuReport, NodeReport
-
-    reports = {g.index: GpuReport(g) for g in snap.gpus}
-    by_uuid = {g.uuid: g.index for g in snap.gpus}
-    node_findings: list[Finding] = []
-    for f in snap.findings:
-        index = f.entity.gpu_index
-        if index is None and f.entity.kind is EntityKind.GPU:
-            index = by_uuid.get(f.entity.id)
-        if index is not None and index in reports and f.entity.kind is not EntityKind.NODE:
-            reports[index].findings.append(f)
-        else:
-            node_findings.append(f)
-    report = NodeReport(node=snap.node_name, simulated=snap.simulated, backend=snap.backend, time=snap.generated_at,
-                        gpus=[reports[i] for i in sorted(reports)], findings=node_findings,
-                        versions=dict(versions or {}))
-    out = report.to_dict()
-    node = out["node"]
-    if not snap.nvml_up:
-        node["health"] = str(Health.UNKNOWN) if not snap.findings else node["health"]
-        for g in out["gpus"]:
-            g["health"] = str(Health.UNKNOWN)
-    node.update({
-        "driver_version": snap.driver_version,
-        "cuda_driver_version": snap.cuda_driver_version,
-        "nvml_up": snap.nvml_up,
-        "ready": snap.ready,
-        "agent_version": snap.version,
-        "collectors": [
-            {"name": c.name, "lane": c.lane, "success": c.success, "duration_s": c.duration_s,
-             "last_success_time": c.last_success_time, "runs_total": c.runs_total, "errors_total": c.errors_total,
-             "timeouts_total": c.timeouts_total, **({"error": c.last_error} if c.last_error else {})}
-            for c in snap.collectors
-        ],
-    })
-    return out
-
-
 def config_problem(config: Config, known_collectors: Sequence[str] | None = None) -> str | None:
     """Why the agent cannot run with ``config``, as one line; None when it can. ``known_collectors``
     defaults to the registry's names."""
@@ -750,4 +677,4 @@ def _close(collector: Any) -> None:
             log.exception("collector %s failed to close", getattr(collector, "name", "?"))
 
 
-__all__ = ["Agent", "FindingsListener", "GpuLabelProvider", "build_node_report", "health_of", "outcome_of"]
+__all__ = ["Agent", "FindingsListener", "GpuLabelProvider"]

@@ -24,7 +24,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from gpuhealth.backends.base import NvmlBackend
@@ -45,7 +45,8 @@ FAILED_CODE = "collector.failed"
 
 @dataclass(slots=True)
 class CollectorRun:
-    """The outcome of one run of one collector."""
+    """The outcome of one run of one collector: the one result type of a collector run, whoever ran
+    it (the runner, or the agent for sources it publishes itself and runs it abandoned)."""
 
     name: str
     started: float  # wall clock, seconds since the epoch
@@ -60,21 +61,91 @@ class CollectorRun:
     timed_out: bool = False
     error_type: str | None = None  # class name of the exception, e.g. "RecordingError"
 
+    @property
+    def finished_at(self) -> float:
+        return self.started + self.duration_s
+
+    @property
+    def nvml_codes(self) -> frozenset[int]:
+        """NVML error codes the run's readings failed with."""
+        obs = self.observations
+        return frozenset(e.code for e in obs.errors if e.code is not None) if obs is not None else frozenset()
+
+    @property
+    def gone_gpus(self) -> frozenset[int]:
+        """GPU indexes that answered GPU_IS_LOST / RESET_REQUIRED."""
+        obs = self.observations
+        if obs is None:
+            return frozenset()
+        return frozenset(e.gpu for e in obs.errors if e.code in GPU_GONE_CODES and e.gpu is not None)
+
+    @property
+    def answered_gpus(self) -> frozenset[int]:
+        """GPU indexes that gave at least one reading (presence marks lost ones ``present=False``)."""
+        obs = self.observations
+        if obs is None:
+            return frozenset()
+        answered = {i for i, rec in obs.per_gpu.items() if rec and rec.get("present", True) is not False}
+        return frozenset(answered - self.gone_gpus)
+
     def summary(self) -> dict[str, Any]:
-        """Plain-data view for ``status --json`` and logs."""
+        """Plain-data view for ``status --json`` and logs (the same entry ``/health`` shows)."""
+        return CollectorStatus(self.name, self.lane.value, 0.0).after(self).to_dict(totals=False)
+
+
+@dataclass(frozen=True, slots=True)
+class CollectorStatus:
+    """How one collector has been doing: its last run and totals over every run. What
+    ``gpuhealth_collector_*`` exports and what the node report's ``collectors`` list shows."""
+
+    name: str
+    lane: str
+    interval_s: float
+    success: bool | None = None  # None: has not completed a run yet
+    duration_s: float | None = None  # of the last completed (or timed out) run
+    last_success_time: float | None = None  # wall clock, seconds since the epoch
+    runs_total: int = 0
+    errors_total: int = 0  # failed runs, timeouts included
+    timeouts_total: int = 0
+    last_error: str = ""
+    findings: int = 0  # findings of the last run
+    skipped: bool = False  # the last run: "not supported here"
+    timed_out: bool = False  # the last run
+
+    def after(self, run: CollectorRun) -> CollectorStatus:
+        """This status, one run later."""
+        return replace(
+            self,
+            success=run.success,
+            duration_s=run.duration_s,
+            last_success_time=run.finished_at if run.success else self.last_success_time,
+            runs_total=self.runs_total + 1,
+            errors_total=self.errors_total + (0 if run.success else 1),
+            timeouts_total=self.timeouts_total + (1 if run.timed_out else 0),
+            last_error="" if run.success else (run.error or ""),
+            findings=len(run.findings),
+            skipped=run.skipped,
+            timed_out=run.timed_out,
+        )
+
+    def to_dict(self, *, totals: bool) -> dict[str, Any]:
+        """The node report's entry; ``totals`` (an agent's report) adds the counts over every run."""
         out: dict[str, Any] = {
             "name": self.name,
-            "lane": self.lane.value,
+            "lane": self.lane,
             "success": self.success,
-            "duration_s": round(self.duration_s, 6),
-            "findings": len(self.findings),
+            "duration_s": None if self.duration_s is None else round(self.duration_s, 6),
+            "findings": self.findings,
         }
         if self.skipped:
             out["skipped"] = True
         if self.timed_out:
             out["timed_out"] = True
-        if self.error:
-            out["error"] = self.error
+        if self.last_error:
+            out["error"] = self.last_error
+        if totals:
+            out.update(last_success_time=self.last_success_time, runs_total=self.runs_total,
+                       errors_total=self.errors_total, timeouts_total=self.timeouts_total)
         return out
 
 

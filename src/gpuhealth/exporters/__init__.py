@@ -11,31 +11,16 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from gpuhealth.collectors.base import GpuIdentity
+from gpuhealth.collectors.runner import CollectorStatus
 from gpuhealth.model import Finding, Health, Sample, health_of
 
 
 @dataclass(frozen=True, slots=True)
-class CollectorStatus:
-    """How one collector has been doing (``gpuhealth_collector_*``)."""
-
-    name: str
-    lane: str
-    interval_s: float
-    success: bool | None = None  # None: has not completed a run yet
-    duration_s: float | None = None  # of the last completed (or timed out) run
-    last_success_time: float | None = None  # wall clock, seconds since the epoch
-    runs_total: int = 0
-    errors_total: int = 0  # failed runs, timeouts included
-    timeouts_total: int = 0
-    last_error: str = ""
-
-
-@dataclass(frozen=True, slots=True)
-class ExportSnapshot:
-    """Everything a scrape shows, captured at ``generated_at`` (wall clock)."""
+class NodeFacts:
+    """Slow-changing node state the agent sets between collector runs: who it is, the driver,
+    NVML's state, the GPUs of the last enumeration, its own findings, the GPUs' extra labels."""
 
     node_name: str
-    generated_at: float
     simulated: bool = False
     backend: str = ""
     version: str = ""
@@ -43,13 +28,22 @@ class ExportSnapshot:
     cuda_driver_version: str = ""
     nvml_up: bool = True
     nvml_reinits_total: int = 0
-    ready: bool = False
     gpus: tuple[GpuIdentity, ...] = ()
+    agent_findings: tuple[Finding, ...] = ()  # the agent's own (nvml.unavailable); also in a snapshot's findings
+    # Extra labels per GPU UUID from the agent's label provider (pod/namespace/container, slurm_job_id).
+    gpu_labels: Mapping[str, Mapping[str, str]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ExportSnapshot(NodeFacts):
+    """Everything a scrape shows, captured at ``generated_at`` (wall clock): the node's facts plus
+    what the collectors last said."""
+
+    generated_at: float
+    ready: bool = False
     samples: tuple[Sample, ...] = ()
     findings: tuple[Finding, ...] = ()
     collectors: tuple[CollectorStatus, ...] = ()
-    # Extra labels per GPU UUID from the agent's label provider (pod/namespace/container, slurm_job_id).
-    gpu_labels: Mapping[str, Mapping[str, str]] = field(default_factory=dict)
 
     def gpu_findings(self, gpu: GpuIdentity) -> list[Finding]:
         return [f for f in self.findings if finding_on_gpu(f, gpu)]
@@ -72,3 +66,6 @@ def finding_on_gpu(finding: Finding, gpu: GpuIdentity) -> bool:
     if ent.gpu_index is not None:
         return ent.gpu_index == gpu.index
     return ent.id == gpu.uuid
+
+
+__all__ = ["CollectorStatus", "ExportSnapshot", "NodeFacts", "finding_on_gpu"]

@@ -5,14 +5,13 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from gpuhealth.agent.cache import Cache, NodeFacts
-from gpuhealth.agent.daemon import outcome_of
+from gpuhealth.agent.cache import Cache
 from gpuhealth.backends.nvml_fake import FakeNvml
 from gpuhealth.collectors.base import CollectContext, GpuIdentity
 from gpuhealth.collectors.registry import all_collectors
 from gpuhealth.collectors.runner import CollectorRunner, enumerate_gpus
 from gpuhealth.config import Config
-from gpuhealth.exporters import ExportSnapshot
+from gpuhealth.exporters import ExportSnapshot, NodeFacts
 
 GPU0 = GpuIdentity(0, "GPU-aaaa", "NVIDIA H100 80GB HBM3", "00000000:18:00.0", 0)
 GPU1 = GpuIdentity(1, "GPU-bbbb", "NVIDIA H100 80GB HBM3", "00000000:2A:00.0", 1)
@@ -42,7 +41,7 @@ def real_snapshot(source: str | Path, *, node_name: str = "node-a", gpu_labels: 
             history = cache.register(col.name, str(col.lane), 5.0)
             run = runner.run(col, ctx, history)
             run.started, run.duration_s = 1_800_000_000.0, 0.001
-            cache.record(outcome_of(run))
+            cache.record(run)
     finally:
         for col in collectors:
             close = getattr(col, "close", None)
