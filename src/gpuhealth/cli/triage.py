@@ -107,7 +107,7 @@ def render(report: Mapping[str, Any]) -> str:
 
 
 def _ranks(ranks: Sequence[int]) -> str:
-    from gpuhealth.flightrec.match import format_ranks
+    from gpuhealth.flightrec.text import format_ranks
 
     return format_ranks(ranks)
 

@@ -315,7 +315,7 @@ def test_groups_stuck_behind_a_mismatched_subgroup_are_consequences_not_more_fin
 
 
 def test_rank_lists_stay_readable_at_scale() -> None:
-    from gpuhealth.flightrec.match import format_ranks
+    from gpuhealth.flightrec.text import format_ranks
 
     assert format_ranks([0, 1, 2, 3, 7, 9, 10]) == "0-3,7,9-10"
     assert format_ranks(r for r in range(5, 16384, 8) if r != 12293) == "5-16381 every 8th except 12293 (2047 ranks)"

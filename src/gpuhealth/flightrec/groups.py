@@ -1,0 +1,214 @@
+"""Process groups across ranks: identity, membership, progress and each rank's calls.
+
+A group is keyed by its *name* — the one id that is the same on every rank (``pg_id`` is a
+per-process counter) — and, when two groups share a name, by name and members. Older torch named
+split groups with a shared counter, so ranks {0,1} and {2,3} may both call their group "1": each
+rank's own ``pg_config`` says which one it is in, and the two are kept apart (merging them would
+invent a 2-vs-2 mismatch and hide a real hang).
+
+Membership: the job's description when given, else ``pg_config`` when it names real ranks (NCCL),
+else "every rank" for the default group, else the ranks that have entries in the group (Gloo
+records a useless ``{"": …}`` pg_config).
+
+Progress comes from the entries: Gloo's ``pg_status`` counts every op (its numbers are op ids,
+not collective sequence ids) and NCCL's mixes point-to-point sequence numbers into it, so it is
+only a fallback for a rank whose ring buffer holds no collective of the group.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from gpuhealth.flightrec.calls import COALESCED_MARKERS, Call, build_calls
+from gpuhealth.flightrec.load import Entry, PgStatus, RankDump
+from gpuhealth.flightrec.text import format_ranks
+
+DEFAULT_GROUP_NAMES = frozenset({"0", "default_pg"})
+
+
+@dataclass(frozen=True, slots=True)
+class P2POp:
+    """One send or recv of one rank (global ranks; ``peer`` None: any source)."""
+
+    rank: int
+    peer: int | None
+    kind: str  # "send" | "recv"
+    entry: Entry
+    batch: int  # ops posted together (batch_isend_irecv) share this id
+
+    @property
+    def done(self) -> bool:
+        return self.entry.retired or self.entry.state == "completed"
+
+
+@dataclass(slots=True)
+class GroupView:
+    """One process group across all ranks that dumped."""
+
+    name: str  # unique key: the pg name, or "name[members]" when two groups share a name
+    pg_name: str
+    desc: str
+    members: tuple[int, ...]
+    membership_source: str  # "job" | "pg_config" | "world" | "entries"
+    dumped: tuple[int, ...]
+    missing_dumps: tuple[int, ...]
+    enqueued: dict[int, int] = field(default_factory=dict)
+    completed: dict[int, int] = field(default_factory=dict)
+    calls: dict[int, dict[int, Call]] = field(default_factory=dict)  # rank -> seq -> call
+    oldest_seq: dict[int, int] = field(default_factory=dict)  # oldest loaded seq per rank (ring buffer)
+    p2p: dict[int, list[P2POp]] = field(default_factory=dict)  # rank -> its send/recv ops, in order
+
+    def pending(self, rank: int) -> bool:
+        return self.enqueued.get(rank, 0) > self.completed.get(rank, 0)
+
+    def call(self, rank: int, seq: int) -> Call | None:
+        return self.calls.get(rank, {}).get(seq)
+
+    def entry(self, rank: int, seq: int) -> Entry | None:
+        c = self.call(rank, seq)
+        return c.head if c is not None else None
+
+    def global_rank(self, local: int | None) -> int | None:
+        if local is None or not 0 <= local < len(self.members):
+            return None
+        return sorted(self.members)[local]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name, "pg_name": self.pg_name, "desc": self.desc, "members": list(self.members),
+            "membership_source": self.membership_source, "ranks_dumped": list(self.dumped),
+            "ranks_missing": list(self.missing_dumps),
+            "last_enqueued": {str(r): v for r, v in sorted(self.enqueued.items())},
+            "last_completed": {str(r): v for r, v in sorted(self.completed.items())},
+        }
+
+
+def build_groups(dumps: Mapping[int, RankDump], job: Mapping[str, Any] | None = None,
+                 known_ranks: Sequence[int] = ()) -> tuple[dict[str, GroupView], int]:
+    """Group views and the world size. ``job`` may give ``world_size`` and ``groups`` {name: [ranks]};
+    ``known_ranks``: ranks known to exist without a readable dump (a file named for them)."""
+    job = job or {}
+    job_groups = {str(k): tuple(int(r) for r in v) for k, v in (job.get("groups") or {}).items()}
+    configured = _configured_members(dumps)
+    ambiguous = {name for name, sets in configured.items() if len(sets) > 1}
+    per_group: dict[str, dict[int, list[Entry]]] = defaultdict(lambda: defaultdict(list))
+    desc: dict[str, str] = {}
+    pg_names: dict[str, str] = {}
+    cfg_members: dict[str, tuple[int, ...]] = {}
+    for rank, d in dumps.items():
+        own = {name: members for name, sets in configured.items() if name in ambiguous
+               for members in sets if rank in members}
+        for e in d.entries:
+            key = e.group
+            if e.group in ambiguous and e.group in own:
+                key = f"{e.group}[{format_ranks(own[e.group])}]"
+                cfg_members[key] = own[e.group]
+            per_group[key][rank].append(e)
+            desc.setdefault(key, e.group_desc)
+            pg_names.setdefault(key, e.group)
+    for name, sets in configured.items():
+        if name not in ambiguous:
+            cfg_members[name] = next(iter(sets))
+    world = int(job.get("world_size") or 0)
+    for name, members in cfg_members.items():
+        if pg_names.get(name, name) in DEFAULT_GROUP_NAMES or desc.get(name) == "default_pg":
+            world = max(world, len(members))
+    top = max([*dumps, *known_ranks], default=-1)
+    world = max(world, top + 1)
+    groups: dict[str, GroupView] = {}
+    for key in sorted(set(per_group) | set(job_groups), key=group_sort_key):
+        if key in job_groups:
+            members, source = job_groups[key], "job"
+        elif key in cfg_members:
+            members, source = cfg_members[key], "pg_config"
+        elif pg_names.get(key, key) in DEFAULT_GROUP_NAMES or desc.get(key) == "default_pg":
+            members, source = tuple(range(world)), "world"
+        else:
+            members, source = tuple(sorted(per_group[key])), "entries"
+        dumped = tuple(r for r in members if r in dumps)
+        view = GroupView(name=key, pg_name=pg_names.get(key, key), desc=desc.get(key, ""), members=members,
+                         membership_source=source, dumped=dumped,
+                         missing_dumps=tuple(r for r in members if r not in dumps))
+        for rank in dumped:
+            _fill(view, rank, dumps[rank], per_group[key].get(rank, []))
+        groups[key] = view
+    return groups, world
+
+
+def _configured_members(dumps: Mapping[int, RankDump]) -> dict[str, set[tuple[int, ...]]]:
+    """pg name -> the distinct member lists that ranks' own pg_configs give for it (a rank's entry
+    counts only when it lists that rank: Gloo's pg_config names the last group created, not its own)."""
+    out: dict[str, set[tuple[int, ...]]] = defaultdict(set)
+    # Every rank repeats the world's list (the loader shares one tuple per distinct list): normalise
+    # each list once, not once per rank (16k × 16k at 16k ranks).
+    normal: dict[int, tuple[tuple[int, ...], frozenset[int]]] = {}
+    for rank, d in dumps.items():
+        for key, cfg in d.pg_config.items():
+            if not key or not cfg.ranks:
+                continue
+            got = normal.get(id(cfg.ranks))
+            if got is None:
+                members = tuple(sorted(set(cfg.ranks)))
+                got = normal[id(cfg.ranks)] = (members, frozenset(members))
+            if rank in got[1]:
+                out[key].add(got[0])
+    return out
+
+
+def group_sort_key(name: str) -> tuple[int, int | str]:
+    return (0, int(name)) if name.isdigit() else (1, name)
+
+
+def _fill(view: GroupView, rank: int, dump: RankDump, entries: Sequence[Entry]) -> None:
+    colls: list[Entry] = []
+    p2p: list[P2POp] = []
+    batch = -1
+    last_p2p_seq: int | None = None
+    for e in entries:
+        if e.is_p2p or e.p2p_src is not None or e.p2p_dst is not None or e.op in ("send", "recv"):
+            if e.op in COALESCED_MARKERS:
+                last_p2p_seq = None
+                continue  # a batch's end marker: its ops are matched one by one
+            if e.p2p_seq != last_p2p_seq or e.p2p_seq == 0:
+                batch += 1
+            last_p2p_seq = e.p2p_seq
+            op = _p2p_op(view, rank, e, batch)
+            if op is not None:
+                p2p.append(op)
+            continue
+        last_p2p_seq = None
+        if e.seq > 0:
+            colls.append(e)
+    calls = build_calls(colls)
+    view.calls[rank] = calls
+    enq = max(calls, default=0)
+    done = max((s for s, c in calls.items() if c.done), default=0)
+    if not calls and not p2p and dump.backend != "gloo":
+        st = dump.group_status().get(view.pg_name)
+        if st is not None:
+            enq = st.enqueued or 0
+            done = st.completed or 0
+    view.enqueued[rank] = enq
+    view.completed[rank] = min(done, enq) if enq else done
+    if calls:
+        view.oldest_seq[rank] = min(calls)
+    if p2p:
+        view.p2p[rank] = p2p
+
+
+def _p2p_op(view: GroupView, rank: int, e: Entry, batch: int) -> P2POp | None:
+    kind = "send" if e.op == "send" else "recv" if e.op == "recv" else ""
+    if not kind:
+        return None
+    local_peer = e.p2p_dst if kind == "send" else e.p2p_src
+    peer = view.global_rank(local_peer) if local_peer is not None else None
+    if peer == rank:
+        peer = None
+    return P2POp(rank, peer, kind, e, batch)
+
+
+def status_of(dump: RankDump, group: str) -> PgStatus | None:
+    return dump.group_status().get(group)

@@ -1,0 +1,71 @@
+"""Reading a rank's own history: did it go past the place where a missing collective belongs?
+
+Between two consecutive collectives of one group a rank runs some number of collectives of each other
+group, in a pattern that repeats every training step (TP all_reduces, then the data-parallel gradient
+buckets, …). The gap that should end at collective ``seq`` sits at the same place of that cycle as the
+gap ending one cycle earlier. If, since its ``seq - 1``, the rank ran MORE of some other group than
+that gap holds, it did not stop before ``seq``: it skipped it. A rank merely waiting earlier in the
+step ran at most that many.
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+from collections.abc import Mapping, Sequence
+
+from gpuhealth.flightrec.groups import GroupView
+
+# How far back one group's history is read (gaps between its consecutive collectives), and the longest
+# repeating pattern of gaps looked for (collectives of that group per training step). A tensor-parallel
+# group runs ~2 collectives per layer: 100+ per step is ordinary.
+GAP_HISTORY = 1024
+MAX_CYCLE = 256
+
+
+def cycle_length(gaps: Sequence[int]) -> int | None:
+    """The length p of the repeating gap pattern (gaps newest first): the smallest p that repeats over
+    the WHOLE window read, at least three times; else None — a pattern longer than MAX_CYCLE, a step
+    shape that changes (gradient accumulation, an evaluation step), or too little history. Guessing a
+    shorter cycle there would compare with a mid-step gap and name a rank that is merely waiting."""
+    if not any(gaps):
+        return None  # the window never left this group: it may all lie inside one step
+    for p in range(1, min(MAX_CYCLE, len(gaps) // 3) + 1):
+        if all(gaps[i] == gaps[i + p] for i in range(len(gaps) - p)):
+            return p
+    return None
+
+
+def ran_past(rank: int, gname: str, seq: int, groups: Mapping[str, GroupView]) -> tuple[str, int, int, int] | None:
+    """Did ``rank`` go past the place where collective ``seq`` of ``gname`` belongs in its program?
+    Returns (other group, its last seq, count since, the gap's usual count) or None — also when the
+    ring buffer holds too little history, or no repeating cycle, to tell."""
+    mine = groups[gname].calls.get(rank, {})
+    anchors: list[int] = []  # record ids of seq-1, seq-2, …: newest first
+    for s in range(seq - 1, max(0, seq - 2 - GAP_HISTORY), -1):
+        c = mine.get(s)
+        if c is None:
+            break
+        anchors.append(c.record_id)
+    if len(anchors) < 3:
+        return None
+    for hname, h in groups.items():
+        if hname == gname:
+            continue
+        calls = h.calls.get(rank, {})
+        theirs = sorted(c.record_id for c in calls.values())
+        if not theirs:
+            continue
+        bounds = anchors
+        if h.oldest_seq.get(rank, 1) > 1:  # this group's ring buffer lost its oldest entries
+            bounds = [a for a in anchors if a > theirs[0]]
+        gaps = [bisect.bisect_left(theirs, hi) - bisect.bisect_right(theirs, lo)
+                for hi, lo in itertools.pairwise(bounds)]  # gaps[k] ends at seq-1-k
+        period = cycle_length(gaps)
+        if period is None:
+            continue
+        expected = gaps[period - 1]  # the gap one cycle before the one that should end at seq
+        since = [c for c in calls.values() if c.record_id > anchors[0]]
+        if len(since) > expected:
+            return hname, max(c.seq for c in since), len(since), expected
+    return None
