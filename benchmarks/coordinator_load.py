@@ -27,8 +27,10 @@ from pathlib import Path
 from typing import Any
 
 from gpuhealth.coordinator.query import list_jobs
-from gpuhealth.coordinator.simagent import SimAgent
 from gpuhealth.proto import gpuhealth_v1_pb2 as pb
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the simulated agent is a test helper
+from simagent import SimAgent
 
 
 def _coordinator(port: int, db: str, ready: str, cpu: int) -> None:

@@ -24,12 +24,12 @@ from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
+from simagent import SimAgent, step_batch_message
 
 from gpuhealth.agent.coordinator_link import CoordinatorLink, LinkSettings
 from gpuhealth.coordinator.security import AuthPolicy, TlsFiles, channel_credentials
 from gpuhealth.coordinator.server import CoordinatorServer
 from gpuhealth.coordinator.service import Coordinator, Settings
-from gpuhealth.coordinator.simagent import SimAgent, step_batch_message
 from gpuhealth.coordinator.store import Store
 from gpuhealth.model import StepRecord
 from gpuhealth.proto import gpuhealth_v1_pb2 as pb

@@ -15,12 +15,12 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from simagent import SimAgent, step_batch_message
 
 from gpuhealth.coordinator.query import CoordinatorQueryError, fleet, list_jobs, live_triage, run_diagnostic
 from gpuhealth.coordinator.security import AuthPolicy, token_metadata
 from gpuhealth.coordinator.server import CoordinatorServer
 from gpuhealth.coordinator.service import Coordinator, Settings
-from gpuhealth.coordinator.simagent import SimAgent, step_batch_message
 from gpuhealth.coordinator.store import Store
 from gpuhealth.coordinator.straggler_feed import BudgetedStragglerFeed
 from gpuhealth.proto import gpuhealth_v1_pb2 as pb

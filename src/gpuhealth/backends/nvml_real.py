@@ -17,6 +17,7 @@ from typing import Any
 from gpuhealth.backends import errors
 from gpuhealth.backends.base import FieldResult, XidEvent
 from gpuhealth.backends.errors import BackendUnavailable, NvmlError
+from gpuhealth.backends.nvml_keys import ARGUMENT_KEYS, SIMPLE_KEYS, resolve_arguments
 
 
 def plain(value: Any, depth: int = 0) -> Any:
@@ -34,25 +35,6 @@ def plain(value: Any, depth: int = 0) -> Any:
     if hasattr(value, "_fields_"):
         return {f[0]: plain(getattr(value, f[0]), depth + 1) for f in value._fields_}
     return repr(value)
-
-
-# getters taking only the handle (recording key == getter suffix)
-SIMPLE_KEYS = (
-    "Name", "UUID", "Serial", "VbiosVersion", "InforomImageVersion", "PciInfo", "PciInfo_v3", "MinorNumber",
-    "Brand", "Architecture", "CudaComputeCapability", "NumaNodeId", "BoardId", "ModuleId", "PersistenceMode",
-    "ComputeMode", "MigMode", "EccMode", "CurrentEccMode", "PerformanceState", "PowerUsage",
-    "TotalEnergyConsumption", "EnforcedPowerLimit", "PowerManagementLimit", "PowerManagementDefaultLimit",
-    "PowerManagementLimitConstraints", "MemoryInfo", "BAR1MemoryInfo", "UtilizationRates",
-    "CurrentClocksEventReasons", "CurrentClocksThrottleReasons", "SupportedClocksEventReasons",
-    "CurrPcieLinkGeneration", "CurrPcieLinkWidth", "MaxPcieLinkGeneration", "MaxPcieLinkWidth",
-    "GpuMaxPcieLinkGeneration", "PcieLinkMaxSpeed", "PcieSpeed", "PcieReplayCounter",
-    "RetiredPagesPendingStatus", "RemappedRows", "RowRemapperHistogram", "ComputeRunningProcesses",
-    "GraphicsRunningProcesses", "SupportedEventTypes", "MemoryBusWidth", "NumGpuCores", "GspFirmwareMode",
-    "GspFirmwareVersion", "MarginTemperature", "DynamicPstatesInfo", "RepairStatus", "Pdi",
-    "AdaptiveClockInfoStatus", "MaxMigDeviceCount", "IrqNum", "BusType", "ClkMonStatus",
-    "UnrepairableMemoryFlag_v1", "PowerSource", "HostVgpuMode", "InforomConfigurationChecksum",
-    "EncoderUtilization", "DecoderUtilization", "FanSpeed",
-)
 
 
 # nvmlValueType_t → the member of the nvmlValue_t union that holds the value
@@ -166,28 +148,11 @@ class RealNvml:
             fn = getattr(n, "nvmlDeviceGet" + key, None)
             if fn is not None:
                 d[key] = fn
-        d["Temperature_GPU"] = _bind(n.nvmlDeviceGetTemperature, n.NVML_TEMPERATURE_GPU)
-        for name in ("SLOWDOWN", "SHUTDOWN", "GPU_MAX", "MEM_MAX"):
-            const = getattr(n, "NVML_TEMPERATURE_THRESHOLD_" + name)
-            d["TemperatureThreshold_" + name] = _bind(n.nvmlDeviceGetTemperatureThreshold, const)
-        for name in ("GRAPHICS", "SM", "MEM", "VIDEO"):
-            const = getattr(n, "NVML_CLOCK_" + name)
-            d["ClockInfo_" + name] = _bind(n.nvmlDeviceGetClockInfo, const)
-            d["MaxClockInfo_" + name] = _bind(n.nvmlDeviceGetMaxClockInfo, const)
-        for et_name, et in (("CORRECTED", n.NVML_MEMORY_ERROR_TYPE_CORRECTED),
-                            ("UNCORRECTED", n.NVML_MEMORY_ERROR_TYPE_UNCORRECTED)):
-            for ct_name, ct in (("VOLATILE", n.NVML_VOLATILE_ECC), ("AGGREGATE", n.NVML_AGGREGATE_ECC)):
-                d[f"TotalEccErrors_{et_name}_{ct_name}"] = _bind(n.nvmlDeviceGetTotalEccErrors, et, ct)
-        for src_name, src in (("SBE", n.NVML_PAGE_RETIREMENT_CAUSE_MULTIPLE_SINGLE_BIT_ECC_ERRORS),
-                              ("DBE", n.NVML_PAGE_RETIREMENT_CAUSE_DOUBLE_BIT_ECC_ERROR)):
-            d["RetiredPages_" + src_name] = _bind(n.nvmlDeviceGetRetiredPages, src)
-        for pol in ("POWER", "THERMAL", "SYNC_BOOST", "BOARD_LIMIT", "LOW_UTILIZATION", "RELIABILITY"):
-            const = getattr(n, "NVML_PERF_POLICY_" + pol)
-            d["ViolationStatus_" + pol] = _bind(n.nvmlDeviceGetViolationStatus, const)
-        d["CpuAffinity_64x4"] = _bind(n.nvmlDeviceGetCpuAffinity, 4)
-        d["MemoryAffinity_64x4"] = _bind(n.nvmlDeviceGetMemoryAffinity, 4, n.NVML_AFFINITY_SCOPE_NODE)
-        d["PcieThroughput_TX"] = _bind(n.nvmlDeviceGetPcieThroughput, n.NVML_PCIE_UTIL_TX_BYTES)
-        d["PcieThroughput_RX"] = _bind(n.nvmlDeviceGetPcieThroughput, n.NVML_PCIE_UTIL_RX_BYTES)
+        for key, (getter, arguments) in ARGUMENT_KEYS.items():
+            fn = getattr(n, "nvmlDeviceGet" + getter, None)
+            args = resolve_arguments(n, arguments)
+            if fn is not None and args is not None:  # else: absent in these bindings (FUNCTION_NOT_FOUND)
+                d[key] = _bind(fn, *args)
 
         def fabric(h: Any) -> Any:
             info = n.c_nvmlGpuFabricInfo_t()

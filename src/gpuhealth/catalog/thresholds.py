@@ -1,5 +1,9 @@
 """Typed health thresholds, loaded from ``thresholds.yaml`` (bundled) or a file named in config.
 
+The bundled file is the one place the default values live: the dataclasses below say which keys
+exist and their types, the file says their values and where each comes from. A file named in
+config overrides the keys it names; the rest keep the bundled values.
+
 ``thresholds_from(ctx)`` is what collectors call: ``ctx.extras["thresholds"]`` when a caller put
 one there (tests, the agent after loading ``collectors.thresholds_file``), else the bundled
 default, parsed once and cached.
@@ -24,38 +28,38 @@ class ThresholdsError(ValueError):
 
 @dataclass(frozen=True, slots=True)
 class EccThresholds:
-    dbe_volatile_critical: int = 1
-    sbe_rate_per_minute_warning: float = 10.0
-    sbe_rate_min_window_s: float = 60.0
+    dbe_volatile_critical: int
+    sbe_rate_per_minute_warning: float
+    sbe_rate_min_window_s: float
 
 
 @dataclass(frozen=True, slots=True)
 class MemoryThresholds:
-    remap_uncorrectable_warning: int = 512
-    retired_pages_critical: int = 60
-    retired_pages_dbe_warning: int = 15
+    remap_uncorrectable_warning: int
+    retired_pages_critical: int
+    retired_pages_dbe_warning: int
 
 
 @dataclass(frozen=True, slots=True)
 class ThrottleThresholds:
-    sustained_violation_share: float = 0.2
-    violation_min_window_s: float = 30.0
+    sustained_violation_share: float
+    violation_min_window_s: float
 
 
 @dataclass(frozen=True, slots=True)
 class ThermalThresholds:
-    gpu_warning_c_fallback: float = 85
-    gpu_critical_c_fallback: float = 90
-    memory_warning_margin_c: float = 5
-    memory_critical_c_fallback: float = 95
+    gpu_warning_c_fallback: float
+    gpu_critical_c_fallback: float
+    memory_warning_margin_c: float
+    memory_critical_c_fallback: float
 
 
 @dataclass(frozen=True, slots=True)
 class PcieThresholds:
-    replay_bit_error_rate: float = 1.0e-12
-    replay_window_s: float = 60.0
-    width_degraded_severity: str = "critical"
-    gen_check_min_utilization_pct: float = 50
+    replay_bit_error_rate: float
+    replay_window_s: float
+    width_degraded_severity: str
+    gen_check_min_utilization_pct: float
 
     def __post_init__(self) -> None:
         if self.width_degraded_severity not in ("info", "warning", "critical"):
@@ -65,42 +69,49 @@ class PcieThresholds:
 
 @dataclass(frozen=True, slots=True)
 class NvlinkThresholds:
-    crc_per_window_warning: int = 1
-    crc_per_second_critical: float = 100.0
-    replay_per_window_critical: int = 1
-    recovery_per_window_critical: int = 1
-    min_window_s: float = 10.0
+    crc_per_window_warning: int
+    crc_per_second_critical: float
+    replay_per_window_critical: int
+    recovery_per_window_critical: int
+    min_window_s: float
 
 
 @dataclass(frozen=True, slots=True)
 class InfinibandThresholds:
-    symbol_error_per_hour_warning: float = 10.0
-    link_downed_per_window_warning: int = 1
-    rcv_errors_per_hour_warning: float = 10.0
-    min_window_s: float = 60.0
+    symbol_error_per_hour_warning: float
+    link_downed_per_window_warning: int
+    rcv_errors_per_hour_warning: float
+    min_window_s: float
 
 
 @dataclass(frozen=True, slots=True)
 class HostThresholds:
-    memory_psi_some_avg60_warning: float = 20.0
-    memory_available_share_warning: float = 0.05
+    memory_psi_some_avg60_warning: float
+    memory_available_share_warning: float
+
+
+def _bundled(section: str) -> Any:
+    return lambda: getattr(default_thresholds(), section)
 
 
 @dataclass(frozen=True, slots=True)
 class Thresholds:
-    ecc: EccThresholds = field(default_factory=EccThresholds)
-    memory: MemoryThresholds = field(default_factory=MemoryThresholds)
-    throttle: ThrottleThresholds = field(default_factory=ThrottleThresholds)
-    thermal: ThermalThresholds = field(default_factory=ThermalThresholds)
-    pcie: PcieThresholds = field(default_factory=PcieThresholds)
-    nvlink: NvlinkThresholds = field(default_factory=NvlinkThresholds)
-    infiniband: InfinibandThresholds = field(default_factory=InfinibandThresholds)
-    host: HostThresholds = field(default_factory=HostThresholds)
+    """Every section; one left out is the bundled file's (``Thresholds()`` is the bundled file)."""
+
+    ecc: EccThresholds = field(default_factory=_bundled("ecc"))
+    memory: MemoryThresholds = field(default_factory=_bundled("memory"))
+    throttle: ThrottleThresholds = field(default_factory=_bundled("throttle"))
+    thermal: ThermalThresholds = field(default_factory=_bundled("thermal"))
+    pcie: PcieThresholds = field(default_factory=_bundled("pcie"))
+    nvlink: NvlinkThresholds = field(default_factory=_bundled("nvlink"))
+    infiniband: InfinibandThresholds = field(default_factory=_bundled("infiniband"))
+    host: HostThresholds = field(default_factory=_bundled("host"))
 
 
-def _section(cls: type[Any], data: Any, where: str) -> Any:
+def _section(cls: type[Any], data: Any, where: str, base: Any) -> Any:
+    """One section from ``data`` over ``base`` (None: every key must be given)."""
     if data is None:
-        return cls()
+        data = {}
     if not isinstance(data, Mapping):
         raise ThresholdsError(f"{where}: must be a mapping")
     hints = get_type_hints(cls)
@@ -122,24 +133,38 @@ def _section(cls: type[Any], data: Any, where: str) -> Any:
             values[key] = int(raw)
         else:
             values[key] = float(raw)
+    if base is None:
+        missing = [k for k in hints if k not in values]
+        if missing:
+            raise ThresholdsError(f"{where}: missing {', '.join(missing)}")
     try:
-        return cls(**values)
+        return cls(**values) if base is None else dataclasses.replace(base, **values)
     except ValueError as exc:
         raise ThresholdsError(f"{where}.{exc}") from exc
 
 
-def parse_thresholds(data: Any, source: str = "thresholds") -> Thresholds:
+def parse_thresholds(data: Any, source: str = "thresholds", *, base: Thresholds | None = None) -> Thresholds:
+    """Thresholds from parsed YAML: every key it names, over ``base`` (default: the bundled file)."""
     if data is None:
-        return Thresholds()
+        return base or default_thresholds()
     if not isinstance(data, Mapping):
         raise ThresholdsError(f"{source}: top level must be a mapping of sections")
-    sections = {f.name: f for f in dataclasses.fields(Thresholds)}
+    return _parse(data, source, base or default_thresholds())
+
+
+def _parse(data: Mapping[str, Any], source: str, base: Thresholds | None) -> Thresholds:
+    sections = {f.name for f in dataclasses.fields(Thresholds)}
     hints = get_type_hints(Thresholds)
-    built: dict[str, Any] = {}
-    for name, value in data.items():
+    for name in data:
         if name not in sections:
             raise ThresholdsError(f"{source}: unknown section '{name}'")
-        built[name] = _section(hints[name], value, f"{source}: {name}")
+    if base is None:
+        missing = sorted(sections - set(data))
+        if missing:
+            raise ThresholdsError(f"{source}: missing section(s) {', '.join(missing)}")
+    built = {name: _section(hints[name], data.get(name), f"{source}: {name}",
+                            None if base is None else getattr(base, name))
+             for name in sections}
     return Thresholds(**built)
 
 
@@ -158,9 +183,13 @@ def load_thresholds(path: str | Path) -> Thresholds:
 
 @functools.cache
 def default_thresholds() -> Thresholds:
-    """The bundled ``thresholds.yaml``, parsed once."""
+    """The bundled ``thresholds.yaml``, parsed once: the one place the default values live (every
+    section and key must be there, with its source named in a comment)."""
     text = (resources.files("gpuhealth") / "catalog" / "thresholds.yaml").read_text()
-    return parse_thresholds(yaml.safe_load(text), "gpuhealth/catalog/thresholds.yaml")
+    data = yaml.safe_load(text)
+    if not isinstance(data, Mapping):
+        raise ThresholdsError("gpuhealth/catalog/thresholds.yaml: top level must be a mapping of sections")
+    return _parse(data, "gpuhealth/catalog/thresholds.yaml", None)
 
 
 @functools.lru_cache(maxsize=8)

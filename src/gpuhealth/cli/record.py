@@ -19,7 +19,7 @@ from gpuhealth.backends.errors import BackendUnavailable
 @click.option("--anonymize", is_flag=True, help="Replace GPU UUIDs, serial numbers and PDIs with fake ones.")
 def command(out: str, reps: int, anonymize: bool) -> None:
     """Write an NVML recording of this node (a test fixture)."""
-    from gpuhealth.recorder import record
+    from gpuhealth.backends.recorder import record
 
     try:
         data = record(out, reps=reps, anonymized=anonymize)

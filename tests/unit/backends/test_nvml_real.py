@@ -8,19 +8,18 @@ collector asks for reaches the right NVML getter with the right arguments.
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 from typing import Any
 
 import pynvml
 import pytest
-
-sys.path.insert(0, str(Path(__file__).parents[1]))
 from test_recorder import RecordedDriver, _Struct, _sysfs_tree
 
 from gpuhealth.backends.errors import BackendUnavailable, NvmlError
 from gpuhealth.backends.nvml_fake import FakeNvml
+from gpuhealth.backends.nvml_keys import ALL_KEYS
 from gpuhealth.backends.nvml_real import RealNvml
+from gpuhealth.backends.recorder import Recorder
 from gpuhealth.config import Config
 from gpuhealth.node import collect_once
 
@@ -91,3 +90,38 @@ def test_no_driver_is_backend_unavailable() -> None:
     # The real bindings on a machine without libnvidia-ml (CI): one clear error, not a traceback.
     with pytest.raises(BackendUnavailable, match=r"NVIDIA driver not available|libnvidia-ml"):
         RealNvml().init()
+
+
+def test_the_live_backend_reads_exactly_the_keys_the_recorder_writes(tmp_path: Path) -> None:
+    """One key list (``backends/nvml_keys``): a key only one side knows could be recorded but never
+    read live, or read live but never replayed."""
+    fake = FakeNvml.bundled("nvml_h200x2.json")
+    fake.init()
+    _sysfs_tree(tmp_path, fake)
+    driver = BindingsDriver(FakeNvml.bundled("nvml_h200x2.json"))
+    recorded = Recorder(driver, reps=1, sysfs_root=str(tmp_path)).record()["devices"][0]
+    structure = {"nvlink", "field_values", "event_wait", "sysfs", "sweep10_median_us"}
+    assert set(recorded) - structure == set(ALL_KEYS)
+    real = RealNvml(driver)
+    real.init()
+    try:
+        assert set(real._dispatch) == set(ALL_KEYS)
+        # the H200 recording has no video clock: recorded as the (replayed) driver answered
+        assert recorded["ClockInfo_VIDEO"] == {"error": "not recorded: ClockInfo_VIDEO", "code": 3}
+    finally:
+        real.shutdown()
+
+
+def test_a_constant_the_bindings_lack_makes_only_its_key_unavailable() -> None:
+    class OldBindings(BindingsDriver):
+        NVML_CLOCK_VIDEO = property(lambda self: (_ for _ in ()).throw(AttributeError("NVML_CLOCK_VIDEO")))
+
+    real = RealNvml(OldBindings(FakeNvml.bundled("nvml_h200x2.json")))
+    real.init()
+    try:
+        with pytest.raises(NvmlError) as exc:
+            real.query(0, "ClockInfo_VIDEO")
+        assert "no getter" in exc.value.message
+        assert real.query(0, "ClockInfo_SM") == 345
+    finally:
+        real.shutdown()

@@ -8,6 +8,7 @@ from importlib import resources
 from types import SimpleNamespace
 
 import pytest
+import yaml
 
 from gpuhealth.catalog.thresholds import (
     Thresholds,
@@ -81,3 +82,23 @@ def test_files_and_context_lookup(tmp_path):
     assert thresholds_from(SimpleNamespace(extras={}, config=cfg)).nvlink.crc_per_second_critical == 50.0
     given = dataclasses.replace(Thresholds(), ecc=dataclasses.replace(Thresholds().ecc, dbe_volatile_critical=9))
     assert thresholds_from(SimpleNamespace(extras={"thresholds": given}, config=cfg)) is given
+
+
+def test_default_values_live_only_in_the_bundled_file():
+    # The dataclasses name the keys and their types; a default value beside the YAML's would drift.
+    for section in dataclasses.fields(Thresholds):
+        for f in dataclasses.fields(getattr(Thresholds(), section.name)):
+            assert f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING, \
+                f"{section.name}.{f.name} has a default in code: put it in catalog/thresholds.yaml"
+
+
+def test_a_bundled_file_without_a_key_names_it():
+    from gpuhealth.catalog.thresholds import ThresholdsError, _parse
+
+    data = yaml.safe_load((resources.files("gpuhealth") / "catalog" / "thresholds.yaml").read_text())
+    del data["nvlink"]["min_window_s"]
+    with pytest.raises(ThresholdsError, match=r"nvlink: missing min_window_s"):
+        _parse(data, "thresholds.yaml", None)
+    del data["host"]
+    with pytest.raises(ThresholdsError, match=r"missing section\(s\) host"):
+        _parse(data, "thresholds.yaml", None)

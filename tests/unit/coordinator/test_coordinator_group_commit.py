@@ -6,8 +6,9 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
+from simagent import step_batch_message
+
 from gpuhealth.coordinator.service import GROUP_COMMIT_RECORDS, Coordinator, Settings
-from gpuhealth.coordinator.simagent import step_batch_message
 from gpuhealth.coordinator.store import Store
 from gpuhealth.proto import gpuhealth_v1_pb2 as pb
 

@@ -1,5 +1,8 @@
-"""A minimal simulated agent speaking the raw gRPC API: for the load benchmark and the protocol
-tests (a real agent uses ``gpuhealth.agent.coordinator_link``). Async, one stream per instance."""
+"""A minimal simulated agent speaking the raw gRPC API: for the protocol tests and the load benchmark
+(a real agent uses ``gpuhealth.agent.coordinator_link``). Async, one stream per instance.
+
+A test helper, not part of the installed package: ``tests/`` is on ``sys.path`` under pytest (the
+rootdir's conftest), and ``benchmarks/coordinator_load.py`` adds it."""
 
 from __future__ import annotations
 

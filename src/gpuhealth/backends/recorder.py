@@ -4,7 +4,8 @@ The format is "NVML recording v1" (docs/architecture.md, Contracts), so ``FakeNv
 output as is: per device, per NVML getter, ``{"value": V, "median_us": T}`` or
 ``{"error": text, "code": nvml_return}`` (``{"error": text}`` without a code when the bindings
 themselves failed). A few extra top-level keys say who wrote it and when; readers ignore them.
-``anonymize`` replaces serial numbers, UUIDs and the PDI so a recording can be committed.
+``anonymize`` replaces serial numbers, UUIDs and the PDI so a recording can be committed. The keys
+are the live backend's (``nvml_keys``): what is recorded is what ``RealNvml`` reads.
 """
 
 from __future__ import annotations
@@ -20,27 +21,11 @@ from typing import Any
 
 from gpuhealth import __version__
 from gpuhealth.backends.errors import BackendUnavailable
+from gpuhealth.backends.nvml_keys import ARGUMENT_KEYS, SIMPLE_KEYS, SLOW_KEYS, nvml_const, resolve_arguments
 from gpuhealth.backends.nvml_real import plain
 
 FORMAT = "NVML recording v1"
 
-# Getters of the handle alone (recording key == getter name without nvmlDeviceGet), the tool's list.
-SIMPLE_KEYS = (
-    "Name", "UUID", "Serial", "VbiosVersion", "InforomImageVersion", "PciInfo", "PciInfo_v3",
-    "MinorNumber", "Brand", "Architecture", "CudaComputeCapability", "NumaNodeId", "BoardId",
-    "ModuleId", "PersistenceMode", "ComputeMode", "MigMode", "EccMode", "CurrentEccMode",
-    "PerformanceState", "PowerUsage", "TotalEnergyConsumption", "EnforcedPowerLimit",
-    "PowerManagementLimit", "PowerManagementDefaultLimit", "PowerManagementLimitConstraints",
-    "MemoryInfo", "BAR1MemoryInfo", "UtilizationRates", "CurrentClocksEventReasons",
-    "CurrentClocksThrottleReasons", "SupportedClocksEventReasons", "CurrPcieLinkGeneration",
-    "CurrPcieLinkWidth", "MaxPcieLinkGeneration", "MaxPcieLinkWidth", "GpuMaxPcieLinkGeneration",
-    "PcieLinkMaxSpeed", "PcieSpeed", "PcieReplayCounter", "RetiredPagesPendingStatus",
-    "RemappedRows", "RowRemapperHistogram", "ComputeRunningProcesses", "SupportedEventTypes",
-    "MemoryBusWidth", "NumGpuCores", "GspFirmwareMode", "GspFirmwareVersion", "MarginTemperature",
-    "DynamicPstatesInfo", "RepairStatus", "Pdi", "AdaptiveClockInfoStatus", "Attributes_v2",
-    "MaxMigDeviceCount", "IrqNum", "BusType", "BBXTimeData_v1", "ClkMonStatus",
-    "UnrepairableMemoryFlag_v1", "PowerSource", "HostVgpuMode",
-)
 SYSFS_FILES = ("numa_node", "local_cpulist", "current_link_speed", "current_link_width", "max_link_speed",
                "max_link_width")
 NVLINK_COUNTERS = ("DL_REPLAY", "DL_RECOVERY", "DL_CRC_FLIT", "DL_CRC_DATA", "DL_ECC_DATA")
@@ -102,28 +87,10 @@ class Recorder:
         for key in SIMPLE_KEYS:
             d[key] = self.call(getattr(N, "nvmlDeviceGet" + key, None), h)
         d["GpuFabricInfo"] = self._fabric(h)
-        d["Temperature_GPU"] = self.call(N.nvmlDeviceGetTemperature, h, N.NVML_TEMPERATURE_GPU)
-        for name in ("SLOWDOWN", "SHUTDOWN", "GPU_MAX", "MEM_MAX"):
-            d["TemperatureThreshold_" + name] = self.call(
-                N.nvmlDeviceGetTemperatureThreshold, h, getattr(N, "NVML_TEMPERATURE_THRESHOLD_" + name))
-        for name in ("GRAPHICS", "SM", "MEM"):
-            const = getattr(N, "NVML_CLOCK_" + name)
-            d["ClockInfo_" + name] = self.call(N.nvmlDeviceGetClockInfo, h, const)
-            d["MaxClockInfo_" + name] = self.call(N.nvmlDeviceGetMaxClockInfo, h, const)
-        for et_name, et in (("CORRECTED", N.NVML_MEMORY_ERROR_TYPE_CORRECTED),
-                            ("UNCORRECTED", N.NVML_MEMORY_ERROR_TYPE_UNCORRECTED)):
-            for ct_name, ct in (("VOLATILE", N.NVML_VOLATILE_ECC), ("AGGREGATE", N.NVML_AGGREGATE_ECC)):
-                d[f"TotalEccErrors_{et_name}_{ct_name}"] = self.call(N.nvmlDeviceGetTotalEccErrors, h, et, ct)
-        for src_name, src in (("SBE", N.NVML_PAGE_RETIREMENT_CAUSE_MULTIPLE_SINGLE_BIT_ECC_ERRORS),
-                              ("DBE", N.NVML_PAGE_RETIREMENT_CAUSE_DOUBLE_BIT_ECC_ERROR)):
-            d["RetiredPages_" + src_name] = self.call(N.nvmlDeviceGetRetiredPages, h, src)
-        for pol in ("POWER", "THERMAL", "SYNC_BOOST", "BOARD_LIMIT", "LOW_UTILIZATION", "RELIABILITY"):
-            d["ViolationStatus_" + pol] = self.call(
-                N.nvmlDeviceGetViolationStatus, h, getattr(N, "NVML_PERF_POLICY_" + pol))
-        d["CpuAffinity_64x4"] = self.call(N.nvmlDeviceGetCpuAffinity, h, 4)
-        d["MemoryAffinity_64x4"] = self.call(N.nvmlDeviceGetMemoryAffinity, h, 4, N.NVML_AFFINITY_SCOPE_NODE)
-        d["PcieThroughput_TX"] = self.call(N.nvmlDeviceGetPcieThroughput, h, N.NVML_PCIE_UTIL_TX_BYTES, reps=2)
-        d["PcieThroughput_RX"] = self.call(N.nvmlDeviceGetPcieThroughput, h, N.NVML_PCIE_UTIL_RX_BYTES, reps=2)
+        for key, (getter, arguments) in ARGUMENT_KEYS.items():
+            args = resolve_arguments(N, arguments)
+            fn = getattr(N, "nvmlDeviceGet" + getter, None) if args is not None else None
+            d[key] = self.call(fn, h, *(args or ()), reps=2 if key in SLOW_KEYS else None)
         d["nvlink"] = self._nvlinks(h)
         d["field_values"] = self._field_values(h)
         d["event_wait"] = self._event_wait(h)
@@ -255,15 +222,6 @@ class Recorder:
             out["p2p_nvlink_0_1"] = self.call(N.nvmlDeviceGetP2PStatus, a, b, N.NVML_P2P_CAPS_INDEX_NVLINK)
             out["p2p_read_0_1"] = self.call(N.nvmlDeviceGetP2PStatus, a, b, nvml_const(N, "NVML_P2P_CAPS_INDEX_READ"))
         return out
-
-
-def nvml_const(nvml: Any, name: str) -> Any:
-    """A constant of the bindings. nvidia-ml-py 13.x defines ``NVML_P2P_CAPS_INDEX_READ = 0,`` (a
-    stray comma makes it the tuple ``(0,)``, which ctypes cannot pass): unwrap one-element tuples."""
-    value = getattr(nvml, name)
-    if isinstance(value, tuple) and len(value) == 1:
-        return value[0]
-    return value
 
 
 def anonymize(recording: dict[str, Any]) -> dict[str, Any]:

@@ -16,10 +16,10 @@ from click.testing import CliRunner
 from gpuhealth.backends import errors
 from gpuhealth.backends.errors import NvmlError
 from gpuhealth.backends.nvml_fake import FakeNvml
+from gpuhealth.backends.recorder import Recorder, anonymize
 from gpuhealth.cli.main import cli
 from gpuhealth.config import Config
 from gpuhealth.node import collect_once, open_backend
-from gpuhealth.recorder import Recorder, anonymize
 
 
 class _Struct:
@@ -263,7 +263,7 @@ def test_failed_getters_are_recorded_with_their_code(tmp_path: Path, h100_record
 def test_one_element_tuple_constants_of_the_bindings_are_unwrapped() -> None:
     from types import SimpleNamespace
 
-    from gpuhealth.recorder import nvml_const
+    from gpuhealth.backends.nvml_keys import nvml_const
 
     bindings = SimpleNamespace(NVML_P2P_CAPS_INDEX_READ=(0,), NVML_P2P_CAPS_INDEX_NVLINK=2)
     assert nvml_const(bindings, "NVML_P2P_CAPS_INDEX_READ") == 0
