@@ -90,6 +90,12 @@ def _disagreement(view: GroupView, seq: int, calls: Mapping[int, Call], sigs: Ma
                   counts: Counter[CallSignature], seen: Counter[CallSignature]) -> Mismatch:
     expected, decided_by = _vote(counts, seen)
     if expected is None:
+        # A tie history cannot break: a side whose own records cannot be right is the wrong one.
+        faulty = {r for r, c in calls.items() if any(self_inconsistency(e, len(view.members)) for e in c.ops)}
+        if faulty and len(faulty) < len(calls) and len({sigs[r] for r in calls if r not in faulty}) == 1:
+            expected = sigs[next(r for r in sorted(calls) if r not in faulty)]
+            decided_by = "own_record"
+    if expected is None:
         culprits = tuple(sorted(sigs))
         expected = counts.most_common(1)[0][0]
     else:

@@ -147,20 +147,25 @@ def _message(root: RootCause, rank: int, info: Mapping[str, Any]) -> str:
     also = f" (also holds up group(s) {', '.join(root.consequences)})" if root.consequences else ""
     waiting = format_ranks(root.waiting_ranks) if root.waiting_ranks else "other ranks"
     k = root.kind
-    what = describe(info) if info.get("seq") is not None else (root.why.split(";")[0])
+    what = describe(info) if info.get("seq") is not None else str(root.details.get("what") or root.op or "an op")
+    blocks = root.details.get("blocks")
+    more = f" and {len(blocks) - 1} more op(s) other ranks wait in" if isinstance(blocks, list) and len(blocks) > 1 \
+        else ""
     if k is RootKind.HOST_STUCK:
-        return f"rank {rank} never reached {what}; rank(s) {waiting} wait in it{also}"
+        return f"rank {rank} never reached {what}{more}; rank(s) {waiting} wait in it{also}"
     if k is RootKind.SKIPPED:
         return f"rank {rank} skipped {what}; rank(s) {waiting} wait in it{also}"
     if k is RootKind.P2P_UNMATCHED:
-        return root.why.split(":")[0] + also
+        first = blocks[0]["what"] if isinstance(blocks, list) and blocks else what
+        return f"rank {rank} never posted {first}{more}; rank(s) {waiting} wait in it{also}"
     if k is RootKind.TIMED_OUT:
-        return (f"rank {rank} never reached {what}; rank(s) {waiting} timed out waiting for it")
+        return f"rank {rank} never reached {what}; rank(s) {waiting} timed out waiting for it"
     if k is RootKind.BEHIND:
         return (f"rank {rank} is behind in group {root.group}: it has not enqueued {what} that rank(s) {waiting} "
                 "ran; nobody waits, so this is likely dump timing")
     if k is RootKind.GPU_STALL:
-        return f"rank {rank} never started {what} that every rank enqueued: its GPU is stuck{also}"
+        return (f"rank {rank} never started its part of {what}, which every other participant posted: its GPU is "
+                f"stuck{also}")
     if k in (RootKind.DUMP_MISSING, RootKind.DUMP_UNREADABLE):
         left = "left a dump that could not be read" if k is RootKind.DUMP_UNREADABLE else "left no dump"
         return (f"rank {rank} {left} and rank(s) {waiting} wait for it in {what}: it is the prime suspect "
@@ -236,10 +241,16 @@ def _what(mm: Mismatch, got: Signature | None, exp: Signature | None) -> str:
         return "sends and receives element counts that do not balance the group's all_to_all"
     if got is None or exp is None:
         return "disagrees with the group"
+    they = "the others"
+    if mm.decided_by == "undecided":
+        other = next((s for s in mm.by_rank.values() if s != got), None)
+        if other is not None:
+            exp = other
+            they = f"rank(s) {format_ranks(r for r, s in mm.by_rank.items() if s == other)}"
     if mm.kind == "type":
-        return f"calls {got.op} where the others call {exp.op}"
+        return f"calls {got.op} where {they} call {exp.op}"
     if mm.kind == "dtype":
-        return f"uses dtypes {list(got.in_dtypes or got.out_dtypes)} where the others use " \
+        return f"uses dtypes {list(got.in_dtypes or got.out_dtypes)} where {they} use " \
                f"{list(exp.in_dtypes or exp.out_dtypes)}"
-    return (f"passes sizes {[list(s) for s in got.in_sizes]}→{[list(s) for s in got.out_sizes]} where the others "
+    return (f"passes sizes {[list(s) for s in got.in_sizes]}→{[list(s) for s in got.out_sizes]} where {they} "
             f"pass {[list(s) for s in exp.in_sizes]}→{[list(s) for s in exp.out_sizes]}")

@@ -17,6 +17,7 @@ only a fallback for a rank whose ring buffer holds no collective of the group.
 
 from __future__ import annotations
 
+import dataclasses
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -180,8 +181,10 @@ def _fill(view: GroupView, rank: int, dump: RankDump, entries: Sequence[Entry]) 
                 p2p.append(op)
             continue
         last_p2p_seq = None
-        if e.seq > 0:
-            colls.append(e)
+        colls.append(e)
+    # Records without sequence ids are numbered by position; otherwise ids ≤ 0 are not collectives.
+    unnumbered = bool(colls) and all(e.seq <= 0 for e in colls)
+    colls = _positional(colls) if unnumbered else [e for e in colls if e.seq > 0]
     calls = build_calls(colls)
     view.calls[rank] = calls
     enq = max(calls, default=0)
@@ -197,6 +200,31 @@ def _fill(view: GroupView, rank: int, dump: RankDump, entries: Sequence[Entry]) 
         view.oldest_seq[rank] = min(calls)
     if p2p:
         view.p2p[rank] = p2p
+
+
+def _positional(entries: Sequence[Entry]) -> list[Entry]:
+    """Sequence ids by position, for records that carry none (``collective_seq_id`` 0 everywhere, as in
+    hand-built dumps and very old formats): each op is one call, except the run of same-kind ops right
+    before a coalescing end marker, which shares the marker's number."""
+    out: list[Entry] = []
+    seq = 0
+    i = 0
+    items = list(entries)
+    while i < len(items):
+        e = items[i]
+        j = i
+        while j + 1 < len(items) and items[j + 1].op == e.op and e.op not in COALESCED_MARKERS:
+            j += 1
+        closes = j + 1 < len(items) and items[j + 1].op in COALESCED_MARKERS
+        if closes:
+            seq += 1
+            out += [dataclasses.replace(x, seq=seq) for x in items[i:j + 2]]
+            i = j + 2
+            continue
+        seq += 1
+        out.append(dataclasses.replace(e, seq=seq))
+        i += 1
+    return out
 
 
 def _p2p_op(view: GroupView, rank: int, e: Entry, batch: int) -> P2POp | None:

@@ -18,7 +18,7 @@ from gpuhealth.flightrec.checks import Mismatch, find_mismatch
 from gpuhealth.flightrec.findings import root_findings
 from gpuhealth.flightrec.groups import GroupView, build_groups
 from gpuhealth.flightrec.lag import find_laggards, idle_seconds
-from gpuhealth.flightrec.load import LoadResult, RankDump, load_dumps, paused_gc
+from gpuhealth.flightrec.load import LoadResult, RankDump, load_dumps, paused_gc, rank_from_filename
 from gpuhealth.flightrec.p2p import P2PMismatch, find_p2p_mismatches, pending_pairs
 from gpuhealth.flightrec.report import EVIDENCE_GAP_KINDS, HANG_KINDS, RootCause, RootKind, TriageReport, Verdict
 from gpuhealth.flightrec.roots import assemble
@@ -33,6 +33,7 @@ VERDICTS = tuple(v.value for v in Verdict)
 # Above this many bytes of dumps, read each JSON dump's tail instead of the whole file.
 AUTO_TAIL_BYTES = 512 * 2**20
 DEFAULT_TAIL_ENTRIES = 4
+MAX_RANKS = 1 << 20  # a rank number above this is not a real job's (and must not size anything)
 
 Source = str | os.PathLike[str] | Sequence[str | os.PathLike[str]] | LoadResult | Mapping[int, RankDump]
 
@@ -64,8 +65,7 @@ def _triage(
     job = dict(job or {})
     loaded, tail_used = _load(source, tail_entries)
     dumps = loaded.dumps
-    unreadable = sorted({p.rank for p in loaded.problems
-                         if p.rank is not None and p.severity == "error" and p.rank not in dumps})
+    unreadable = _unreadable_ranks(loaded)
     groups, world = build_groups(dumps, job, known_ranks=unreadable)
     analysis = analyse(groups, dumps, unreadable)
     roots = analysis.roots
@@ -123,6 +123,21 @@ def analyse(groups: Mapping[str, GroupView], dumps: Mapping[int, RankDump], unre
     waiting = {r: True for r in graph.heads}
     return Analysis(assemble(groups, hang_roots, mismatches, p2p_mismatches, laggards, waiting), mismatches,
                     p2p_mismatches)
+
+
+def _unreadable_ranks(loaded: LoadResult) -> list[int]:
+    """Ranks whose dump exists but could not be read (a file named for the rank that gave nothing)."""
+    out = set()
+    for p in loaded.problems:
+        if p.severity != "error":
+            continue
+        rank = p.rank
+        if rank is None:
+            named = rank_from_filename(Path(p.path).name)
+            rank = named[0] if named is not None else None
+        if rank is not None and rank not in loaded.dumps and 0 <= rank < MAX_RANKS:
+            out.add(rank)
+    return sorted(out)
 
 
 def _notes(groups: Mapping[str, GroupView]) -> list[str]:
@@ -195,13 +210,18 @@ def _verdict(roots: Sequence[RootCause], findings: Sequence[Finding], dumps: Map
 def _summary(report: TriageReport) -> str:
     v = report.verdict
     head = report.headline
+    first = next((r for r in report.roots if r.kind is not RootKind.BEHIND), None)
+    # One rank: its finding says it best; several: the root's own sentence names them all.
+    text = head.message if head is not None else ""
+    if first is not None and len(first.ranks) > 1 and first.kind is not RootKind.MISMATCH:
+        text = first.why
     if v in (Verdict.HANG, Verdict.MISMATCH, Verdict.STRAGGLER) and head is not None:
         ranks = _headline_ranks(report)
         who = f"culprit rank(s) {format_ranks(ranks)}" if ranks else "no single culprit rank"
-        return f"{v.value.upper()}: {who} — {head.message}"
+        return f"{v.value.upper()}: {who} — {text}"
     if v is Verdict.INCOMPLETE:
         if head is not None and head.severity >= Severity.WARNING:
-            return f"INCOMPLETE: {head.message}"
+            return f"INCOMPLETE: {text}"
         if not report.ranks_seen:
             return "INCOMPLETE: no readable dump" + (f" ({len(report.problems)} file problem(s))"
                                                      if report.problems else "")

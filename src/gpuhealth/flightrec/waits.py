@@ -30,6 +30,7 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from gpuhealth.flightrec.groups import GroupView, P2POp, group_sort_key
 from gpuhealth.flightrec.history import ran_past
@@ -93,6 +94,7 @@ class WaitGraph:
     dumped: frozenset[int]
     unreadable: frozenset[int]
     reverse: dict[Node, list[Node]] = field(default_factory=dict)
+    needed_from: dict[int, list[Need]] = field(default_factory=dict)  # rank -> the needs that name it
 
     def edges(self, node: Node) -> list[Node]:
         kind = node[0]
@@ -157,6 +159,11 @@ def build_graph(groups: Mapping[str, GroupView], pairs: Sequence[P2PPair], dumpe
         for nxt in graph.edges(node):
             rev[nxt].append(node)
     graph.reverse = dict(rev)
+    by_rank: dict[int, list[Need]] = defaultdict(list)
+    for ns in needs.values():
+        for n in ns:
+            by_rank[n.rank].append(n)
+    graph.needed_from = dict(by_rank)
     return graph
 
 
@@ -285,24 +292,59 @@ def affected_by(graph: WaitGraph, nodes: Iterable[Node]) -> tuple[set[int], set[
 def find_hang_roots(groups: Mapping[str, GroupView], graph: WaitGraph) -> list[RootCause]:
     """Root causes of what the graph shows stuck (mismatch and stall roots carry ``kind`` GPU_STALL here;
     the caller turns a stall whose participants disagree into a MISMATCH)."""
-    roots: list[RootCause] = []
+    found: list[tuple[RootCause, list[Node]]] = []
+    merged: dict[tuple[RootKind, str | None, int | None], int] = {}
     p2p_stalls: set[tuple[int, ...]] = set()
     for sink in sinks(graph):
         root = _root_of(groups, graph, sink)
         if root is None:
             continue
-        if root.kind is RootKind.GPU_STALL and root.seq is not None and root.group is not None \
-                and groups[root.group].p2p and root.op in ("send", "recv"):
+        if root.kind is RootKind.GPU_STALL and root.op in ("send", "recv"):
             # Both sides of a stuck send/recv pair are sinks of their own: one root for the pair.
             if root.waiting_ranks in p2p_stalls:
                 continue
             p2p_stalls.add(root.waiting_ranks)
-        ranks, works = affected_by(graph, sink.nodes)
+        if root.kind in _MERGEABLE:
+            # Several ranks missing from the same op (a pipeline's downstream stages on Gloo, dumps lost
+            # from a whole node): one root naming them all.
+            key = (root.kind, root.group, root.seq)
+            if key in merged:
+                into, nodes = found[merged[key]]
+                _merge(into, root)
+                nodes += sink.nodes
+                continue
+            merged[key] = len(found)
+        found.append((root, list(sink.nodes)))
+    roots = []
+    for root, nodes in found:
+        ranks, works = affected_by(graph, nodes)
         root.affected_ranks = tuple(sorted(ranks - set(root.ranks)))
-        own = {root.group}
-        root.consequences = tuple(sorted({w.group for w in works} - own, key=group_sort_key))
+        root.consequences = tuple(sorted({w.group for w in works} - {root.group}, key=group_sort_key))
         roots.append(root)
     return roots
+
+
+_MERGEABLE = frozenset({RootKind.HOST_STUCK, RootKind.P2P_UNMATCHED, RootKind.DUMP_MISSING,
+                        RootKind.DUMP_UNREADABLE})
+
+
+def _merge(into: RootCause, other: RootCause) -> None:
+    into.ranks = tuple(sorted({*into.ranks, *other.ranks}))
+    into.waiting_ranks = tuple(sorted(set(into.waiting_ranks) - set(into.ranks)))
+    into.why = _why_missing(into.kind, into.ranks, str(into.details.get("what", "")), into.waiting_ranks)
+
+
+def _why_missing(kind: RootKind, ranks: Sequence[int], what: str, waiting: Sequence[int]) -> str:
+    who = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {format_ranks(ranks)}"
+    if kind in (RootKind.DUMP_MISSING, RootKind.DUMP_UNREADABLE):
+        left = "left a dump that could not be read" if kind is RootKind.DUMP_UNREADABLE else "left no dump"
+        return (f"rank(s) {format_ranks(waiting)} wait in {what}; {who} {left}, so whether "
+                f"{'it' if len(ranks) == 1 else 'they'} reached it is unknown: the prime suspect(s) (crashed, "
+                "killed, or stuck before dumping)")
+    itself = "it is not waiting in any collective itself" if len(ranks) == 1 else \
+        "none of them is waiting in any collective itself"
+    return (f"{who} never posted {what}, and {itself}: stuck on the host (Python code, data loading, a sleep, a "
+            "deadlock outside torch.distributed) or took another code path")
 
 
 def _root_of(groups: Mapping[str, GroupView], graph: WaitGraph, sink: Sink) -> RootCause | None:
@@ -319,7 +361,7 @@ def _root_of(groups: Mapping[str, GroupView], graph: WaitGraph, sink: Sink) -> R
 
 
 def _direct_needs(graph: WaitGraph, rank: int, kinds: tuple[str, ...]) -> list[Need]:
-    return [n for needs in graph.needs.values() for n in needs if n.rank == rank and n.why in kinds]
+    return [n for n in graph.needed_from.get(rank, []) if n.why in kinds]
 
 
 def _primary(graph: WaitGraph, needs: Sequence[Need]) -> Need:
@@ -356,25 +398,37 @@ def _free_rank_root(groups: Mapping[str, GroupView], graph: WaitGraph, rank: int
     if not needs:
         return None
     first = _primary(graph, needs)
-    what, op = describe_work(groups, first.work, first.p2p)
-    waiting = _waiting_on(graph, first.work, rank)
-    other = sorted({n.work.group for n in needs} - {first.work.group}, key=group_sort_key)
-    if first.p2p is not None:
-        kind = RootKind.P2P_UNMATCHED
-        want = "recv" if first.p2p.op.kind == "send" else "send"
-        why = (f"rank {rank} never posted the matching {want} for {what} that rank(s) {format_ranks(waiting)} "
-               f"wait in, and it is not waiting in any collective itself: it is stuck on the host (Python code, "
-               "data loading, a sleep, a deadlock outside torch.distributed) or took another code path")
-    else:
-        kind = RootKind.HOST_STUCK
-        why = (f"rank {rank} never enqueued {what} that rank(s) {format_ranks(waiting)} wait in, and it is not "
-               "waiting in any collective itself: it is stuck on the host (Python code, data loading, a sleep, a "
-               "deadlock outside torch.distributed) or took another code path")
-    if other:
-        why += f"; it also holds up group(s) {', '.join(other)}"
+    _, op = describe_work(groups, first.work, first.p2p)
+    blocks = _blocks(groups, graph, rank, needs, first)
+    listed = "; ".join(f"{b['what']} (rank(s) {format_ranks(b['waiting_ranks'])} wait)" for b in blocks[:4])
+    if len(blocks) > 4:
+        listed += f"; and {len(blocks) - 4} more"
+    kind = RootKind.P2P_UNMATCHED if first.p2p is not None else RootKind.HOST_STUCK
     seq = first.work.seq if not first.work.is_p2p else (first.p2p.op.entry.p2p_seq if first.p2p else None)
-    return RootCause(kind, (rank,), why, group=first.work.group, seq=seq, op=op, waiting_ranks=tuple(waiting),
-                     created_ns=_created(graph, first.work))
+    return RootCause(kind, (rank,), _why_missing(kind, (rank,), listed, ()), group=first.work.group, seq=seq,
+                     op=op, waiting_ranks=tuple(_waiting_on(graph, first.work, rank)),
+                     created_ns=_created(graph, first.work), details={"blocks": blocks, "what": listed})
+
+
+def _blocks(groups: Mapping[str, GroupView], graph: WaitGraph, rank: int, needs: Sequence[Need], first: Need
+            ) -> list[dict[str, Any]]:
+    """What ``rank`` holds up directly: each work item waiting for it, the primary one first."""
+    out: list[dict[str, Any]] = []
+    seen: set[Work] = set()
+    for n in [first, *needs]:
+        if n.work in seen:
+            continue
+        seen.add(n.work)
+        if n.p2p is not None:
+            want = "recv" if n.p2p.op.kind == "send" else "send"
+            peer = n.p2p.op.rank
+            text = (f"the {want} {'from' if want == 'recv' else 'to'} rank {peer} that matches "
+                    f"{describe_work(groups, n.work, n.p2p)[0]}")
+        else:
+            text = describe_work(groups, n.work)[0]
+        out.append({"what": text, "group": n.work.group, "seq": n.work.seq,
+                    "waiting_ranks": _waiting_on(graph, n.work, rank)})
+    return out
 
 
 def _waiting_on(graph: WaitGraph, w: Work, rank: int) -> list[int]:
@@ -392,14 +446,11 @@ def _missing_dump_root(groups: Mapping[str, GroupView], graph: WaitGraph, rank: 
         return None
     first = _primary(graph, needs)
     what, op = describe_work(groups, first.work, first.p2p)
-    waiting = _waiting_on(graph, first.work, rank)
-    unreadable = rank in graph.unreadable
-    kind = RootKind.DUMP_UNREADABLE if unreadable else RootKind.DUMP_MISSING
-    left = "left a dump that could not be read" if unreadable else "left no dump"
-    why = (f"rank(s) {format_ranks(waiting)} wait in {what}; rank {rank} {left}, so whether it reached it is "
-           "unknown: it is the prime suspect (crashed, killed, or stuck before dumping)")
-    return RootCause(kind, (rank,), why, group=first.work.group, seq=first.work.seq, op=op,
-                     waiting_ranks=tuple(waiting), created_ns=_created(graph, first.work))
+    waiting = tuple(_waiting_on(graph, first.work, rank))
+    kind = RootKind.DUMP_UNREADABLE if rank in graph.unreadable else RootKind.DUMP_MISSING
+    return RootCause(kind, (rank,), _why_missing(kind, (rank,), what, waiting), group=first.work.group,
+                     seq=first.work.seq, op=op, waiting_ranks=waiting, created_ns=_created(graph, first.work),
+                     details={"what": what})
 
 
 def _stall_root(groups: Mapping[str, GroupView], graph: WaitGraph, w: Work) -> RootCause:
@@ -419,7 +470,7 @@ def _stall_root(groups: Mapping[str, GroupView], graph: WaitGraph, w: Work) -> R
             why += f"; rank(s) {format_ranks(suspects)} never even started it (their GPU is busy or hung)"
         return RootCause(RootKind.GPU_STALL, tuple(suspects or both), why, group=w.group,
                          seq=p.op.entry.p2p_seq if p else None, op=op, waiting_ranks=tuple(both),
-                         created_ns=_created(graph, w))
+                         created_ns=_created(graph, w), details={"what": what})
     assert w.seq is not None
     what, op = describe_work(groups, w)
     not_done = sorted(r for r in g.dumped if g.completed.get(r, 0) < w.seq)
@@ -430,7 +481,7 @@ def _stall_root(groups: Mapping[str, GroupView], graph: WaitGraph, w: Work) -> R
     if suspects:
         why += f"; rank(s) {format_ranks(suspects)} never even started it (their GPU is busy or hung)"
     return RootCause(RootKind.GPU_STALL, tuple(suspects or not_done), why, group=w.group, seq=w.seq, op=op,
-                     waiting_ranks=tuple(not_done), created_ns=_created(graph, w))
+                     waiting_ranks=tuple(not_done), created_ns=_created(graph, w), details={"what": what})
 
 
 def _unstarted(states: Mapping[int, str]) -> list[int]:
@@ -503,8 +554,10 @@ def _skipped(groups: Mapping[str, GroupView], graph: WaitGraph, rank: int, needs
            f"it skipped {skipped} (a code path that differs on this rank); {how}")
     kind = RootKind.P2P_UNMATCHED if first.work.is_p2p else RootKind.SKIPPED
     seq = first.work.seq if not first.work.is_p2p else (first.p2p.op.entry.p2p_seq if first.p2p else None)
+    blocks = _blocks(groups, graph, rank, needs, first)
     return RootCause(kind, (rank,), why, group=first.work.group, seq=seq, op=op, waiting_ranks=tuple(waiting),
-                     decided_by="history" if need is not None else "wait_graph", created_ns=_created(graph, first.work))
+                     decided_by="history" if need is not None else "wait_graph", created_ns=_created(graph, first.work),
+                     details={"blocks": blocks, "what": blocks[0]["what"] if blocks else what})
 
 
 def _ahead_in(groups: Mapping[str, GroupView], graph: WaitGraph, rank: int) -> bool:
