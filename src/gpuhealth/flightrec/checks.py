@@ -89,8 +89,9 @@ def _created(calls: Mapping[int, Call]) -> int | None:
 def _disagreement(view: GroupView, seq: int, calls: Mapping[int, Call], sigs: Mapping[int, CallSignature],
                   counts: Counter[CallSignature], seen: Counter[CallSignature]) -> Mismatch:
     expected, decided_by = _vote(counts, seen)
-    if expected is None:
-        # A tie history cannot break: a side whose own records cannot be right is the wrong one.
+    same_ops = len({tuple(s.op for s in sig) for sig in sigs.values()}) == 1
+    if expected is None and same_ops:
+        # A size tie history cannot break: a side whose own records cannot be right is the wrong one.
         faulty = {r for r, c in calls.items() if any(self_inconsistency(e, len(view.members)) for e in c.ops)}
         if faulty and len(faulty) < len(calls) and len({sigs[r] for r in calls if r not in faulty}) == 1:
             expected = sigs[next(r for r in sorted(calls) if r not in faulty)]

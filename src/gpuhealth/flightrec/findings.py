@@ -103,7 +103,10 @@ def root_findings(root: RootCause, groups: Mapping[str, GroupView], dumps: Mappi
         base["decided_by"] = root.decided_by
     if root.followed_by:
         base["followed_by"] = [r.to_dict() for r in root.followed_by]
-    base.update(root.details)
+    if root.blocks:
+        base["blocks"] = [b.to_dict() for b in root.blocks]
+    if root.kind in (RootKind.TIMED_OUT, RootKind.BEHIND):
+        base["idle_s"], base["timeout_s"] = root.idle_s, root.timeout_s
     code = code_of(root)
     if root.kind is RootKind.MISMATCH:
         return _mismatch_findings(root, view, dumps, base, mismatches, p2p_mismatches)
@@ -147,16 +150,15 @@ def _message(root: RootCause, rank: int, info: Mapping[str, Any]) -> str:
     also = f" (also holds up group(s) {', '.join(root.consequences)})" if root.consequences else ""
     waiting = format_ranks(root.waiting_ranks) if root.waiting_ranks else "other ranks"
     k = root.kind
-    what = describe(info) if info.get("seq") is not None else str(root.details.get("what") or root.op or "an op")
-    blocks = root.details.get("blocks")
-    more = f" and {len(blocks) - 1} more op(s) other ranks wait in" if isinstance(blocks, list) and len(blocks) > 1 \
-        else ""
+    what = describe(info) if info.get("seq") is not None else (root.what or root.op or "an op")
+    blocks = root.blocks
+    more = f" and {len(blocks) - 1} more op(s) other ranks wait in" if len(blocks) > 1 else ""
     if k is RootKind.HOST_STUCK:
         return f"rank {rank} never reached {what}{more}; rank(s) {waiting} wait in it{also}"
     if k is RootKind.SKIPPED:
         return f"rank {rank} skipped {what}; rank(s) {waiting} wait in it{also}"
     if k is RootKind.P2P_UNMATCHED:
-        first = blocks[0]["what"] if isinstance(blocks, list) and blocks else what
+        first = blocks[0].what if blocks else what
         return f"rank {rank} never posted {first}{more}; rank(s) {waiting} wait in it{also}"
     if k is RootKind.TIMED_OUT:
         return f"rank {rank} never reached {what}; rank(s) {waiting} timed out waiting for it"

@@ -55,6 +55,19 @@ HANG_KINDS = frozenset({RootKind.HOST_STUCK, RootKind.SKIPPED, RootKind.TIMED_OU
 EVIDENCE_GAP_KINDS = frozenset({RootKind.DUMP_MISSING, RootKind.DUMP_UNREADABLE})
 
 
+@dataclass(frozen=True, slots=True)
+class Blocked:
+    """One op a root's culprit holds up directly, and who waits in it."""
+
+    what: str
+    group: str
+    seq: int | None
+    waiting_ranks: tuple[int, ...]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"what": self.what, "group": self.group, "seq": self.seq, "waiting_ranks": list(self.waiting_ranks)}
+
+
 @dataclass(slots=True)
 class RootCause:
     """One fault, the ranks to blame, the op it is about, and what follows from it."""
@@ -73,7 +86,10 @@ class RootCause:
     decided_by: str | None = None  # how the culprit was chosen (majority, history, …, undecided)
     completed: bool | None = None  # MISMATCH: the op went through anyway (silently wrong results)
     created_ns: int | None = None  # when the op at fault was created (orders independent roots)
-    details: dict[str, Any] = field(default_factory=dict)  # kind-specific evidence (timeouts, totals, …)
+    what: str = ""  # the op at fault, in words
+    blocks: tuple[Blocked, ...] = ()  # every op the culprit holds up directly (HOST_STUCK, SKIPPED, P2P_UNMATCHED)
+    idle_s: float | None = None  # TIMED_OUT / BEHIND: how long the ranks ahead were idle before their dump
+    timeout_s: float | None = None  # TIMED_OUT / BEHIND: the collective's process-group timeout
 
     @property
     def decided(self) -> bool:
@@ -81,7 +97,7 @@ class RootCause:
 
     def to_dict(self) -> dict[str, Any]:
         d: dict[str, Any] = {"kind": self.kind.value, "ranks": list(self.ranks), "why": self.why}
-        for key in ("group", "seq", "op", "mismatch", "decided_by", "completed"):
+        for key in ("group", "seq", "op", "mismatch", "decided_by", "completed", "idle_s", "timeout_s"):
             value = getattr(self, key)
             if value is not None:
                 d[key] = value
@@ -90,8 +106,10 @@ class RootCause:
         d["consequences"] = list(self.consequences)
         if self.followed_by:
             d["followed_by"] = [r.to_dict() for r in self.followed_by]
-        if self.details:
-            d["details"] = dict(self.details)
+        if self.what:
+            d["what"] = self.what
+        if self.blocks:
+            d["blocks"] = [b.to_dict() for b in self.blocks]
         return d
 
 

@@ -68,7 +68,7 @@ def laggard_root(lg: Laggard) -> RootCause:
         kind = RootKind.BEHIND
     return RootCause(kind, (lg.rank,), why, group=lg.group, seq=lg.seq, waiting_ranks=lg.ahead,
                      created_ns=lg.created_ns,
-                     details={"idle_s": None if lg.idle_s is None else round(lg.idle_s, 1), "timeout_s": lg.timeout_s})
+                     idle_s=None if lg.idle_s is None else round(lg.idle_s, 1), timeout_s=lg.timeout_s)
 
 
 def assemble(groups: Mapping[str, GroupView], hang_roots: Sequence[RootCause], mismatches: Sequence[Mismatch],

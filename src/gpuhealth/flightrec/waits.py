@@ -30,12 +30,11 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 from gpuhealth.flightrec.groups import GroupView, P2POp, group_sort_key
 from gpuhealth.flightrec.history import ran_past
 from gpuhealth.flightrec.p2p import P2PPair
-from gpuhealth.flightrec.report import RootCause, RootKind
+from gpuhealth.flightrec.report import Blocked, RootCause, RootKind
 from gpuhealth.flightrec.text import format_ranks
 
 # Past this many candidate ranks in one cycle, histories are not read (a pipeline-wide cycle): counting decides.
@@ -331,7 +330,7 @@ _MERGEABLE = frozenset({RootKind.HOST_STUCK, RootKind.P2P_UNMATCHED, RootKind.DU
 def _merge(into: RootCause, other: RootCause) -> None:
     into.ranks = tuple(sorted({*into.ranks, *other.ranks}))
     into.waiting_ranks = tuple(sorted(set(into.waiting_ranks) - set(into.ranks)))
-    into.why = _why_missing(into.kind, into.ranks, str(into.details.get("what", "")), into.waiting_ranks)
+    into.why = _why_missing(into.kind, into.ranks, into.what, into.waiting_ranks)
 
 
 def _why_missing(kind: RootKind, ranks: Sequence[int], what: str, waiting: Sequence[int]) -> str:
@@ -400,20 +399,20 @@ def _free_rank_root(groups: Mapping[str, GroupView], graph: WaitGraph, rank: int
     first = _primary(graph, needs)
     _, op = describe_work(groups, first.work, first.p2p)
     blocks = _blocks(groups, graph, rank, needs, first)
-    listed = "; ".join(f"{b['what']} (rank(s) {format_ranks(b['waiting_ranks'])} wait)" for b in blocks[:4])
+    listed = "; ".join(f"{b.what} (rank(s) {format_ranks(b.waiting_ranks)} wait)" for b in blocks[:4])
     if len(blocks) > 4:
         listed += f"; and {len(blocks) - 4} more"
     kind = RootKind.P2P_UNMATCHED if first.p2p is not None else RootKind.HOST_STUCK
     seq = first.work.seq if not first.work.is_p2p else (first.p2p.op.entry.p2p_seq if first.p2p else None)
     return RootCause(kind, (rank,), _why_missing(kind, (rank,), listed, ()), group=first.work.group, seq=seq,
                      op=op, waiting_ranks=tuple(_waiting_on(graph, first.work, rank)),
-                     created_ns=_created(graph, first.work), details={"blocks": blocks, "what": listed})
+                     created_ns=_created(graph, first.work), what=listed, blocks=blocks)
 
 
 def _blocks(groups: Mapping[str, GroupView], graph: WaitGraph, rank: int, needs: Sequence[Need], first: Need
-            ) -> list[dict[str, Any]]:
+            ) -> tuple[Blocked, ...]:
     """What ``rank`` holds up directly: each work item waiting for it, the primary one first."""
-    out: list[dict[str, Any]] = []
+    out: list[Blocked] = []
     seen: set[Work] = set()
     for n in [first, *needs]:
         if n.work in seen:
@@ -426,9 +425,8 @@ def _blocks(groups: Mapping[str, GroupView], graph: WaitGraph, rank: int, needs:
                     f"{describe_work(groups, n.work, n.p2p)[0]}")
         else:
             text = describe_work(groups, n.work)[0]
-        out.append({"what": text, "group": n.work.group, "seq": n.work.seq,
-                    "waiting_ranks": _waiting_on(graph, n.work, rank)})
-    return out
+        out.append(Blocked(text, n.work.group, n.work.seq, tuple(_waiting_on(graph, n.work, rank))))
+    return tuple(out)
 
 
 def _waiting_on(graph: WaitGraph, w: Work, rank: int) -> list[int]:
@@ -450,7 +448,7 @@ def _missing_dump_root(groups: Mapping[str, GroupView], graph: WaitGraph, rank: 
     kind = RootKind.DUMP_UNREADABLE if rank in graph.unreadable else RootKind.DUMP_MISSING
     return RootCause(kind, (rank,), _why_missing(kind, (rank,), what, waiting), group=first.work.group,
                      seq=first.work.seq, op=op, waiting_ranks=waiting, created_ns=_created(graph, first.work),
-                     details={"what": what})
+                     what=what)
 
 
 def _stall_root(groups: Mapping[str, GroupView], graph: WaitGraph, w: Work) -> RootCause:
@@ -470,7 +468,7 @@ def _stall_root(groups: Mapping[str, GroupView], graph: WaitGraph, w: Work) -> R
             why += f"; rank(s) {format_ranks(suspects)} never even started it (their GPU is busy or hung)"
         return RootCause(RootKind.GPU_STALL, tuple(suspects or both), why, group=w.group,
                          seq=p.op.entry.p2p_seq if p else None, op=op, waiting_ranks=tuple(both),
-                         created_ns=_created(graph, w), details={"what": what})
+                         created_ns=_created(graph, w), what=what)
     assert w.seq is not None
     what, op = describe_work(groups, w)
     not_done = sorted(r for r in g.dumped if g.completed.get(r, 0) < w.seq)
@@ -481,7 +479,7 @@ def _stall_root(groups: Mapping[str, GroupView], graph: WaitGraph, w: Work) -> R
     if suspects:
         why += f"; rank(s) {format_ranks(suspects)} never even started it (their GPU is busy or hung)"
     return RootCause(RootKind.GPU_STALL, tuple(suspects or not_done), why, group=w.group, seq=w.seq, op=op,
-                     waiting_ranks=tuple(not_done), created_ns=_created(graph, w), details={"what": what})
+                     waiting_ranks=tuple(not_done), created_ns=_created(graph, w), what=what)
 
 
 def _unstarted(states: Mapping[int, str]) -> list[int]:
@@ -557,7 +555,7 @@ def _skipped(groups: Mapping[str, GroupView], graph: WaitGraph, rank: int, needs
     blocks = _blocks(groups, graph, rank, needs, first)
     return RootCause(kind, (rank,), why, group=first.work.group, seq=seq, op=op, waiting_ranks=tuple(waiting),
                      decided_by="history" if need is not None else "wait_graph", created_ns=_created(graph, first.work),
-                     details={"blocks": blocks, "what": blocks[0]["what"] if blocks else what})
+                     what=blocks[0].what if blocks else what, blocks=blocks)
 
 
 def _ahead_in(groups: Mapping[str, GroupView], graph: WaitGraph, rank: int) -> bool:
