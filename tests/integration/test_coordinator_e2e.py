@@ -239,8 +239,9 @@ def test_straggler_flagged_within_10_steps_with_its_gpu_finding(cluster: Cluster
         assert verdict["at_step"] is not None and verdict["at_step"] <= 10, verdict["at_step"]
         # Live triage of the running job (what `gpuhealth triage --job` prints): every rank's dump.
         from gpuhealth.coordinator.query import live_triage
+        from gpuhealth.coordinator.triage_wire import reply_to_dict
 
-        live = live_triage(cluster.coord.address, job_id, timeout_s=40)
+        live = reply_to_dict(live_triage(cluster.coord.address, job_id, timeout_s=40))
         assert {"verdict", "findings", "ranks_seen", "ranks_missing", "groups", "culprits"} <= set(live)
         assert live["verdict"] in ("hang", "mismatch", "straggler", "healthy", "incomplete")
         assert live["ranks_seen"] == [0, 1, 2, 3] and live["ranks_missing"] == []

@@ -15,6 +15,7 @@ from gpuhealth.coordinator.security import AuthPolicy
 from gpuhealth.coordinator.server import CoordinatorServer
 from gpuhealth.coordinator.service import Coordinator, Settings
 from gpuhealth.coordinator.store import Store
+from gpuhealth.proto import gpuhealth_v1_pb2 as pb
 
 pytestmark = pytest.mark.integration
 
@@ -45,8 +46,8 @@ def test_requests_are_answered_even_when_they_cannot_run(tmp_path: Path) -> None
             started = time.monotonic()
             live = await coord.live_triage("j", 20)
             assert time.monotonic() - started < 10
-            assert live["verdict"] == "incomplete" and live["ranks_seen"] == []
-            assert live["evidence"]["errors"] == {f"node/{node}": "no rank hub on this agent"}
+            assert live.report.verdict == pb.VERDICT_INCOMPLETE and list(live.report.ranks_seen) == []
+            assert dict(live.evidence.errors) == {f"node/{node}": "no rank hub on this agent"}
         finally:
             link.stop()
             await server.stop(0)

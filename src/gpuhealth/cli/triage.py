@@ -18,10 +18,8 @@ from typing import Any
 import click
 
 from gpuhealth.cli.exitcodes import PROFILE_NAMES, exit_code
+from gpuhealth.flightrec.report import Verdict
 from gpuhealth.model import Health, StepRecord
-
-_VERDICT_HEALTH = {"healthy": Health.HEALTHY, "straggler": Health.DEGRADED, "hang": Health.UNHEALTHY,
-                   "mismatch": Health.UNHEALTHY, "incomplete": Health.UNKNOWN}
 
 
 class StepsFileError(ValueError):
@@ -197,8 +195,11 @@ def command(path: str | None, steps: tuple[str, ...], world_size: int | None, gr
         click.echo(json.dumps(report, indent=2, default=str))
     else:
         click.echo(render(report))
-    verdict = str(report.get("verdict", "incomplete"))
-    sys.exit(exit_code(_VERDICT_HEALTH.get(verdict, Health.UNKNOWN), profile))
+    try:
+        health = Verdict(str(report.get("verdict", "incomplete"))).health
+    except ValueError:
+        health = Health.UNKNOWN
+    sys.exit(exit_code(health, profile))
 
 
 def _parse_groups(items: Sequence[str]) -> dict[str, list[int]]:
@@ -221,8 +222,10 @@ def _live(address: str, job_id: str, token: str | None, tls: Any, profile: str) 
         _fail(f"live triage is not available in this installation: the coordinator part is missing ({exc}); "
               "install gpuhealth[coordinator] or triage a folder of dumps instead", profile)
         raise AssertionError("unreachable") from exc
+    from gpuhealth.coordinator.triage_wire import reply_to_dict
+
     try:
-        return dict(live_triage(address, job_id, token=token, tls=tls))
+        return reply_to_dict(live_triage(address, job_id, token=token, tls=tls))
     except Exception as exc:
         _fail(f"coordinator {address}: {type(exc).__name__}: {exc}", profile)
         raise AssertionError("unreachable") from exc

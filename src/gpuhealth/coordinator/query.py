@@ -20,21 +20,26 @@ class CoordinatorQueryError(RuntimeError):
     """The coordinator could not be reached or refused the query."""
 
 
-def _call(address: str, method: str, request: Any, *, token: str | None, tls: TlsFiles | None,
-          timeout_s: float) -> dict[str, Any]:
+def _rpc(address: str, method: str, request: Any, reply_type: Any, *, token: str | None, tls: TlsFiles | None,
+         timeout_s: float) -> Any:
     creds = channel_credentials(tls) if tls is not None else None
     channel = (grpc.secure_channel(address, creds, options=client_options()) if creds is not None
                else grpc.insecure_channel(address, options=client_options()))
     try:
         stub = channel.unary_unary(SERVICE + method, request_serializer=type(request).SerializeToString,
-                                   response_deserializer=pb.JsonReply.FromString)
-        reply = stub(request, timeout=timeout_s, metadata=token_metadata(token))
+                                   response_deserializer=reply_type.FromString)
+        return stub(request, timeout=timeout_s, metadata=token_metadata(token))
     except grpc.RpcError as exc:
         code = exc.code().name if hasattr(exc, "code") else "UNKNOWN"
         details = exc.details() if hasattr(exc, "details") else str(exc)
         raise CoordinatorQueryError(f"coordinator {address}: {code}: {details}") from exc
     finally:
         channel.close()
+
+
+def _call(address: str, method: str, request: Any, *, token: str | None, tls: TlsFiles | None,
+          timeout_s: float) -> dict[str, Any]:
+    reply = _rpc(address, method, request, pb.JsonReply, token=token, tls=tls, timeout_s=timeout_s)
     try:
         doc = json.loads(reply.json)
     except ValueError as exc:
@@ -56,14 +61,15 @@ def fleet(address: str, *, token: str | None = None, tls: TlsFiles | None = None
 
 
 def live_triage(address: str, job_id: str, token: str | None = None, *, tls: TlsFiles | None = None,
-                timeout_s: float = 60.0) -> dict[str, Any]:
-    """Collect flight-recorder dumps and stacks from every rank of a running job now, and triage
-    them. Same shape as ``gpuhealth triage --json`` (``verdict``, ``findings``, ``ranks_seen``,
-    ``ranks_missing``, ``groups``) plus ``culprits`` (rank → node/GPU and that GPU's findings),
-    ``stacks``, ``evidence`` and ``summary``."""
+                timeout_s: float = 60.0) -> pb.TriageReply:
+    """Collect flight-recorder dumps and stacks from every rank of a running job now, and triage them:
+    the analyser's typed report plus ``culprit_details`` (rank → node/GPU and that GPU's findings),
+    stacks and the evidence folder (``triage_wire.reply_to_dict`` gives the ``triage --json`` shape)."""
     # The coordinator gets a little less than our deadline so its partial answer arrives in time.
     request = pb.LiveTriageRequest(job_id=job_id, timeout_s=max(1.0, timeout_s - 5.0))
-    return _call(address, "LiveTriage", request, token=token, tls=tls, timeout_s=timeout_s)
+    reply: pb.TriageReply = _rpc(address, "Triage", request, pb.TriageReply, token=token, tls=tls,
+                                 timeout_s=timeout_s)
+    return reply
 
 
 def run_diagnostic(address: str, diagnostic: str, *, nodes: tuple[str, ...] = (), device: str | None = None,

@@ -27,6 +27,7 @@ from prometheus_client.exposition import start_http_server
 from gpuhealth.coordinator.metrics import CoordinatorCollector, make_registry
 from gpuhealth.coordinator.security import AuthPolicy, TlsFiles, peer_names, server_credentials
 from gpuhealth.coordinator.service import Coordinator, StreamRejected, json_reply
+from gpuhealth.coordinator.triage_wire import reply_to_dict
 from gpuhealth.proto import gpuhealth_v1_pb2 as pb
 from gpuhealth.proto.convert import WireError
 from gpuhealth.proto.options import server_options
@@ -165,18 +166,24 @@ class CoordinatorServicer:
         return json_reply(self.coord.fleet_doc())
 
     async def live_triage(self, raw: bytes, context: grpc.aio.ServicerContext) -> pb.JsonReply:
-        await self._authorise_operator(context, "LiveTriage")
+        """The JSON form of :meth:`triage` (kept for older clients)."""
+        return json_reply(reply_to_dict(await self._triage(raw, context, "LiveTriage")))
+
+    async def triage(self, raw: bytes, context: grpc.aio.ServicerContext) -> pb.TriageReply:
+        return await self._triage(raw, context, "Triage")
+
+    async def _triage(self, raw: bytes, context: grpc.aio.ServicerContext, method: str) -> pb.TriageReply:
+        await self._authorise_operator(context, method)
         req = await _parse(raw, pb.LiveTriageRequest, context)
         remaining = context.time_remaining()
         budget = req.timeout_s or 30.0
         if remaining is not None:
             budget = min(budget, max(0.5, remaining - 1.0))  # answer before the caller's deadline
         try:
-            doc = await self.coord.live_triage(req.job_id, budget)
+            return await self.coord.live_triage(req.job_id, budget)
         except KeyError:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"no job {req.job_id!r} is known to this coordinator")
             raise
-        return json_reply(doc)
 
     async def run_diagnostic(self, raw: bytes, context: grpc.aio.ServicerContext) -> pb.JsonReply:
         await self._authorise_operator(context, "RunDiagnostic")
@@ -200,6 +207,7 @@ class CoordinatorServicer:
             "ListJobs": grpc.unary_unary_rpc_method_handler(self.list_jobs, response_serializer=ser),
             "GetFleet": grpc.unary_unary_rpc_method_handler(self.get_fleet, response_serializer=ser),
             "LiveTriage": grpc.unary_unary_rpc_method_handler(self.live_triage, response_serializer=ser),
+            "Triage": grpc.unary_unary_rpc_method_handler(self.triage, response_serializer=ser),
             "RunDiagnostic": grpc.unary_unary_rpc_method_handler(self.run_diagnostic, response_serializer=ser),
         })
 

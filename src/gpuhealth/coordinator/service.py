@@ -36,7 +36,9 @@ from gpuhealth.coordinator.fleet import (
     version_drift,
 )
 from gpuhealth.coordinator.jobs import JobState, JobTable, OnlineStragglerDetector
+from gpuhealth.coordinator.requests import PendingRequest, sdc_digests_of
 from gpuhealth.coordinator.store import Store
+from gpuhealth.coordinator.triage_wire import reply_to_dict
 from gpuhealth.model import Finding
 from gpuhealth.proto import gpuhealth_v1_pb2 as pb
 from gpuhealth.proto.convert import (
@@ -125,7 +127,7 @@ class Coordinator:
         self.sessions: dict[str, Session] = {}  # session_id → session
         self.by_node: dict[str, Session] = {}
         self.counters = Counters()
-        self.requests: dict[int, hangs.PendingRequest] = {}
+        self.requests: dict[int, PendingRequest] = {}
         self._request_ids = itertools.count(1)
         self._tasks: set[asyncio.Task[Any]] = set()
         self._tick_task: asyncio.Task[None] | None = None
@@ -377,10 +379,10 @@ class Coordinator:
     # -- requests to agents ----------------------------------------------------------------------
 
     def send_request(self, job_id: str, kind: Any, timeout_s: float, nodes: set[str],
-                     rank: int = -1, rank_nodes: dict[int, str] | None = None) -> hangs.PendingRequest:
+                     rank: int = -1, rank_nodes: dict[int, str] | None = None) -> PendingRequest:
         rid = next(self._request_ids)
         targets = {n for n in nodes if (s := self.by_node.get(n)) is not None and s.connected}
-        pending = hangs.PendingRequest(rid, kind, job_id, targets, rank_nodes=dict(rank_nodes or {}))
+        pending = PendingRequest(rid, kind, job_id, targets, rank_nodes=dict(rank_nodes or {}))
         self.requests[rid] = pending
         for n in targets:
             self.by_node[n].push(pb.AgentRequest(request_id=rid, kind=kind, job_id=job_id, rank=rank,
@@ -493,9 +495,15 @@ class Coordinator:
         self.counters.verdicts[kind] = self.counters.verdicts.get(kind, 0) + 1
         return self.store.add_verdict(job_id, kind, doc, self.clock())
 
+    @property
+    def evidence_dir(self) -> str:
+        return self.settings.evidence_dir
+
     async def _investigate_hang(self, job: JobState, check: Any) -> None:
         try:
-            doc = await hangs.investigate(self, job, reason="hang", hang=check)
+            reply = await hangs.investigate(self, job, reason="hang", hang=check,
+                                            timeout_s=self.settings.evidence_timeout_s)
+            doc = reply_to_dict(reply)
             self.record_verdict(job.job_id, "hang", doc)
             log.warning("job %s: %s", job.job_id, doc["summary"])
         except Exception:
@@ -503,7 +511,7 @@ class Coordinator:
         finally:
             self.investigating.discard(job.job_id)
 
-    async def live_triage(self, job_id: str, timeout_s: float) -> dict[str, Any]:
+    async def live_triage(self, job_id: str, timeout_s: float) -> pb.TriageReply:
         job = self.jobs.jobs.get(job_id)
         if job is None:
             raise KeyError(job_id)
@@ -516,7 +524,7 @@ class Coordinator:
         wanted = set(nodes) or {n for n, s in self.by_node.items() if s.connected}
         rid = next(self._request_ids)
         targets = {n for n in wanted if (s := self.by_node.get(n)) is not None and s.connected}
-        pending = hangs.PendingRequest(rid, pb.RUN_DIAGNOSTIC, "", set(targets))
+        pending = PendingRequest(rid, pb.RUN_DIAGNOSTIC, "", set(targets))
         self.requests[rid] = pending
         for n in targets:
             self.by_node[n].push(pb.AgentRequest(request_id=rid, kind=pb.RUN_DIAGNOSTIC, diagnostic=name,
@@ -529,7 +537,7 @@ class Coordinator:
         stored = 0
         with self.store.transaction():
             for node, ans in pending.node_answers.items():
-                for uuid, key, digest in hangs.sdc_digests_of(ans.payload):
+                for uuid, key, digest in sdc_digests_of(ans.payload):
                     self.store.add_sdc_digest(node, uuid, key, digest, now)
                     stored += 1
         return {

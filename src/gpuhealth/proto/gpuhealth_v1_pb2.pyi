@@ -13,10 +13,52 @@ class RequestKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     DUMP_FLIGHT_RECORDER: _ClassVar[RequestKind]
     CAPTURE_STACKS: _ClassVar[RequestKind]
     RUN_DIAGNOSTIC: _ClassVar[RequestKind]
+
+class Verdict(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    VERDICT_UNSPECIFIED: _ClassVar[Verdict]
+    VERDICT_HANG: _ClassVar[Verdict]
+    VERDICT_MISMATCH: _ClassVar[Verdict]
+    VERDICT_STRAGGLER: _ClassVar[Verdict]
+    VERDICT_HEALTHY: _ClassVar[Verdict]
+    VERDICT_INCOMPLETE: _ClassVar[Verdict]
+
+class RootKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    ROOT_KIND_UNSPECIFIED: _ClassVar[RootKind]
+    ROOT_HOST_STUCK: _ClassVar[RootKind]
+    ROOT_SKIPPED: _ClassVar[RootKind]
+    ROOT_TIMED_OUT: _ClassVar[RootKind]
+    ROOT_BEHIND: _ClassVar[RootKind]
+    ROOT_P2P_UNMATCHED: _ClassVar[RootKind]
+    ROOT_GPU_STALL: _ClassVar[RootKind]
+    ROOT_MISMATCH: _ClassVar[RootKind]
+    ROOT_CIRCULAR: _ClassVar[RootKind]
+    ROOT_DUMP_MISSING: _ClassVar[RootKind]
+    ROOT_DUMP_UNREADABLE: _ClassVar[RootKind]
+    ROOT_STRAGGLER: _ClassVar[RootKind]
 REQUEST_KIND_UNSPECIFIED: RequestKind
 DUMP_FLIGHT_RECORDER: RequestKind
 CAPTURE_STACKS: RequestKind
 RUN_DIAGNOSTIC: RequestKind
+VERDICT_UNSPECIFIED: Verdict
+VERDICT_HANG: Verdict
+VERDICT_MISMATCH: Verdict
+VERDICT_STRAGGLER: Verdict
+VERDICT_HEALTHY: Verdict
+VERDICT_INCOMPLETE: Verdict
+ROOT_KIND_UNSPECIFIED: RootKind
+ROOT_HOST_STUCK: RootKind
+ROOT_SKIPPED: RootKind
+ROOT_TIMED_OUT: RootKind
+ROOT_BEHIND: RootKind
+ROOT_P2P_UNMATCHED: RootKind
+ROOT_GPU_STALL: RootKind
+ROOT_MISMATCH: RootKind
+ROOT_CIRCULAR: RootKind
+ROOT_DUMP_MISSING: RootKind
+ROOT_DUMP_UNREADABLE: RootKind
+ROOT_STRAGGLER: RootKind
 
 class GpuInfo(_message.Message):
     __slots__ = ("index", "uuid", "pci_bus_id", "name", "vbios", "serial")
@@ -326,3 +368,239 @@ class JsonReply(_message.Message):
     JSON_FIELD_NUMBER: _ClassVar[int]
     json: str
     def __init__(self, json: _Optional[str] = ...) -> None: ...
+
+class Blocked(_message.Message):
+    __slots__ = ("what", "group", "seq", "waiting_ranks")
+    WHAT_FIELD_NUMBER: _ClassVar[int]
+    GROUP_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    WAITING_RANKS_FIELD_NUMBER: _ClassVar[int]
+    what: str
+    group: str
+    seq: int
+    waiting_ranks: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, what: _Optional[str] = ..., group: _Optional[str] = ..., seq: _Optional[int] = ..., waiting_ranks: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class RootCause(_message.Message):
+    __slots__ = ("kind", "ranks", "why", "group", "seq", "op", "mismatch", "waiting_ranks", "affected_ranks", "consequences", "followed_by", "decided_by", "completed", "created_ns", "what", "blocks", "idle_s", "timeout_s")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    RANKS_FIELD_NUMBER: _ClassVar[int]
+    WHY_FIELD_NUMBER: _ClassVar[int]
+    GROUP_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    OP_FIELD_NUMBER: _ClassVar[int]
+    MISMATCH_FIELD_NUMBER: _ClassVar[int]
+    WAITING_RANKS_FIELD_NUMBER: _ClassVar[int]
+    AFFECTED_RANKS_FIELD_NUMBER: _ClassVar[int]
+    CONSEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    FOLLOWED_BY_FIELD_NUMBER: _ClassVar[int]
+    DECIDED_BY_FIELD_NUMBER: _ClassVar[int]
+    COMPLETED_FIELD_NUMBER: _ClassVar[int]
+    CREATED_NS_FIELD_NUMBER: _ClassVar[int]
+    WHAT_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    IDLE_S_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    kind: RootKind
+    ranks: _containers.RepeatedScalarFieldContainer[int]
+    why: str
+    group: str
+    seq: int
+    op: str
+    mismatch: str
+    waiting_ranks: _containers.RepeatedScalarFieldContainer[int]
+    affected_ranks: _containers.RepeatedScalarFieldContainer[int]
+    consequences: _containers.RepeatedScalarFieldContainer[str]
+    followed_by: _containers.RepeatedCompositeFieldContainer[RootCause]
+    decided_by: str
+    completed: bool
+    created_ns: int
+    what: str
+    blocks: _containers.RepeatedCompositeFieldContainer[Blocked]
+    idle_s: float
+    timeout_s: float
+    def __init__(self, kind: _Optional[_Union[RootKind, str]] = ..., ranks: _Optional[_Iterable[int]] = ..., why: _Optional[str] = ..., group: _Optional[str] = ..., seq: _Optional[int] = ..., op: _Optional[str] = ..., mismatch: _Optional[str] = ..., waiting_ranks: _Optional[_Iterable[int]] = ..., affected_ranks: _Optional[_Iterable[int]] = ..., consequences: _Optional[_Iterable[str]] = ..., followed_by: _Optional[_Iterable[_Union[RootCause, _Mapping]]] = ..., decided_by: _Optional[str] = ..., completed: _Optional[bool] = ..., created_ns: _Optional[int] = ..., what: _Optional[str] = ..., blocks: _Optional[_Iterable[_Union[Blocked, _Mapping]]] = ..., idle_s: _Optional[float] = ..., timeout_s: _Optional[float] = ...) -> None: ...
+
+class DumpProblem(_message.Message):
+    __slots__ = ("path", "message", "rank", "severity")
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    SEVERITY_FIELD_NUMBER: _ClassVar[int]
+    path: str
+    message: str
+    rank: int
+    severity: str
+    def __init__(self, path: _Optional[str] = ..., message: _Optional[str] = ..., rank: _Optional[int] = ..., severity: _Optional[str] = ...) -> None: ...
+
+class GroupState(_message.Message):
+    __slots__ = ("name", "pg_name", "desc", "members", "membership_source", "ranks_dumped", "ranks_missing", "last_enqueued", "last_completed")
+    class LastEnqueuedEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: int
+        value: int
+        def __init__(self, key: _Optional[int] = ..., value: _Optional[int] = ...) -> None: ...
+    class LastCompletedEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: int
+        value: int
+        def __init__(self, key: _Optional[int] = ..., value: _Optional[int] = ...) -> None: ...
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    PG_NAME_FIELD_NUMBER: _ClassVar[int]
+    DESC_FIELD_NUMBER: _ClassVar[int]
+    MEMBERS_FIELD_NUMBER: _ClassVar[int]
+    MEMBERSHIP_SOURCE_FIELD_NUMBER: _ClassVar[int]
+    RANKS_DUMPED_FIELD_NUMBER: _ClassVar[int]
+    RANKS_MISSING_FIELD_NUMBER: _ClassVar[int]
+    LAST_ENQUEUED_FIELD_NUMBER: _ClassVar[int]
+    LAST_COMPLETED_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    pg_name: str
+    desc: str
+    members: _containers.RepeatedScalarFieldContainer[int]
+    membership_source: str
+    ranks_dumped: _containers.RepeatedScalarFieldContainer[int]
+    ranks_missing: _containers.RepeatedScalarFieldContainer[int]
+    last_enqueued: _containers.ScalarMap[int, int]
+    last_completed: _containers.ScalarMap[int, int]
+    def __init__(self, name: _Optional[str] = ..., pg_name: _Optional[str] = ..., desc: _Optional[str] = ..., members: _Optional[_Iterable[int]] = ..., membership_source: _Optional[str] = ..., ranks_dumped: _Optional[_Iterable[int]] = ..., ranks_missing: _Optional[_Iterable[int]] = ..., last_enqueued: _Optional[_Mapping[int, int]] = ..., last_completed: _Optional[_Mapping[int, int]] = ...) -> None: ...
+
+class TriageReport(_message.Message):
+    __slots__ = ("verdict", "summary", "roots", "findings", "ranks_seen", "ranks_missing", "ranks_unreadable", "groups", "problems", "notes", "rank_identity")
+    class RankIdentityEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: int
+        value: str
+        def __init__(self, key: _Optional[int] = ..., value: _Optional[str] = ...) -> None: ...
+    VERDICT_FIELD_NUMBER: _ClassVar[int]
+    SUMMARY_FIELD_NUMBER: _ClassVar[int]
+    ROOTS_FIELD_NUMBER: _ClassVar[int]
+    FINDINGS_FIELD_NUMBER: _ClassVar[int]
+    RANKS_SEEN_FIELD_NUMBER: _ClassVar[int]
+    RANKS_MISSING_FIELD_NUMBER: _ClassVar[int]
+    RANKS_UNREADABLE_FIELD_NUMBER: _ClassVar[int]
+    GROUPS_FIELD_NUMBER: _ClassVar[int]
+    PROBLEMS_FIELD_NUMBER: _ClassVar[int]
+    NOTES_FIELD_NUMBER: _ClassVar[int]
+    RANK_IDENTITY_FIELD_NUMBER: _ClassVar[int]
+    verdict: Verdict
+    summary: str
+    roots: _containers.RepeatedCompositeFieldContainer[RootCause]
+    findings: _containers.RepeatedCompositeFieldContainer[Finding]
+    ranks_seen: _containers.RepeatedScalarFieldContainer[int]
+    ranks_missing: _containers.RepeatedScalarFieldContainer[int]
+    ranks_unreadable: _containers.RepeatedScalarFieldContainer[int]
+    groups: _containers.RepeatedCompositeFieldContainer[GroupState]
+    problems: _containers.RepeatedCompositeFieldContainer[DumpProblem]
+    notes: _containers.RepeatedScalarFieldContainer[str]
+    rank_identity: _containers.ScalarMap[int, str]
+    def __init__(self, verdict: _Optional[_Union[Verdict, str]] = ..., summary: _Optional[str] = ..., roots: _Optional[_Iterable[_Union[RootCause, _Mapping]]] = ..., findings: _Optional[_Iterable[_Union[Finding, _Mapping]]] = ..., ranks_seen: _Optional[_Iterable[int]] = ..., ranks_missing: _Optional[_Iterable[int]] = ..., ranks_unreadable: _Optional[_Iterable[int]] = ..., groups: _Optional[_Iterable[_Union[GroupState, _Mapping]]] = ..., problems: _Optional[_Iterable[_Union[DumpProblem, _Mapping]]] = ..., notes: _Optional[_Iterable[str]] = ..., rank_identity: _Optional[_Mapping[int, str]] = ...) -> None: ...
+
+class Culprit(_message.Message):
+    __slots__ = ("rank", "node", "gpu_index", "gpu_uuid", "gpu_inferred", "line", "gpu_findings", "gpu_health", "host", "pid", "local_rank")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    GPU_INDEX_FIELD_NUMBER: _ClassVar[int]
+    GPU_UUID_FIELD_NUMBER: _ClassVar[int]
+    GPU_INFERRED_FIELD_NUMBER: _ClassVar[int]
+    LINE_FIELD_NUMBER: _ClassVar[int]
+    GPU_FINDINGS_FIELD_NUMBER: _ClassVar[int]
+    GPU_HEALTH_FIELD_NUMBER: _ClassVar[int]
+    HOST_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_RANK_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    node: str
+    gpu_index: int
+    gpu_uuid: str
+    gpu_inferred: bool
+    line: str
+    gpu_findings: _containers.RepeatedCompositeFieldContainer[Finding]
+    gpu_health: str
+    host: str
+    pid: int
+    local_rank: int
+    def __init__(self, rank: _Optional[int] = ..., node: _Optional[str] = ..., gpu_index: _Optional[int] = ..., gpu_uuid: _Optional[str] = ..., gpu_inferred: _Optional[bool] = ..., line: _Optional[str] = ..., gpu_findings: _Optional[_Iterable[_Union[Finding, _Mapping]]] = ..., gpu_health: _Optional[str] = ..., host: _Optional[str] = ..., pid: _Optional[int] = ..., local_rank: _Optional[int] = ...) -> None: ...
+
+class TriageEvidence(_message.Message):
+    __slots__ = ("dir", "fr_dumps", "stacks_ranks", "fr_missing_ranks", "errors", "collect_seconds", "agents_asked")
+    class FrDumpsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: int
+        value: str
+        def __init__(self, key: _Optional[int] = ..., value: _Optional[str] = ...) -> None: ...
+    class ErrorsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    DIR_FIELD_NUMBER: _ClassVar[int]
+    FR_DUMPS_FIELD_NUMBER: _ClassVar[int]
+    STACKS_RANKS_FIELD_NUMBER: _ClassVar[int]
+    FR_MISSING_RANKS_FIELD_NUMBER: _ClassVar[int]
+    ERRORS_FIELD_NUMBER: _ClassVar[int]
+    COLLECT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    AGENTS_ASKED_FIELD_NUMBER: _ClassVar[int]
+    dir: str
+    fr_dumps: _containers.ScalarMap[int, str]
+    stacks_ranks: _containers.RepeatedScalarFieldContainer[int]
+    fr_missing_ranks: _containers.RepeatedScalarFieldContainer[int]
+    errors: _containers.ScalarMap[str, str]
+    collect_seconds: float
+    agents_asked: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, dir: _Optional[str] = ..., fr_dumps: _Optional[_Mapping[int, str]] = ..., stacks_ranks: _Optional[_Iterable[int]] = ..., fr_missing_ranks: _Optional[_Iterable[int]] = ..., errors: _Optional[_Mapping[str, str]] = ..., collect_seconds: _Optional[float] = ..., agents_asked: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class HangCheck(_message.Message):
+    __slots__ = ("stalled_s", "threshold_s", "typical_step_s", "last_step")
+    STALLED_S_FIELD_NUMBER: _ClassVar[int]
+    THRESHOLD_S_FIELD_NUMBER: _ClassVar[int]
+    TYPICAL_STEP_S_FIELD_NUMBER: _ClassVar[int]
+    LAST_STEP_FIELD_NUMBER: _ClassVar[int]
+    stalled_s: float
+    threshold_s: float
+    typical_step_s: float
+    last_step: int
+    def __init__(self, stalled_s: _Optional[float] = ..., threshold_s: _Optional[float] = ..., typical_step_s: _Optional[float] = ..., last_step: _Optional[int] = ...) -> None: ...
+
+class TriageReply(_message.Message):
+    __slots__ = ("report", "job_id", "reason", "summary", "culprits", "culprit_details", "evidence", "hang", "created_at", "error", "stacks_json")
+    class StacksJsonEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: int
+        value: str
+        def __init__(self, key: _Optional[int] = ..., value: _Optional[str] = ...) -> None: ...
+    REPORT_FIELD_NUMBER: _ClassVar[int]
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    SUMMARY_FIELD_NUMBER: _ClassVar[int]
+    CULPRITS_FIELD_NUMBER: _ClassVar[int]
+    CULPRIT_DETAILS_FIELD_NUMBER: _ClassVar[int]
+    EVIDENCE_FIELD_NUMBER: _ClassVar[int]
+    HANG_FIELD_NUMBER: _ClassVar[int]
+    CREATED_AT_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    STACKS_JSON_FIELD_NUMBER: _ClassVar[int]
+    report: TriageReport
+    job_id: str
+    reason: str
+    summary: str
+    culprits: _containers.RepeatedScalarFieldContainer[int]
+    culprit_details: _containers.RepeatedCompositeFieldContainer[Culprit]
+    evidence: TriageEvidence
+    hang: HangCheck
+    created_at: float
+    error: str
+    stacks_json: _containers.ScalarMap[int, str]
+    def __init__(self, report: _Optional[_Union[TriageReport, _Mapping]] = ..., job_id: _Optional[str] = ..., reason: _Optional[str] = ..., summary: _Optional[str] = ..., culprits: _Optional[_Iterable[int]] = ..., culprit_details: _Optional[_Iterable[_Union[Culprit, _Mapping]]] = ..., evidence: _Optional[_Union[TriageEvidence, _Mapping]] = ..., hang: _Optional[_Union[HangCheck, _Mapping]] = ..., created_at: _Optional[float] = ..., error: _Optional[str] = ..., stacks_json: _Optional[_Mapping[int, str]] = ...) -> None: ...

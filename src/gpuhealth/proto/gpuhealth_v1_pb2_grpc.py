@@ -59,6 +59,11 @@ class CoordinatorStub:
                 request_serializer=gpuhealth_dot_proto_dot_gpuhealth__v1__pb2.LiveTriageRequest.SerializeToString,
                 response_deserializer=gpuhealth_dot_proto_dot_gpuhealth__v1__pb2.JsonReply.FromString,
                 _registered_method=True)
+        self.Triage = channel.unary_unary(
+                '/gpuhealth.v1.Coordinator/Triage',
+                request_serializer=gpuhealth_dot_proto_dot_gpuhealth__v1__pb2.LiveTriageRequest.SerializeToString,
+                response_deserializer=gpuhealth_dot_proto_dot_gpuhealth__v1__pb2.TriageReply.FromString,
+                _registered_method=True)
         self.RunDiagnostic = channel.unary_unary(
                 '/gpuhealth.v1.Coordinator/RunDiagnostic',
                 request_serializer=gpuhealth_dot_proto_dot_gpuhealth__v1__pb2.RunDiagnosticRequest.SerializeToString,
@@ -98,7 +103,16 @@ class CoordinatorServicer:
         raise NotImplementedError('Method not implemented!')
 
     def LiveTriage(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """deprecated: the JSON form of Triage
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Triage(self, request, context):
+        """Operator: collect every rank's flight-recorder dump and stack now, triage them, join the culprits
+        with their GPUs' health. The verdict as typed messages (same analyser as `gpuhealth triage`).
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -137,6 +151,11 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.LiveTriage,
                     request_deserializer=gpuhealth_dot_proto_dot_gpuhealth__v1__pb2.LiveTriageRequest.FromString,
                     response_serializer=gpuhealth_dot_proto_dot_gpuhealth__v1__pb2.JsonReply.SerializeToString,
+            ),
+            'Triage': grpc.unary_unary_rpc_method_handler(
+                    servicer.Triage,
+                    request_deserializer=gpuhealth_dot_proto_dot_gpuhealth__v1__pb2.LiveTriageRequest.FromString,
+                    response_serializer=gpuhealth_dot_proto_dot_gpuhealth__v1__pb2.TriageReply.SerializeToString,
             ),
             'RunDiagnostic': grpc.unary_unary_rpc_method_handler(
                     servicer.RunDiagnostic,
@@ -279,6 +298,33 @@ class Coordinator:
             '/gpuhealth.v1.Coordinator/LiveTriage',
             gpuhealth_dot_proto_dot_gpuhealth__v1__pb2.LiveTriageRequest.SerializeToString,
             gpuhealth_dot_proto_dot_gpuhealth__v1__pb2.JsonReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Triage(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/gpuhealth.v1.Coordinator/Triage',
+            gpuhealth_dot_proto_dot_gpuhealth__v1__pb2.LiveTriageRequest.SerializeToString,
+            gpuhealth_dot_proto_dot_gpuhealth__v1__pb2.TriageReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from gpuhealth.coordinator.hangs import PendingRequest
+from gpuhealth.coordinator.requests import PendingRequest
 from gpuhealth.proto import gpuhealth_v1_pb2 as pb
 
 
@@ -18,8 +18,22 @@ def test_a_node_cannot_plant_or_overwrite_another_nodes_rank() -> None:
     p.add("n1", _answer(0, {"real": True}))
     p.add("n1", _answer(0, {"second": True}))  # one answer per rank
     p.add("n2", _answer(1, {"real": True}, final=True))
-    assert p.answers[0].node == "n1" and p.answers[0].payload == {"real": True}
-    assert p.answers[1].payload == {"real": True} and p.waiting == {"n1"}
+    # Dumps stay the bytes the agent sent: parsed once, later, by the analyser (never on the event loop).
+    assert p.answers[0].node == "n1" and json.loads(p.answers[0].raw) == {"real": True}
+    assert p.answers[0].payload is None
+    assert json.loads(p.answers[1].raw) == {"real": True} and p.waiting == {"n1"}
+
+
+def test_a_dump_that_is_not_a_json_object_is_an_error_not_evidence() -> None:
+    p = PendingRequest(1, pb.DUMP_FLIGHT_RECORDER, "j", {"n1"})
+    p.add("n1", pb.RequestResult(request_id=1, rank=0, ok=True, payload=b"\x80\x04pickle", final=True))
+    assert not p.answers[0].ok and "not a JSON object" in p.answers[0].error
+
+
+def test_stacks_are_parsed_on_arrival() -> None:
+    p = PendingRequest(1, pb.CAPTURE_STACKS, "j", {"n1"})
+    p.add("n1", _answer(0, {"stacks": ["main"]}, final=True))
+    assert p.answers[0].payload == {"stacks": ["main"]} and p.answers[0].raw == b""
 
 
 def test_evidence_past_the_budget_is_recorded_not_kept() -> None:
