@@ -48,6 +48,8 @@ def test_requests_are_answered_even_when_they_cannot_run(tmp_path: Path) -> None
             assert time.monotonic() - started < 10
             assert live.report.verdict == pb.VERDICT_INCOMPLETE and list(live.report.ranks_seen) == []
             assert dict(live.evidence.errors) == {f"node/{node}": "no rank hub on this agent"}
+            # Every triage is counted on /metrics by verdict and headline root kind.
+            assert coord.metrics_snapshot()["triage"] == {("incomplete", "none"): 1}
         finally:
             link.stop()
             await server.stop(0)

@@ -40,6 +40,12 @@ class CoordinatorCollector(Collector):
         for kind, n in sorted(s.get("verdicts", {}).items()):
             verdicts.add_metric([kind], n)
         yield verdicts
+        triage = CounterMetricFamily(p + "triage_reports", "Flight-recorder triages run (hang investigations and "
+                                     "live triage), by verdict and the headline root cause's kind.",
+                                     labels=["verdict", "root"])
+        for (verdict, root), n in sorted(s.get("triage", {}).items()):
+            triage.add_metric([verdict, root], n)
+        yield triage
         # Per-job series carry ``job_id``, not ``job``: Prometheus reserves ``job`` for the scrape job and
         # would rename ours to ``exported_job``.
         records = CounterMetricFamily(p + "job_step_records", "Rank-step records ingested per job.", labels=["job_id"])

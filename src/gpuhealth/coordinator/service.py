@@ -99,6 +99,7 @@ class Counters:
     rejected: int = 0
     hangs: int = 0
     verdicts: dict[str, int] = field(default_factory=dict)
+    triage: dict[tuple[str, str], int] = field(default_factory=dict)  # (verdict, headline root kind) -> count
 
 
 class StreamRejected(Exception):
@@ -503,6 +504,7 @@ class Coordinator:
         try:
             reply = await hangs.investigate(self, job, reason="hang", hang=check,
                                             timeout_s=self.settings.evidence_timeout_s)
+            self._count_triage(reply)
             doc = reply_to_dict(reply)
             self.record_verdict(job.job_id, "hang", doc)
             log.warning("job %s: %s", job.job_id, doc["summary"])
@@ -515,7 +517,16 @@ class Coordinator:
         job = self.jobs.jobs.get(job_id)
         if job is None:
             raise KeyError(job_id)
-        return await hangs.investigate(self, job, reason="on_demand", timeout_s=timeout_s)
+        reply = await hangs.investigate(self, job, reason="on_demand", timeout_s=timeout_s)
+        self._count_triage(reply)
+        return reply
+
+    def _count_triage(self, reply: pb.TriageReply) -> None:
+        verdict = pb.Verdict.Name(reply.report.verdict).removeprefix("VERDICT_").lower()
+        roots = [r for r in reply.report.roots if r.kind != pb.ROOT_BEHIND]
+        root = pb.RootKind.Name(roots[0].kind).removeprefix("ROOT_").lower() if roots else "none"
+        key = (verdict, root)
+        self.counters.triage[key] = self.counters.triage.get(key, 0) + 1
 
     async def run_diagnostic(self, nodes: list[str], name: str, params: dict[str, str],
                              timeout_s: float) -> dict[str, Any]:
@@ -610,6 +621,7 @@ class Coordinator:
             "jobs": jobs, "connected": sum(1 for s in self.by_node.values() if s.connected),
             "nodes": len(self.nodes), "records": c.records, "step_records": c.step_records,
             "duplicates": c.duplicates, "rejected": c.rejected, "hangs": c.hangs, "verdicts": dict(c.verdicts),
+            "triage": dict(c.triage),
         }
 
 
