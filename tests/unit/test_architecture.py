@@ -21,15 +21,10 @@ SRC = REPO / "src"
 PACKAGE = SRC / "gpuhealth"
 ARCHITECTURE = REPO / "docs" / "architecture.md"
 
-# Import loops that exist today and have an owner who removes them. Each entry must still be a
-# loop: once it is gone, delete it here (the test says so).
-KNOWN_LOOPS: dict[frozenset[str], str] = {
-    # The lead makes hangs the coordinator's own collaborator instead of a helper that drives the
-    # object calling it (issue 14, "coordinator/hangs as the coordinator's own collaborator").
-    frozenset({"gpuhealth.coordinator.hangs", "gpuhealth.coordinator.service"}): "lead (issue 14)",
-    # Removed by the next commit of issue 14 (the AgentView seam).
-    frozenset({"gpuhealth.agent.daemon", "gpuhealth.agent.http"}): "issue 14, step 3",
-}
+# Import loops that exist and have an owner who removes them: {frozenset(modules): "who, which issue"}.
+# Each entry must still be a loop; once it is gone the test says to delete it here. (The last one,
+# coordinator/hangs <-> coordinator/service, is gone: hangs became the coordinator's own collaborator.)
+KNOWN_LOOPS: dict[frozenset[str], str] = {}
 
 
 def _module_name(path: Path) -> str:

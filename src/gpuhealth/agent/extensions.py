@@ -1,8 +1,9 @@
-"""Which optional parts an agent starts, decided from config.
+"""Which optional parts an agent starts, decided from config (the seam they plug into: ``view.py``).
 
 - ``agent.socket_path`` set (the default): a ``RankHub`` listens for instrumented training ranks.
 - ``agent.coordinator`` set: a ``CoordinatorLink`` streams findings and step records to the
-  coordinator and serves its requests through the rank hub (needs ``gpuhealth[coordinator]``).
+  coordinator and serves its requests through that same rank hub, handed to it here (needs
+  ``gpuhealth[coordinator]``).
 - ``diag.enabled``: periodic SDC and bandwidth checks in a child process under the per-GPU
   GPU-time budget; their findings are published into the agent's findings and ``/metrics``.
 
@@ -12,25 +13,16 @@ An extension that fails to start is logged by the agent, which keeps running wit
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
+
+from gpuhealth.agent.view import AgentExtension, AgentView
 
 if TYPE_CHECKING:
     from gpuhealth.agent.ranks import RankHub
     from gpuhealth.config import Config
-    from gpuhealth.model import Finding
+    from gpuhealth.model import Finding, Sample
 
 log = logging.getLogger("gpuhealth.agent")
-
-
-class AgentExtension(Protocol):
-    """A part that runs beside the agent's scheduler. ``start`` must not block: run your own
-    thread(s). ``agent`` is the running ``gpuhealth.agent.daemon.Agent``."""
-
-    name: str
-
-    def start(self, agent: object) -> None: ...
-
-    def stop(self) -> None: ...
 
 
 class _RankHubGuard:
@@ -43,7 +35,7 @@ class _RankHubGuard:
         self.hub = hub
         self.error: str | None = None
 
-    def start(self, agent: object) -> None:
+    def start(self, agent: AgentView) -> None:
         from gpuhealth.agent.ranks import RankHubError
 
         try:
@@ -57,11 +49,8 @@ class _RankHubGuard:
         if self.error is None:
             self.hub.stop()
 
-    def samples(self) -> list[Any]:
+    def samples(self) -> list[Sample]:
         return [] if self.error is not None else list(self.hub.samples())  # no socket: no rank metrics
-
-    def __getattr__(self, item: str) -> object:  # the coordinator link finds the hub's API through us
-        return getattr(self.hub, item)
 
 
 class _PeriodicDiagnostics:
@@ -72,21 +61,19 @@ class _PeriodicDiagnostics:
     def __init__(self, interval_s: float) -> None:
         self.interval_s = interval_s
         self.periodic: Any = None
-        self.agent: Any = None
+        self.agent: AgentView | None = None
 
-    def start(self, agent: object) -> None:
+    def start(self, agent: AgentView) -> None:
         from gpuhealth.diag.periodic import PeriodicDiagnostics  # torch-free: the checks run in a child
 
-        publish = agent.publish_findings  # type: ignore[attr-defined]
-
         def on_findings(findings: list[Finding]) -> None:
-            publish(self.name, findings, interval_s=self.interval_s)
+            agent.publish_findings(self.name, findings, interval_s=self.interval_s)
 
         self.agent = agent
         self.periodic = PeriodicDiagnostics(on_findings=on_findings)
         self.periodic.start(agent)
 
-    def samples(self) -> list[Any]:
+    def samples(self) -> list[Sample]:
         """The numbers behind the findings (bandwidths, GPU time, last run), for /metrics."""
         if self.periodic is None or self.agent is None:
             return []

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 from gpuhealth.exporters.prometheus import MetricsEndpoint
 
 if TYPE_CHECKING:
-    from gpuhealth.agent.daemon import Agent
+    from gpuhealth.agent.view import AgentView
 
 log = logging.getLogger(__name__)
 
@@ -120,7 +120,7 @@ _INDEX = """<html><head><title>gpuhealth agent</title></head><body><h1>gpuhealth
 class AgentHttpServer:
     """Serves one agent. ``start`` binds (raises OSError when the address is taken) and returns."""
 
-    def __init__(self, agent: Agent, listen: str, *, dcgm_compat: bool = False) -> None:
+    def __init__(self, agent: AgentView, listen: str, *, dcgm_compat: bool = False) -> None:
         self.agent = agent
         self.metrics = MetricsEndpoint(agent.snapshot, dcgm_compat=dcgm_compat)
         self._server = _Server(parse_listen(listen), _Handler, self)

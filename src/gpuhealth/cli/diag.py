@@ -16,12 +16,12 @@ import click
 from rich.console import Console
 from rich.table import Table
 
-from gpuhealth.backends.errors import BackendUnavailable, NvmlError
 from gpuhealth.cli.exitcodes import PROFILE_NAMES, exit_code
-from gpuhealth.config import ConfigError, load_config
+from gpuhealth.config import Config, ConfigError, load_config
 from gpuhealth.diag.golden import GoldenError, GoldenStore
-from gpuhealth.diag.qualify import default_golden_dir, default_state_dir
-from gpuhealth.diag.runner import DiagOutcome, DiagRunner
+from gpuhealth.diag.ondemand import DiagRequestError, bandwidth_args, busbw_args, run_on_demand, sdc_args
+from gpuhealth.diag.qualify import default_golden_dir
+from gpuhealth.diag.runner import DiagOutcome
 from gpuhealth.model import Health, health_of
 
 
@@ -30,56 +30,18 @@ def _fail(message: str, profile: str) -> None:
     sys.exit(exit_code(Health.UNKNOWN, profile))
 
 
-def _gpus_for(device: str, profile: str) -> tuple[Any, list[Any]]:
-    """The live NVML backend and the GPU identities a CUDA device spec names."""
-    from gpuhealth.collectors.runner import enumerate_gpus
-    from gpuhealth.node import open_backend
+BUDGETED_ENV = "GPUHEALTH_DIAG_BUDGETED"  # set by automation that must respect the GPU-time budget
 
+
+def _run(kind: str, args: list[str], device: str, force: bool, config: Config, profile: str, as_json: bool) -> None:
+    # A person asked: charged to the budget, not refused by it. Automation that sets
+    # GPUHEALTH_DIAG_BUDGETED=1 respects the budget (docs/architecture.md, rule 7).
     try:
-        backend = open_backend(None)
-    except (BackendUnavailable, NvmlError) as exc:
-        _fail(f"{exc} — no GPU here (use --device cpu to exercise the logic on the CPU)", profile)
-        raise AssertionError from exc  # unreachable: _fail exits
-    gpus = enumerate_gpus(backend)
-    if device != "cuda":
-        wanted = set()
-        for part in device.split(","):
-            if not part.startswith("cuda:") or not part[5:].isdigit():
-                backend.shutdown()
-                _fail(f"bad --device {part!r}: expected cpu, cuda or cuda:N[,cuda:M]", profile)
-            wanted.add(int(part[5:]))
-        missing = wanted - {g.index for g in gpus}
-        if missing:
-            backend.shutdown()
-            _fail(f"no GPU {sorted(missing)} on this node ({len(gpus)} GPUs)", profile)
-        gpus = [g for g in gpus if g.index in wanted]
-    return backend, gpus
-
-
-BUDGETED_ENV = "GPUHEALTH_DIAG_BUDGETED"
-
-
-def _run(kind: str, args: list[str], device: str, force: bool, config_path: str | None, profile: str,
-         as_json: bool, min_gpus: int = 1) -> None:
-    try:
-        config = load_config(config_path)
-    except ConfigError as exc:
+        outcome = run_on_demand(kind, args, config, device=device, force=force,
+                                budgeted=os.environ.get(BUDGETED_ENV) == "1")
+    except DiagRequestError as exc:
         _fail(str(exc), profile)
         return
-    if device == "cpu":
-        runner = DiagRunner(config.diag, state_dir=default_state_dir(config))
-        outcome = runner.run(kind, [*args, "--device", "cpu"], gpus=None, timeout_s=config.diag.timeout_s)
-    else:
-        backend, gpus = _gpus_for(device, profile)
-        try:
-            runner = DiagRunner(config.diag, state_dir=default_state_dir(config), backend=backend)
-            # A person asked: charged to the budget, not refused by it. A run the coordinator asked for
-            # through an agent (GPUHEALTH_DIAG_BUDGETED=1) is automated: it respects the budget (rule 7).
-            budgeted = os.environ.get(BUDGETED_ENV) == "1"
-            outcome = runner.run(kind, args, gpus=gpus, force=force and not budgeted,
-                                 timeout_s=config.diag.timeout_s, min_gpus=min_gpus, enforce_budget=budgeted)
-        finally:
-            backend.shutdown()
     health = health_of(outcome.findings) if outcome.status == "ok" else Health.UNKNOWN
     if outcome.status == "failed" and kind == "sdc" and outcome.result.get("selftest"):
         health = Health.UNHEALTHY  # the self-test missed an injected fault: the check itself is broken
@@ -88,6 +50,14 @@ def _run(kind: str, args: list[str], device: str, force: bool, config_path: str 
     else:
         render(outcome, Console(highlight=False))
     sys.exit(exit_code(health, profile))
+
+
+def _config(config_path: str | None, profile: str) -> Config:
+    try:
+        return load_config(config_path)
+    except ConfigError as exc:
+        _fail(str(exc), profile)
+        raise AssertionError from exc  # unreachable: _fail exits
 
 
 def render(o: DiagOutcome, console: Console) -> None:
@@ -162,20 +132,10 @@ def command() -> None:
 def sdc_cmd(device: str, force: bool, config_path: str | None, as_json: bool, profile: str, inject_fault: bool,
             repeats: int, record_golden: bool, peers: int, golden_dir: str | None) -> None:
     """Silent-data-corruption check: seeded matmuls on every datapath, hashed on the device."""
-    try:
-        config = load_config(config_path)
-    except ConfigError as exc:
-        _fail(str(exc), profile)
-        return
-    golden = golden_dir or str(default_golden_dir(config))
-    args = ["--golden-dir", golden, "--repeats", str(repeats), "--node", config.node_name]
-    if inject_fault:
-        args.append("--selftest")
-    if record_golden:
-        args.append("--record-golden")
-    if device == "cpu":
-        args += ["--cpu-peers", str(peers)]
-    _run("sdc", args, device, force, config_path, profile, as_json)
+    config = _config(config_path, profile)
+    args = sdc_args(config, cpu=device == "cpu", golden_dir=golden_dir, repeats=repeats, selftest=inject_fault,
+                    record_golden=record_golden, peers=peers)
+    _run("sdc", args, device, force, config, profile, as_json)
 
 
 @command.command(name="busbw")
@@ -187,38 +147,18 @@ def sdc_cmd(device: str, force: bool, config_path: str | None, as_json: bool, pr
 def busbw_cmd(device: str, force: bool, config_path: str | None, as_json: bool, profile: str,
               collectives: str | None, max_bytes: int, min_bytes: int, ranks: int) -> None:
     """Collective bus bandwidth (nccl-tests formulas), data checked after each collective."""
-    try:
-        config = load_config(config_path)
-    except ConfigError as exc:
-        _fail(str(exc), profile)
-        return
-    d = config.diag
-    args = ["--min-bytes", str(min_bytes), "--max-bytes", str(max_bytes), "--node", config.node_name,
-            "--min-fraction", str(d.busbw_min_fraction), "--judge-min-bytes", str(d.busbw_judge_min_bytes)]
-    if d.busbw_thresholds_file:
-        args += ["--thresholds-file", d.busbw_thresholds_file]
-    if collectives:
-        args += ["--collectives", collectives]
-    if device == "cpu":
-        args += ["--world", str(ranks)]
-    _run("busbw", args, device, force, config_path, profile, as_json, min_gpus=2)
+    config = _config(config_path, profile)
+    args = busbw_args(config, cpu=device == "cpu", collectives=collectives, min_bytes=min_bytes,
+                      max_bytes=max_bytes, ranks=ranks)
+    _run("busbw", args, device, force, config, profile, as_json)
 
 
 @command.command(name="bandwidth")
 @_with_common
 def bandwidth_cmd(device: str, force: bool, config_path: str | None, as_json: bool, profile: str) -> None:
     """Device memory bandwidth and pinned host↔device bandwidth per GPU (NUMA-pinned)."""
-    try:
-        config = load_config(config_path)
-    except ConfigError as exc:
-        _fail(str(exc), profile)
-        return
-    d = config.diag
-    args = ["--hbm-fraction", str(d.bandwidth_hbm_fraction), "--pcie-fraction", str(d.bandwidth_pcie_fraction),
-            "--sysfs-root", config.collectors.sysfs_root]
-    if device == "cpu":
-        args += ["--d2d-mib", "256"]
-    _run("bandwidth", args, device, force, config_path, profile, as_json)
+    config = _config(config_path, profile)
+    _run("bandwidth", bandwidth_args(config, cpu=device == "cpu"), device, force, config, profile, as_json)
 
 
 @command.command(name="golden")

@@ -12,7 +12,8 @@ from typing import Any
 import pytest
 from agent_testing import HangingCollector, RaisingCollector, TempCollector, fast_config, wait_for
 
-from gpuhealth.agent.daemon import NVML_UNAVAILABLE, Agent
+from gpuhealth.agent.daemon import Agent
+from gpuhealth.agent.nvml_supervisor import NVML_UNAVAILABLE, NvmlPolicy
 from gpuhealth.backends.nvml_fake import FakeNvml
 from gpuhealth.collectors.registry import all_collectors
 from gpuhealth.model import Finding, Health
@@ -92,8 +93,8 @@ def test_hung_collector_times_out_without_stalling_the_agent_and_recovers(agents
 def test_gpu_lost_mid_run_is_reported_and_clears_when_it_answers_again(agents: list[Agent], clock: Any
                                                                        ) -> None:
     backend = _scenario_backend(clock, [{"at": 5, "type": "lost", "gpu": 1}, {"at": 20, "type": "restore", "gpu": 1}])
-    agent = Agent(fast_config(), backend, collectors=all_collectors(fast_config()), extensions=[], notifier=QUIET)
-    agent.lost_gpu_reinit_s = 0.3  # fresh NVML handles this often while a GPU is lost
+    agent = Agent(fast_config(), backend, collectors=all_collectors(fast_config()), extensions=[], notifier=QUIET,
+                  nvml_policy=NvmlPolicy(lost_gpu_reinit_s=0.3))  # fresh NVML handles this often while a GPU is lost
     _start(agents, agent)
     wait_for(lambda: agent.ready, what="first sweep")
     assert agent.node_report()["node"]["health"] == "healthy"

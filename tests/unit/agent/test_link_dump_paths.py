@@ -56,7 +56,7 @@ def _dump_through_link(tmp_path: Path, answer: Any) -> list[pb.RequestResult]:
                                         work_dir=str(tmp_path / "fr")), rank_hub=hub)
     out: list[pb.RequestResult] = []
     try:
-        link._do_dump(pb.AgentRequest(request_id=7, kind=pb.DUMP_FLIGHT_RECORDER, job_id="victimjob",
+        link.requests.dump(pb.AgentRequest(request_id=7, kind=pb.DUMP_FLIGHT_RECORDER, job_id="victimjob",
                                       rank=-1, timeout_s=5), out.append)
     finally:
         stop.set()
@@ -130,7 +130,7 @@ def test_a_connection_cannot_answer_another_ranks_request(tmp_path: Path) -> Non
 
 @pytest.mark.parametrize("data", [b"\x80\x04\x95pickle", b"garbage", b"[" * 200_000, b"{\xff\xfe}"])
 def test_only_a_json_object_is_shipped_and_hostile_bytes_never_crash(data: bytes) -> None:
-    from gpuhealth.agent.coordinator_link import _looks_like_json_object
+    from gpuhealth.agent.coordinator_requests import _looks_like_json_object
 
     with pytest.raises(ValueError):
         _looks_like_json_object(data)
@@ -182,7 +182,7 @@ def test_ranks_refused_for_the_memory_budget_are_asked_again_and_every_dump_ship
                                         work_dir=str(tmp_path / "fr")), rank_hub=hub)
     out: list[pb.RequestResult] = []
     try:
-        link._do_dump(pb.AgentRequest(request_id=9, kind=pb.DUMP_FLIGHT_RECORDER, job_id="bigjob", rank=-1,
+        link.requests.dump(pb.AgentRequest(request_id=9, kind=pb.DUMP_FLIGHT_RECORDER, job_id="bigjob", rank=-1,
                                       timeout_s=10), out.append)
     finally:
         stop.set()

@@ -1,0 +1,281 @@
+"""What the agent does when the coordinator asks (``AgentRequest`` down the stream): dump the flight
+recorder of a job's ranks, capture their Python stacks, run a diagnostic.
+
+Each request runs on one of a few worker threads and ends with a final answer, whatever happens;
+answers go back through ``emit`` (the stream's send queue). Dumps travel as the ranks wrote them —
+only JSON objects, never a file a rank merely names. Stacks come from the hook and, where permitted,
+``py-spy dump --json``. Diagnostics run through ``DiagRunner`` like periodic ones, in a child process
+under the GPU-time budget: the agent never imports torch.
+"""
+
+from __future__ import annotations
+
+import codecs
+import concurrent.futures
+import json
+import logging
+import os
+import re
+import shutil
+import stat
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+from gpuhealth.agent.ranks import DumpBudgetExceeded
+from gpuhealth.config import Config
+from gpuhealth.model import RankIdentity
+from gpuhealth.proto import gpuhealth_v1_pb2 as pb
+
+log = logging.getLogger("gpuhealth.agent.coordinator")
+
+# Queues a result for the coordinator; may return an event set once it is on the wire.
+Emit = Callable[[pb.RequestResult], object]
+
+_DEVICE = re.compile(r"cpu|cuda(:\d+(,cuda:\d+)*)?")  # the only parameter a diagnostic request passes on
+MAX_DUMP_BYTES = 32 * 1024 * 1024  # as RankHub's cap; under the gRPC message limit with room for the envelope
+
+
+class RankSource(Protocol):
+    """What the executors need of the rank hub (``ranks.RankHub``)."""
+
+    def ranks(self, job_id: str | None = None) -> list[RankIdentity]: ...
+
+    def iter_dumps(self, job_id: str, rank: int | None, out_dir: str | None = None, timeout_s: float = 30.0
+                   ) -> Iterator[tuple[int, bytes | str | Exception]]: ...
+
+    def request_stacks(self, job_id: str, rank: int | None, timeout_s: float = 10.0
+                       ) -> dict[int, dict[str, Any] | Exception]: ...
+
+
+@dataclass(frozen=True, slots=True)
+class ExecutorSettings:
+    work_dir: str | None = None  # where FR dumps of hooks older than inline dumps are written (default: temp)
+    pyspy: bool = True
+    pyspy_path: str | None = None
+
+
+class RequestExecutor:
+    """Runs the coordinator's requests. ``ranks`` None: this agent has no rank hub (dumps and stacks
+    are answered with that reason). ``config`` gives diagnostics their budget, locks and goldens."""
+
+    def __init__(self, settings: ExecutorSettings, *, ranks: RankSource | None,
+                 config: Callable[[], Config | None] = lambda: None, workers: int = 4) -> None:
+        self.settings = settings
+        self.ranks = ranks
+        self._config = config
+        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="gpuhealth-req")
+
+    def submit(self, req: pb.AgentRequest, emit: Emit) -> None:
+        self._pool.submit(self.execute, req, emit)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def execute(self, req: pb.AgentRequest, emit: Emit) -> None:
+        """One request, always ending with a final answer."""
+        rid = req.request_id
+        try:
+            if req.kind == pb.DUMP_FLIGHT_RECORDER:
+                self.dump(req, emit)
+            elif req.kind == pb.CAPTURE_STACKS:
+                self.stacks(req, emit)
+            elif req.kind == pb.RUN_DIAGNOSTIC:
+                self.diagnostic(req, emit)
+            else:
+                emit(pb.RequestResult(request_id=rid, rank=-1, ok=False, error=f"unknown request kind {req.kind}"))
+        except Exception as exc:  # a request must always end with a final answer
+            log.exception("request %d failed", rid)
+            emit(pb.RequestResult(request_id=rid, rank=-1, ok=False, error=f"{type(exc).__name__}: {exc}"))
+        emit(pb.RequestResult(request_id=rid, rank=-1, ok=True, final=True))
+
+    # ------------------------------------------------------------------ flight recorder
+    def dump(self, req: pb.AgentRequest, emit: Emit) -> None:
+        if self._no_hub(req, emit):
+            return
+        assert self.ranks is not None
+        # Ranks send their dump inline over the socket. The folder is only for hooks older than that,
+        # which write a file there instead; ranks run as the job's user: they may create files here but
+        # not list or remove others' (sticky).
+        base = self.settings.work_dir or tempfile.gettempdir()
+        out_dir = Path(base) / "gpuhealth-fr" / f"{_safe(req.job_id)}-{req.request_id}-{os.getpid()}"
+        out_dir.mkdir(parents=True, exist_ok=True)
+        out_dir.chmod(0o1733)
+        timeout = req.timeout_s or 20.0
+        deadline = time.monotonic() + timeout
+        busy: list[int] = []  # ranks refused for the agent's dump memory budget: asked again, one at a time
+
+        def ship(rank: int, res: bytes | str | Exception, *, may_retry: bool) -> None:
+            if isinstance(res, DumpBudgetExceeded) and may_retry:
+                busy.append(rank)
+                return
+            if isinstance(res, Exception):
+                emit(pb.RequestResult(request_id=req.request_id, rank=rank, ok=False,
+                                      error=f"{type(res).__name__}: {res}", format="fr_json"))
+                return
+            try:
+                if isinstance(res, bytes):
+                    data = _looks_like_json_object(res)
+                else:
+                    data = _read_json_file(Path(res), expected=out_dir / f"rank{rank}.json")
+                written = emit(pb.RequestResult(request_id=req.request_id, rank=rank, ok=True, payload=data,
+                                                format="fr_json"))
+                del data
+                # Wait until it is on the wire before taking the next: dumps do not pile up in the send queue
+                # behind a slow link (past the deadline it stays queued and the next one is taken anyway).
+                if isinstance(written, threading.Event):
+                    written.wait(max(0.0, deadline - time.monotonic()))
+            except (OSError, ValueError) as exc:
+                emit(pb.RequestResult(request_id=req.request_id, rank=rank, ok=False, error=str(exc),
+                                      format="fr_json"))
+
+        # Each dump is shipped as soon as it arrives and dropped: the agent holds one, not the job's.
+        for rank, res in self.ranks.iter_dumps(req.job_id, None if req.rank < 0 else req.rank, str(out_dir),
+                                               timeout_s=timeout):
+            ship(rank, res, may_retry=True)
+            del res
+        for rank in busy:
+            left = deadline - time.monotonic()
+            if left <= 0:  # the coordinator stops listening at its deadline: say so instead of answering late
+                ship(rank, TimeoutError(f"rank {rank}: refused for the agent's dump memory budget and no time "
+                                        "was left to ask again"), may_retry=False)
+                continue
+            for r, res in self.ranks.iter_dumps(req.job_id, rank, str(out_dir), timeout_s=left):
+                ship(r, res, may_retry=False)
+                del res
+        shutil.rmtree(out_dir, ignore_errors=True)
+
+    # ------------------------------------------------------------------ stacks
+    def stacks(self, req: pb.AgentRequest, emit: Emit) -> None:
+        if self._no_hub(req, emit):
+            return
+        assert self.ranks is not None
+        rank = None if req.rank < 0 else req.rank
+        timeout = req.timeout_s or 10.0
+        hook = self.ranks.request_stacks(req.job_id, rank, timeout_s=timeout)
+        pids = {i.rank: i.pid for i in self.ranks.ranks(req.job_id)}
+        for r in sorted(set(hook) | set(pids if rank is None else {})):
+            answer: dict[str, Any] = {}
+            hook_res = hook.get(r)
+            if isinstance(hook_res, dict):
+                answer["hook"] = hook_res
+            elif hook_res is not None:
+                answer["hook_error"] = f"{type(hook_res).__name__}: {hook_res}"
+            pid = pids.get(r)
+            if pid and self.settings.pyspy:
+                answer.update(pyspy_dump(pid, timeout_s=min(timeout, 15.0), exe=self.settings.pyspy_path))
+            answer["source"] = "py-spy" if "py_spy" in answer else ("hook" if "hook" in answer else "none")
+            ok = "hook" in answer or "py_spy" in answer
+            emit(pb.RequestResult(request_id=req.request_id, rank=r, ok=ok, format="stacks_json",
+                                  payload=json.dumps(answer, default=str).encode() if ok else b"",
+                                  error="" if ok else str(answer.get("hook_error") or answer.get("py_spy_error"))))
+
+    # ------------------------------------------------------------------ diagnostics
+    def diagnostic(self, req: pb.AgentRequest, emit: Emit) -> None:
+        """``gpuhealth diag NAME --json`` as this node's config runs it: through ``DiagRunner``, under
+        the GPU-time budget (an automated request never forces). Only ``device`` is taken from the
+        request, and only in the form ``cpu`` / ``cuda`` / ``cuda:N[,cuda:M]``."""
+        from gpuhealth.diag.ondemand import DiagRequestError, default_args, run_on_demand
+
+        name = req.diagnostic
+        if not name.isidentifier():
+            emit(pb.RequestResult(request_id=req.request_id, rank=-1, ok=False, error=f"bad diagnostic {name!r}"))
+            return
+        device = req.params.get("device") or "cuda"
+        if not _DEVICE.fullmatch(device):
+            emit(pb.RequestResult(request_id=req.request_id, rank=-1, ok=False, error=f"bad device {device!r}"))
+            return
+        config = self._config() or Config()
+        timeout = req.timeout_s or 300.0
+        try:
+            args = default_args(name, config, cpu=device == "cpu")
+            # the runner kills its child (and the child's ranks) before the coordinator stops waiting
+            outcome = run_on_demand(name, args, config, device=device, budgeted=True,
+                                    timeout_s=max(1.0, timeout - 5.0))
+        except DiagRequestError as exc:
+            emit(pb.RequestResult(request_id=req.request_id, rank=-1, ok=False, format="diag_json", error=str(exc)))
+            return
+        emit(pb.RequestResult(request_id=req.request_id, rank=-1, ok=True, format="diag_json",
+                              payload=json.dumps(outcome.to_dict(), indent=2, default=str).encode()))
+
+    def _no_hub(self, req: pb.AgentRequest, emit: Emit) -> bool:
+        if self.ranks is None:
+            emit(pb.RequestResult(request_id=req.request_id, rank=-1, ok=False, error="no rank hub on this agent"))
+            return True
+        return False
+
+
+def _safe(text: str) -> str:
+    return "".join(c if c.isalnum() or c in "._-" else "_" for c in text)[:80] or "_"
+
+
+def _read_json_file(path: Path, *, expected: Path) -> bytes:
+    """The dump a rank says it wrote — only if it is the file we asked for: any local process can speak
+    on the rank socket, and must not make the agent read (and ship) some other file it can reach."""
+    if os.path.realpath(path) != os.path.realpath(expected):
+        raise ValueError(f"the rank answered with {path}, not the dump file {expected} it was asked for")
+    fd = os.open(expected, os.O_RDONLY | os.O_NOFOLLOW)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise ValueError(f"{expected}: not a regular file")
+        if st.st_size > MAX_DUMP_BYTES:
+            raise ValueError(f"{expected}: {st.st_size} bytes is over the {MAX_DUMP_BYTES} limit")
+        with os.fdopen(fd, "rb", closefd=False) as fh:
+            data = fh.read(MAX_DUMP_BYTES + 1)
+    finally:
+        os.close(fd)
+    return _looks_like_json_object(data)
+
+
+def _looks_like_json_object(data: bytes) -> bytes:
+    """Only JSON travels: a pickle or garbage is refused here already. A cheap check (the coordinator
+    parses it with its safe loader): parsing a 30 MB dump here would cost the agent ~10× that in
+    memory, and deeply nested input would not even parse (RecursionError)."""
+    head = data[:64].lstrip()
+    if not head.startswith(b"{") or not data[-64:].rstrip().endswith(b"}"):
+        raise ValueError("the rank's dump is not a JSON object")
+    decoder = codecs.getincrementaldecoder("utf-8")()  # slice by slice: no full copy of the dump
+    view = memoryview(data)
+    try:
+        for off in range(0, len(data), 1 << 20):
+            decoder.decode(view[off:off + (1 << 20)], final=off + (1 << 20) >= len(data))
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"the rank's dump is not UTF-8 JSON: {exc}") from exc
+    return data
+
+
+def pyspy_dump(pid: int, *, timeout_s: float = 10.0, exe: str | None = None) -> dict[str, Any]:
+    """``py-spy dump --json`` of one process: ``{"py_spy": [...threads]}`` or ``{"py_spy_error": ...}``.
+    Needs ptrace permission on the process (same user with ptrace_scope 0/1 as parent, or
+    CAP_SYS_PTRACE, which the DaemonSet/systemd unit grants)."""
+    exe = exe or shutil.which("py-spy") or _venv_pyspy()
+    if exe is None:
+        return {"py_spy_error": "py-spy is not installed"}
+    try:
+        proc = subprocess.run([exe, "dump", "--pid", str(pid), "--json"], capture_output=True, timeout=timeout_s,
+                              check=False)
+    except subprocess.TimeoutExpired:
+        return {"py_spy_error": f"py-spy did not finish within {timeout_s:g} s"}
+    except OSError as exc:
+        return {"py_spy_error": f"cannot run py-spy: {exc}"}
+    if proc.returncode != 0:
+        return {"py_spy_error": proc.stderr.decode(errors="replace").strip()[-500:] or f"exit {proc.returncode}"}
+    try:
+        return {"py_spy": json.loads(proc.stdout)}
+    except ValueError as exc:
+        return {"py_spy_error": f"py-spy output is not JSON: {exc}"}
+
+
+def _venv_pyspy() -> str | None:
+    candidate = Path(sys.executable).parent / "py-spy"
+    return str(candidate) if candidate.exists() else None
+
+
+__all__ = ["MAX_DUMP_BYTES", "Emit", "ExecutorSettings", "RankSource", "RequestExecutor", "pyspy_dump"]

@@ -1,0 +1,264 @@
+"""The agent's NVML lifecycle in one place: states, the events that move between them, and what each
+transition does to the backend.
+
+```
+            init_ok                     driver_lost
+ STARTING ───────────> UP <─────────────────────────────┐  (UP ─driver_lost─> DOWN)
+    │                  │ ↺ gpus_enumerated, handles_refreshed
+    │ init_failed      │                                 │
+    └──────────> DOWN ─┴── init_ok ──────────────────────┘
+                 ↺ init_failed (retry after 1 s, doubling to 60 s)
+ any state ── stop ──> STOPPED (nothing moves it again: errors during shutdown are ours)
+```
+
+- **STARTING**: never initialised. The agent's re-init job calls ``initialise``.
+- **UP**: NVML answers. ``enumerate`` (the fast-lane job) refreshes the GPU list; while a GPU answers
+  GPU_IS_LOST it re-opens NVML in place now and then (30 s, doubling to 10 min) in case a reset
+  brought it back.
+- **DOWN**: the driver went away (a collector saw UNINITIALIZED / DRIVER_NOT_LOADED /
+  LIBRARY_NOT_FOUND, or NVML would not start). ``initialise`` is retried with backoff.
+- **STOPPED**: the agent is stopping.
+
+Events not in ``TRANSITIONS`` are ignored (a second collector that sees the same gone driver). The
+supervisor owns the backend's ``init``/``shutdown``; what the agent makes of each transition (its
+cache, its schedule, its findings) it learns through one callback, ``on_change(NvmlChange)``.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from gpuhealth.backends.base import NvmlBackend
+from gpuhealth.backends.errors import BackendUnavailable, NvmlError
+from gpuhealth.collectors.base import GpuIdentity
+from gpuhealth.collectors.runner import enumerate_gpus
+from gpuhealth.model import Action, Entity, Finding, Severity
+
+log = logging.getLogger("gpuhealth.agent")
+
+NVML_UNAVAILABLE = "nvml.unavailable"
+
+
+class NvmlState(enum.StrEnum):
+    STARTING = "starting"
+    UP = "up"
+    DOWN = "down"
+    STOPPED = "stopped"
+
+
+class NvmlEvent(enum.StrEnum):
+    INIT_OK = "init_ok"
+    INIT_FAILED = "init_failed"
+    DRIVER_LOST = "driver_lost"
+    GPUS_ENUMERATED = "gpus_enumerated"  # the GPU list changed
+    HANDLES_REFRESHED = "handles_refreshed"  # NVML re-opened in place for a lost GPU
+    STOP = "stop"
+
+
+S, E = NvmlState, NvmlEvent
+TRANSITIONS: dict[tuple[NvmlState, NvmlEvent], NvmlState] = {
+    (S.STARTING, E.INIT_OK): S.UP,
+    (S.STARTING, E.INIT_FAILED): S.DOWN,
+    (S.DOWN, E.INIT_OK): S.UP,
+    (S.DOWN, E.INIT_FAILED): S.DOWN,
+    (S.UP, E.DRIVER_LOST): S.DOWN,
+    (S.UP, E.GPUS_ENUMERATED): S.UP,
+    (S.UP, E.HANDLES_REFRESHED): S.UP,
+    (S.STARTING, E.STOP): S.STOPPED,
+    (S.UP, E.STOP): S.STOPPED,
+    (S.DOWN, E.STOP): S.STOPPED,
+}
+del S, E
+
+
+@dataclass(frozen=True, slots=True)
+class NvmlPolicy:
+    backoff_min_s: float = 1.0  # first retry after NVML would not start
+    backoff_max_s: float = 60.0
+    lost_gpu_reinit_s: float = 30.0  # first in-place re-open after a GPU answers GPU_IS_LOST
+    lost_gpu_reinit_max_s: float = 600.0
+
+
+@dataclass(frozen=True, slots=True)
+class NvmlChange:
+    """One transition, as the agent needs to hear it."""
+
+    event: NvmlEvent
+    state: NvmlState
+    gpus: tuple[GpuIdentity, ...] = ()  # INIT_OK, GPUS_ENUMERATED: the GPUs now
+    driver_version: str = ""  # INIT_OK
+    cuda_driver_version: str = ""  # INIT_OK
+    reinits: int = 0  # re-initialisations so far (the first start is not one)
+    reason: str = ""  # INIT_FAILED, DRIVER_LOST: why NVML is not answering
+    retry_in_s: float = 0.0  # INIT_FAILED: when the next attempt is due; DRIVER_LOST: the next backoff
+
+
+def unavailable_finding(node_name: str, change: NvmlChange) -> Finding:
+    """The agent's own finding while NVML is not answering."""
+    return Finding(
+        NVML_UNAVAILABLE, Severity.CRITICAL, Entity.node(node_name),
+        f"NVML is not answering ({change.reason}); GPU health is unknown until it is back",
+        Action.REBOOT, {"reason": change.reason, "retry_in_s": change.retry_in_s}, "agent",
+    )
+
+
+class NvmlSupervisor:
+    """Drives ``backend`` through the states above. ``initialise`` and ``enumerate`` run on the
+    agent's backend thread; ``driver_lost`` may come from any collector's thread; ``quiesce`` stops
+    whatever waits inside NVML (the XID event pump) before NVML is shut down under it."""
+
+    def __init__(
+        self,
+        backend: NvmlBackend,
+        on_change: Callable[[NvmlChange], None],
+        *,
+        policy: NvmlPolicy | None = None,
+        quiesce: Callable[[], None] = lambda: None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.backend = backend
+        self.policy = policy or NvmlPolicy()
+        self._on_change = on_change
+        self._quiesce = quiesce
+        self._clock = clock
+        self._lock = threading.RLock()
+        self._state = NvmlState.STARTING
+        self._ever_up = False
+        self._backoff_s = self.policy.backoff_min_s
+        self._reinits = 0
+        self._down_since: float | None = None
+        self._lost: frozenset[int] = frozenset()
+        self._lost_since = 0.0
+        self._lost_wait_s = self.policy.lost_gpu_reinit_s
+
+    @property
+    def state(self) -> NvmlState:
+        return self._state
+
+    @property
+    def lost_gpus(self) -> frozenset[int]:
+        return self._lost
+
+    # ------------------------------------------------------------------ events from the agent
+    def initialise(self, known: Sequence[GpuIdentity] = ()) -> None:
+        """STARTING/DOWN: (re)start NVML. Success → UP; failure → DOWN, retried after the backoff."""
+        if self._state not in (NvmlState.STARTING, NvmlState.DOWN):
+            return
+        try:
+            try:
+                if self._ever_up:
+                    self._quiesce()
+                self.backend.shutdown()
+            except Exception:
+                log.debug("shutdown before init failed", exc_info=True)
+            self.backend.init()
+            gpus = tuple(enumerate_gpus(self.backend, known))
+            driver, cuda = _system(self.backend, "driver"), _system(self.backend, "cuda_driver")
+        except (NvmlError, BackendUnavailable, OSError) as exc:
+            with self._lock:
+                retry = self._backoff_s
+                self._backoff_s = min(self._backoff_s * 2, self.policy.backoff_max_s)
+                if self._down_since is None:
+                    self._down_since = self._clock()
+                log.warning("NVML unavailable (%s); retrying in %.0f s", exc, retry)
+                self._move(NvmlEvent.INIT_FAILED, reason=f"NVML init failed: {exc}", retry_in_s=retry)
+            return
+        with self._lock:
+            if self._ever_up:
+                self._reinits += 1
+                log.warning("NVML is back after %.1f s (re-initialised)", self._clock() - (self._down_since or 0.0))
+            else:
+                log.info("NVML up: %d GPU(s), driver %s", len(gpus), driver)
+            self._ever_up = True
+            self._down_since = None
+            self._backoff_s = self.policy.backoff_min_s
+            self._move(NvmlEvent.INIT_OK, gpus=gpus, driver_version=driver, cuda_driver_version=cuda)
+
+    def driver_lost(self, why: str) -> None:
+        """UP: the driver went away under a running agent. Ignored in any other state."""
+        with self._lock:
+            if self._state is not NvmlState.UP:
+                return
+            log.error("NVML went away (%s); re-initialising with backoff", why)
+            self._down_since = self._clock()
+            self._move(NvmlEvent.DRIVER_LOST, reason=why, retry_in_s=self._backoff_s)
+
+    def enumerate(self, known: Sequence[GpuIdentity]) -> None:
+        """UP: list the GPUs again; re-open NVML in place when a lost GPU has waited long enough."""
+        if self._state is not NvmlState.UP:
+            return
+        try:
+            gpus = tuple(enumerate_gpus(self.backend, known))
+        except NvmlError as exc:
+            if exc.driver_gone:
+                self.driver_lost(f"device count failed: {exc.message}")
+            else:
+                log.warning("GPU enumeration failed: %s", exc.message)
+            return
+        if gpus != tuple(known):
+            if known:
+                log.warning("GPU list changed: %d → %d GPUs", len(known), len(gpus))
+            with self._lock:
+                self._move(NvmlEvent.GPUS_ENUMERATED, gpus=gpus)
+        if self._lost and self._clock() - self._lost_since > self._lost_wait_s:
+            self._lost_since = self._clock()
+            self._lost_wait_s = min(self._lost_wait_s * 2, self.policy.lost_gpu_reinit_max_s)
+            self._refresh_handles()
+
+    def note_lost_gpus(self, lost: frozenset[int]) -> None:
+        """The GPUs answering GPU_IS_LOST / RESET_REQUIRED now (from the collectors' findings)."""
+        if lost == self._lost:
+            return
+        if lost - self._lost:
+            log.error("GPU(s) %s answer GPU_IS_LOST/RESET_REQUIRED", sorted(lost - self._lost))
+            self._lost_since = self._clock()
+            self._lost_wait_s = self.policy.lost_gpu_reinit_s
+        if self._lost - lost:
+            log.warning("GPU(s) %s answer again", sorted(self._lost - lost))
+        self._lost = lost
+
+    def stop(self) -> None:
+        with self._lock:
+            self._move(NvmlEvent.STOP)
+
+    # ------------------------------------------------------------------ internals
+    def _refresh_handles(self) -> None:
+        """A GPU answers GPU_IS_LOST: fresh NVML handles in case it came back after a reset."""
+        try:
+            self._quiesce()
+            self.backend.shutdown()
+            self.backend.init()
+        except (NvmlError, BackendUnavailable) as exc:
+            self.driver_lost(f"re-initialisation failed: {exc}")
+            return
+        with self._lock:
+            if self._state is not NvmlState.UP:
+                return
+            self._reinits += 1
+            log.info("NVML re-initialised to refresh handles of lost GPU(s) %s", sorted(self._lost))
+            self._move(NvmlEvent.HANDLES_REFRESHED)
+
+    def _move(self, event: NvmlEvent, **details: object) -> None:
+        """Apply ``event`` (lock held): the new state first, then the agent hears of it."""
+        target = TRANSITIONS.get((self._state, event))
+        if target is None:
+            log.debug("NVML %s ignored in state %s", event, self._state)
+            return
+        self._state = target
+        self._on_change(NvmlChange(event, target, reinits=self._reinits, **details))  # type: ignore[arg-type]
+
+
+def _system(backend: NvmlBackend, key: str) -> str:
+    try:
+        return str(backend.system(key))
+    except NvmlError:
+        return ""
+
+
+__all__ = ["NVML_UNAVAILABLE", "TRANSITIONS", "NvmlChange", "NvmlEvent", "NvmlPolicy", "NvmlState", "NvmlSupervisor",
+           "unavailable_finding"]

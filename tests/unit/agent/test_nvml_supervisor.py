@@ -1,0 +1,141 @@
+"""The agent's NVML lifecycle as a state machine: the transition table, and each path through it driven
+by a recorded backend whose driver goes away and comes back on a stepped clock."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from gpuhealth.agent.nvml_supervisor import (
+    NVML_UNAVAILABLE,
+    TRANSITIONS,
+    NvmlChange,
+    NvmlEvent,
+    NvmlPolicy,
+    NvmlState,
+    NvmlSupervisor,
+    unavailable_finding,
+)
+from gpuhealth.backends.nvml_fake import FakeNvml
+from gpuhealth.model import Severity
+
+S, E = NvmlState, NvmlEvent
+
+
+class Quiesce:
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def __call__(self) -> None:
+        self.calls += 1
+
+
+def _supervisor(clock: Any, events: list[dict[str, Any]], **policy: float) -> tuple[NvmlSupervisor, list[NvmlChange],
+                                                                                     Quiesce]:
+    backend = FakeNvml.from_scenario({"recording": "nvml_h200x2.json", "events": events}, clock=clock)
+    changes: list[NvmlChange] = []
+    quiesce = Quiesce()
+    return NvmlSupervisor(backend, changes.append, policy=NvmlPolicy(**policy), quiesce=quiesce, clock=clock), \
+        changes, quiesce
+
+
+def test_the_transition_table() -> None:
+    assert TRANSITIONS == {
+        (S.STARTING, E.INIT_OK): S.UP, (S.STARTING, E.INIT_FAILED): S.DOWN,
+        (S.DOWN, E.INIT_OK): S.UP, (S.DOWN, E.INIT_FAILED): S.DOWN,
+        (S.UP, E.DRIVER_LOST): S.DOWN, (S.UP, E.GPUS_ENUMERATED): S.UP, (S.UP, E.HANDLES_REFRESHED): S.UP,
+        (S.STARTING, E.STOP): S.STOPPED, (S.UP, E.STOP): S.STOPPED, (S.DOWN, E.STOP): S.STOPPED,
+    }
+    assert not any(state is S.STOPPED for state, _ in TRANSITIONS)  # nothing leaves STOPPED
+
+
+def test_up_then_the_driver_goes_then_it_is_back_with_backoff(clock: Any) -> None:
+    sup, changes, quiesce = _supervisor(clock, [{"at": 5, "type": "driver_unloaded", "until": 200},
+                                                {"at": 300, "type": "driver_unloaded", "until": 400}])
+    assert sup.state is S.STARTING
+    sup.initialise()
+    up = changes[-1]
+    assert (up.event, up.state, up.reinits, up.driver_version) == (E.INIT_OK, S.UP, 0, "580.159.04")
+    assert [g.index for g in up.gpus] == [0, 1] and quiesce.calls == 0  # nothing to quiesce on a first start
+    clock.advance(6)
+    sup.enumerate(up.gpus)  # the device count fails: the driver is gone
+    lost = changes[-1]
+    assert (lost.event, lost.state) == (E.DRIVER_LOST, S.DOWN) and "device count failed" in lost.reason
+    assert lost.retry_in_s == 1.0
+    sup.driver_lost("a collector saw it too")  # a second witness changes nothing
+    sup.enumerate(up.gpus)  # not UP: no enumeration
+    assert changes[-1] is lost
+    retries = []
+    for _ in range(8):
+        sup.initialise(up.gpus)
+        assert (changes[-1].event, changes[-1].state) == (E.INIT_FAILED, S.DOWN)
+        retries.append(changes[-1].retry_in_s)
+    assert retries == [1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 60.0, 60.0]
+    assert "Driver Not Loaded" in changes[-1].reason and quiesce.calls == 8  # readers stopped before each init
+    clock.advance(200)
+    sup.initialise(up.gpus)
+    back = changes[-1]
+    assert (back.event, back.state, back.reinits) == (E.INIT_OK, S.UP, 1)
+    clock.advance(100)  # gone again: the backoff starts over
+    sup.driver_lost("collector ecc saw NVML error 9")
+    sup.initialise(back.gpus)
+    assert (changes[-1].event, changes[-1].retry_in_s) == (E.INIT_FAILED, 1.0)
+
+
+def test_nvml_that_never_starts_is_down_with_a_finding(clock: Any) -> None:
+    sup, changes, _ = _supervisor(clock, [{"at": 0, "type": "driver_unloaded"}])
+    sup.initialise()
+    failed = changes[-1]
+    assert (failed.event, failed.state, failed.retry_in_s) == (E.INIT_FAILED, S.DOWN, 1.0)
+    finding = unavailable_finding("n1", failed)
+    assert finding.code == NVML_UNAVAILABLE and finding.severity is Severity.CRITICAL
+    assert finding.evidence == {"reason": failed.reason, "retry_in_s": 1.0}
+
+
+def test_a_lost_gpu_gets_fresh_handles_now_and_then(clock: Any) -> None:
+    sup, changes, quiesce = _supervisor(clock, [{"at": 5, "type": "lost", "gpu": 1}], lost_gpu_reinit_s=30.0,
+                                        lost_gpu_reinit_max_s=50.0)
+    sup.initialise()
+    gpus = changes[-1].gpus
+    clock.advance(6)
+    sup.enumerate(gpus)  # the lost GPU keeps its identity from the last list: no change
+    assert changes[-1].event is E.INIT_OK
+    sup.note_lost_gpus(frozenset({1}))
+    clock.advance(29)
+    sup.enumerate(gpus)
+    assert changes[-1].event is E.INIT_OK  # not yet
+    clock.advance(2)
+    sup.enumerate(gpus)
+    assert (changes[-1].event, changes[-1].state, changes[-1].reinits) == (E.HANDLES_REFRESHED, S.UP, 1)
+    assert quiesce.calls == 1
+    clock.advance(31)
+    sup.enumerate(gpus)
+    assert changes[-1].reinits == 1  # the wait doubled (to the 50 s cap)
+    clock.advance(20)
+    sup.enumerate(gpus)
+    assert changes[-1].reinits == 2
+    sup.note_lost_gpus(frozenset())  # it answers again
+    clock.advance(100)
+    sup.enumerate(gpus)
+    assert changes[-1].reinits == 2 and sup.lost_gpus == frozenset()
+
+
+def test_a_changed_gpu_list_is_reported(clock: Any) -> None:
+    sup, changes, _ = _supervisor(clock, [])
+    sup.initialise()
+    gpus = changes[-1].gpus
+    sup.enumerate(gpus[:1])  # the agent knew one GPU; NVML lists two
+    assert (changes[-1].event, [g.index for g in changes[-1].gpus]) == (E.GPUS_ENUMERATED, [0, 1])
+    before = len(changes)
+    sup.enumerate(changes[-1].gpus)
+    assert len(changes) == before  # unchanged: nothing to say
+
+
+def test_after_stop_errors_are_ours_not_the_drivers(clock: Any) -> None:
+    sup, changes, _ = _supervisor(clock, [])
+    sup.initialise()
+    sup.stop()
+    assert (changes[-1].event, sup.state) == (E.STOP, S.STOPPED)
+    sup.driver_lost("shutdown closed the handles")
+    sup.initialise()
+    sup.enumerate(changes[0].gpus)
+    assert changes[-1].event is E.STOP and sup.state is S.STOPPED
