@@ -7,12 +7,11 @@ dcgm-exporter's: ``gpu``, ``UUID``, ``pci_bus_id``, ``device`` (``nvidia<minor>`
 ``Hostname``, ``DCGM_FI_DRIVER_VERSION``, plus ``pod``/``namespace``/``container`` from the agent's
 label provider. dcgm-exporter's counters keep their names without ``_total``; prometheus-client
 would append it to a counter, so they are exposed untyped (``unknown``) under the exact name —
-PromQL treats both alike. The mapping table lives in ``docs/metrics.md``.
+PromQL treats both alike. The mapping table in ``docs/metrics.md`` is generated from ``FIELDS``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from dataclasses import dataclass
 
 from gpuhealth.exporters import ExportSnapshot
@@ -41,85 +40,94 @@ class DcgmField:
     scale: float = 1.0  # ours × scale = dcgm's unit
     keep_labels: tuple[str, ...] = ()  # our labels carried over (e.g. xid)
     sum_over: str | None = None  # label summed away (NVLink links → _TOTAL)
+    unit: str = ""  # dcgm-exporter's unit, for docs/metrics.md
+    note: str = ""  # what else a reader must know, for docs/metrics.md
 
 
 FIELDS: tuple[DcgmField, ...] = (
     DcgmField("DCGM_FI_DEV_SM_CLOCK", "gauge", "SM clock frequency (in MHz).", "gpu_clock_hertz",
-              (("clock", "sm"),), 1e-6),
+              (("clock", "sm"),), 1e-6, unit="MHz"),
     DcgmField("DCGM_FI_DEV_MEM_CLOCK", "gauge", "Memory clock frequency (in MHz).", "gpu_clock_hertz",
-              (("clock", "memory"),), 1e-6),
+              (("clock", "memory"),), 1e-6, unit="MHz"),
     DcgmField("DCGM_FI_DEV_MEMORY_TEMP", "gauge", "Memory temperature (in C).", "gpu_temperature_celsius",
-              (("sensor", "memory"),)),
+              (("sensor", "memory"),), unit="°C"),
     DcgmField("DCGM_FI_DEV_GPU_TEMP", "gauge", "GPU temperature (in C).", "gpu_temperature_celsius",
-              (("sensor", "gpu"),)),
-    DcgmField("DCGM_FI_DEV_POWER_USAGE", "gauge", "Power draw (in W).", "gpu_power_watts"),
-    DcgmField("DCGM_FI_DEV_POWER_MGMT_LIMIT", "gauge", "Power management limit (in W).", "gpu_power_limit_watts"),
+              (("sensor", "gpu"),), unit="°C"),
+    DcgmField("DCGM_FI_DEV_POWER_USAGE", "gauge", "Power draw (in W).", "gpu_power_watts", unit="W"),
+    DcgmField("DCGM_FI_DEV_POWER_MGMT_LIMIT", "gauge", "Power management limit (in W).", "gpu_power_limit_watts",
+              unit="W"),
     DcgmField("DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION", "counter", "Total energy consumption since boot (in mJ).",
-              "gpu_energy_joules", scale=1e3),
-    DcgmField("DCGM_FI_DEV_PCIE_REPLAY_COUNTER", "counter", "Total number of PCIe retries.", "gpu_pcie_replay"),
+              "gpu_energy_joules", scale=1e3, unit="mJ"),
+    DcgmField("DCGM_FI_DEV_PCIE_REPLAY_COUNTER", "counter", "Total number of PCIe retries.", "gpu_pcie_replay",
+              unit="replays"),
     DcgmField("DCGM_FI_DEV_PCIE_LINK_GEN", "gauge", "PCIe current link generation.", "gpu_pcie_link_generation",
-              (("which", "current"),)),
+              (("which", "current"),), unit="generation"),
     DcgmField("DCGM_FI_DEV_PCIE_LINK_WIDTH", "gauge", "PCIe current link width.", "gpu_pcie_link_width",
-              (("which", "current"),)),
-    DcgmField("DCGM_FI_DEV_GPU_UTIL", "gauge", "GPU utilization (in %).", "gpu_utilization_ratio", scale=100.0),
+              (("which", "current"),), unit="lanes"),
+    DcgmField("DCGM_FI_DEV_GPU_UTIL", "gauge", "GPU utilization (in %).", "gpu_utilization_ratio", scale=100.0,
+              unit="%"),
     DcgmField("DCGM_FI_DEV_MEM_COPY_UTIL", "gauge", "Memory utilization (in %).", "gpu_memory_utilization_ratio",
-              scale=100.0),
-    DcgmField("DCGM_FI_DEV_XID_ERRORS", "gauge", "Value of the last XID error encountered.", "gpu_xid_last"),
+              scale=100.0, unit="%"),
+    DcgmField("DCGM_FI_DEV_XID_ERRORS", "gauge", "Value of the last XID error encountered.", "gpu_xid_last",
+              unit="XID code", note="value of the last active XID, 0 when none"),
     DcgmField("DCGM_EXP_XID_ERRORS_TOTAL", "counter", "Total XID errors observed since exporter start.",
-              "gpu_xid_errors", keep_labels=("xid",)),
+              "gpu_xid_errors", keep_labels=("xid",), unit="errors"),
     DcgmField("DCGM_FI_DEV_FB_FREE", "gauge", "Framebuffer memory free (in MiB).", "gpu_memory_free_bytes",
-              scale=1 / MIB),
+              scale=1 / MIB, unit="MiB"),
     DcgmField("DCGM_FI_DEV_FB_USED", "gauge", "Framebuffer memory used (in MiB).", "gpu_memory_used_bytes",
-              scale=1 / MIB),
+              scale=1 / MIB, unit="MiB"),
     DcgmField("DCGM_FI_DEV_FB_TOTAL", "gauge", "Framebuffer memory total (in MiB).", "gpu_memory_total_bytes",
-              scale=1 / MIB),
+              scale=1 / MIB, unit="MiB"),
     DcgmField("DCGM_FI_DEV_ECC_SBE_VOL_TOTAL", "counter", "Total number of single-bit volatile ECC errors.",
-              "gpu_ecc_errors", (("type", "corrected"), ("scope", "volatile"))),
+              "gpu_ecc_errors", (("type", "corrected"), ("scope", "volatile")), unit="errors"),
     DcgmField("DCGM_FI_DEV_ECC_DBE_VOL_TOTAL", "counter", "Total number of double-bit volatile ECC errors.",
-              "gpu_ecc_errors", (("type", "uncorrected"), ("scope", "volatile"))),
+              "gpu_ecc_errors", (("type", "uncorrected"), ("scope", "volatile")), unit="errors"),
     DcgmField("DCGM_FI_DEV_ECC_SBE_AGG_TOTAL", "counter", "Total number of single-bit persistent ECC errors.",
-              "gpu_ecc_errors", (("type", "corrected"), ("scope", "aggregate"))),
+              "gpu_ecc_errors", (("type", "corrected"), ("scope", "aggregate")), unit="errors"),
     DcgmField("DCGM_FI_DEV_ECC_DBE_AGG_TOTAL", "counter", "Total number of double-bit persistent ECC errors.",
-              "gpu_ecc_errors", (("type", "uncorrected"), ("scope", "aggregate"))),
+              "gpu_ecc_errors", (("type", "uncorrected"), ("scope", "aggregate")), unit="errors"),
     DcgmField("DCGM_FI_DEV_RETIRED_SBE", "counter", "Total number of retired pages due to single-bit errors.",
-              "gpu_retired_pages", (("cause", "sbe"),)),
+              "gpu_retired_pages", (("cause", "sbe"),), unit="pages", note="GPUs before Ampere only"),
     DcgmField("DCGM_FI_DEV_RETIRED_DBE", "counter", "Total number of retired pages due to double-bit errors.",
-              "gpu_retired_pages", (("cause", "dbe"),)),
+              "gpu_retired_pages", (("cause", "dbe"),), unit="pages", note="GPUs before Ampere only"),
     DcgmField("DCGM_FI_DEV_RETIRED_PENDING", "counter", "Total number of pages pending retirement.",
-              "gpu_retired_pages_pending"),
+              "gpu_retired_pages_pending", unit="0/1", note="GPUs before Ampere only"),
     DcgmField("DCGM_FI_DEV_UNCORRECTABLE_REMAPPED_ROWS", "counter",
-              "Number of remapped rows for uncorrectable errors", "gpu_remapped_rows", (("cause", "uncorrectable"),)),
+              "Number of remapped rows for uncorrectable errors", "gpu_remapped_rows", (("cause", "uncorrectable"),),
+              unit="rows"),
     DcgmField("DCGM_FI_DEV_CORRECTABLE_REMAPPED_ROWS", "counter", "Number of remapped rows for correctable errors",
-              "gpu_remapped_rows", (("cause", "correctable"),)),
+              "gpu_remapped_rows", (("cause", "correctable"),), unit="rows"),
     DcgmField("DCGM_FI_DEV_ROW_REMAP_FAILURE", "gauge", "Whether remapping of rows has failed",
-              "gpu_row_remap_failed"),
+              "gpu_row_remap_failed", unit="0/1"),
     DcgmField("DCGM_FI_DEV_ROW_REMAP_PENDING", "gauge", "Whether remapping of rows is pending",
-              "gpu_row_remap_pending"),
+              "gpu_row_remap_pending", unit="0/1"),
     DcgmField("DCGM_FI_DEV_POWER_VIOLATION", "counter", "Throttling duration due to power constraints (in us).",
-              "gpu_throttle_violation_seconds", (("reason", "power"),), 1e6),
+              "gpu_throttle_violation_seconds", (("reason", "power"),), 1e6, unit="µs"),
     DcgmField("DCGM_FI_DEV_THERMAL_VIOLATION", "counter",
               "Throttling duration due to thermal constraints (in us).", "gpu_throttle_violation_seconds",
-              (("reason", "thermal"),), 1e6),
+              (("reason", "thermal"),), 1e6, unit="µs"),
     DcgmField("DCGM_FI_DEV_SYNC_BOOST_VIOLATION", "counter",
               "Throttling duration due to sync-boost constraints (in us).", "gpu_throttle_violation_seconds",
-              (("reason", "sync_boost"),), 1e6),
+              (("reason", "sync_boost"),), 1e6, unit="µs"),
     DcgmField("DCGM_FI_DEV_BOARD_LIMIT_VIOLATION", "counter",
               "Throttling duration due to board limit constraints (in us).", "gpu_throttle_violation_seconds",
-              (("reason", "board_limit"),), 1e6),
+              (("reason", "board_limit"),), 1e6, unit="µs"),
     DcgmField("DCGM_FI_DEV_LOW_UTIL_VIOLATION", "counter", "Throttling duration due to low utilization (in us).",
-              "gpu_throttle_violation_seconds", (("reason", "low_utilization"),), 1e6),
+              "gpu_throttle_violation_seconds", (("reason", "low_utilization"),), 1e6, unit="µs"),
     DcgmField("DCGM_FI_DEV_RELIABILITY_VIOLATION", "counter",
               "Throttling duration due to reliability constraints (in us).", "gpu_throttle_violation_seconds",
-              (("reason", "reliability"),), 1e6),
+              (("reason", "reliability"),), 1e6, unit="µs"),
     DcgmField("DCGM_FI_DEV_NVLINK_CRC_FLIT_ERROR_COUNT_TOTAL", "counter",
               "Total number of NVLink flow-control CRC errors.", "gpu_nvlink_errors", (("counter", "crc"),),
-              sum_over="link"),
+              sum_over="link", unit="errors"),
     DcgmField("DCGM_FI_DEV_NVLINK_REPLAY_ERROR_COUNT_TOTAL", "counter", "Total number of NVLink retries.",
-              "gpu_nvlink_errors", (("counter", "replay"),), sum_over="link"),
+              "gpu_nvlink_errors", (("counter", "replay"),), sum_over="link", unit="errors"),
     DcgmField("DCGM_FI_DEV_NVLINK_RECOVERY_ERROR_COUNT_TOTAL", "counter", "Total number of NVLink recovery errors.",
-              "gpu_nvlink_errors", (("counter", "recovery"),), sum_over="link"),
+              "gpu_nvlink_errors", (("counter", "recovery"),), sum_over="link", unit="errors"),
 )
 
+# The throttle reasons as one bitmask, under today's name and the older one dashboards still use.
+CLOCK_REASON_FAMILIES = ("DCGM_FI_DEV_CLOCKS_EVENT_REASONS", "DCGM_FI_DEV_CLOCK_THROTTLE_REASONS")
 _CLOCK_REASONS_HELP = "Current clock event (throttle) reasons, NVML bitmask."
 _BY_SOURCE: dict[str, tuple[DcgmField, ...]] = {}
 for _f in FIELDS:
@@ -176,18 +184,7 @@ def add_dcgm_families(fams: FamilySet, snap: ExportSnapshot) -> None:
         for (gpu, kept), value in series.items():
             fam.add(value, kept, label_sets[gpu])
     if clock_masks:
-        for name in ("DCGM_FI_DEV_CLOCKS_EVENT_REASONS", "DCGM_FI_DEV_CLOCK_THROTTLE_REASONS"):
+        for name in CLOCK_REASON_FAMILIES:
             fam = fams.get(name, _CLOCK_REASONS_HELP, "gauge")
             for idx, mask in sorted(clock_masks.items()):
                 fam.add(float(mask), (), label_sets[idx])
-
-
-def mapping_rows() -> Iterable[tuple[str, str, str, str]]:
-    """(dcgm name, dcgm type, our series, conversion) — for docs and tests."""
-    for f in FIELDS:
-        sel = ",".join(f'{k}="{v}"' for k, v in f.match)
-        ours = f"gpuhealth_{f.source}"
-        conv = "" if f.scale == 1.0 else f"× {f.scale:g}"
-        if f.sum_over:
-            conv = (conv + f" summed over {f.sum_over}").strip()
-        yield f.name, f.type, f"{ours}{{{sel}}}" if sel else ours, conv

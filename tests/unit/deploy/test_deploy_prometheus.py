@@ -1,5 +1,6 @@
 """Alert rules: promtool accepts them, promtool's unit tests pass, every alert has a case where
-it fires and one where it must not, and every alert has its runbook in docs/alerts.md."""
+it fires and one where it must not, every alert has its runbook in docs/alerts.md, and every code
+and metric an alert names is in the catalogs (src/gpuhealth/catalog/)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,9 @@ from typing import Any
 
 import pytest
 import yaml
+
+from gpuhealth.catalog.findings import code_info, finding_codes
+from gpuhealth.catalog.metrics import metric_families
 
 REPO = Path(__file__).resolve().parents[3]
 PROM = REPO / "deploy" / "prometheus"
@@ -76,27 +80,45 @@ def test_alert_has_severity_annotations_and_runbook_section(alert: str) -> None:
     assert anchor in headings, f"docs/alerts.md has no '## {alert}' section"
 
 
-def documented_codes() -> set[str]:
-    """The finding codes of docs/architecture.md ("Finding codes"); ``xid.<n>`` stands for every XID."""
-    section = (REPO / "docs" / "architecture.md").read_text().split("### Finding codes", 1)[1].split("\n### ", 1)[0]
-    return set(re.findall(r"`([a-z][a-z0-9_]*\.[a-z0-9_<>]+)`", section))
+def _selectors(expr: str, metric: str) -> list[dict[str, tuple[str, str]]]:
+    """Label matchers of every ``metric{...}`` selector in ``expr``: label → (op, value)."""
+    out = []
+    for body in re.findall(re.escape(metric) + r"\{([^}]*)\}", expr):
+        matchers = re.findall(r'(\w+)\s*(=~|!=|!~|=)\s*"([^"]*)"', body)
+        out.append({k: (op, v.replace("\\\\", "\\")) for k, op, v in matchers})
+    return out
 
 
-def _matches(code: str, codes: set[str]) -> bool:
-    return code in codes or (code.startswith("xid.") and code[4:].isdigit() and "xid.<n>" in codes)
-
-
-def test_alerts_route_on_documented_finding_codes() -> None:
-    codes = documented_codes()
-    assert {"ecc.dbe_volatile", "gpu.lost", "xid.<n>"} <= codes, "the code list of docs/architecture.md moved"
+def test_alerts_route_on_catalog_finding_codes_and_can_fire() -> None:
+    """Every code an alert names is in the finding-code catalog, and every selector on
+    gpuhealth_findings matches at least one catalog code with a severity the selector allows."""
+    codes = finding_codes()
+    examples = {c.replace("<n>", "79"): info for c, info in codes.items()}
+    checked = 0
     for a in alerts():
-        for literal in re.findall(r'code="([^"]+)"', a["expr"]):
-            assert _matches(literal, codes), f"{a['alert']}: code {literal!r} is no documented finding code"
-        for pattern in re.findall(r'code=~"([^"]+)"', a["expr"]):
-            regex = re.compile(pattern.replace("\\\\", "\\"))
-            examples = [c.replace("<n>", "79") for c in codes]
-            assert any(regex.fullmatch(c) for c in examples), (
-                f"{a['alert']}: code=~{pattern!r} matches no documented finding code, so it can never fire")
+        for sel in _selectors(a["expr"], "gpuhealth_findings"):
+            candidates = list(examples.items())
+            if "code" in sel:
+                op, value = sel["code"]
+                if op == "=":
+                    assert code_info(value) is not None, f"{a['alert']}: code {value!r} is in no catalog row"
+                    candidates = [(value, code_info(value))]  # type: ignore[list-item]
+                else:
+                    candidates = [(c, i) for c, i in candidates if re.fullmatch(value, c)]
+            if "severity" in sel:
+                op, value = sel["severity"]
+                candidates = [(c, i) for c, i in candidates
+                              if any(re.fullmatch(value, str(s)) for s in i.severities)]
+            assert candidates, f"{a['alert']}: {sel} matches no catalog finding code: it can never fire"
+            checked += 1
+    assert checked >= 8
+
+
+def test_alerts_use_only_catalog_metrics() -> None:
+    families = metric_families()
+    for a in alerts():
+        for name in re.findall(r"\b((?:gpuhealth|process)_[a-z_]+)\b", a["expr"]):
+            assert name in families, f"{a['alert']}: {name} is in no row of src/gpuhealth/catalog/metrics.csv"
 
 
 def test_example_prometheus_config_is_valid_and_names_the_jobs_the_rules_use() -> None:
