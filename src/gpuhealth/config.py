@@ -190,3 +190,6 @@ def load_config(
     if overrides:
         _apply(cfg, {k: {kk: vv for kk, vv in v.items() if vv is not None} for k, v in overrides.items()}, "flags")
     return cfg
+
+
+__all__ = ["AgentConfig", "CollectorsConfig", "Config", "ConfigError", "CoordinatorConfig", "DiagConfig", "load_config"]

@@ -233,3 +233,7 @@ class StepRecord:
             start_time=float(d["start_time"]), wall_s=float(d["wall_s"]),
             compute_s=opt("compute_s"), comm_wait_s=opt("comm_wait_s"),
         )
+
+
+__all__ = ["Action", "Entity", "EntityKind", "Finding", "Health", "MetricKind", "RankIdentity", "Sample", "Severity",
+           "StepRecord", "health_of", "worst_action"]

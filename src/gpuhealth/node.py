@@ -239,3 +239,7 @@ def report_of_snapshot(snap: ExportSnapshot, versions: Mapping[str, Any] | None 
         agent=AgentFacts(driver_version=snap.driver_version, cuda_driver_version=snap.cuda_driver_version,
                          ready=snap.ready, agent_version=snap.version),
     )
+
+
+__all__ = ["AgentFacts", "GpuReport", "NodeReport", "assemble_report", "build_report", "collect_once", "default_kmsg",
+           "open_backend", "report_of_snapshot"]

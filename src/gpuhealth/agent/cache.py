@@ -187,3 +187,6 @@ class Cache:
             findings=tuple(findings),
             collectors=tuple(statuses),
         )
+
+
+__all__ = ["STALE_AFTER_INTERVALS", "Cache"]

@@ -109,3 +109,6 @@ def default_extensions(config: Config) -> list[AgentExtension]:
     if config.diag.enabled:
         extensions.append(_PeriodicDiagnostics(config.diag.interval_s))
     return extensions
+
+
+__all__ = ["default_extensions"]

@@ -161,3 +161,6 @@ class AgentHttpServer:
         self._server.server_close()
         if self._thread is not None:
             self._thread.join(timeout=2.0)
+
+
+__all__ = ["AgentHttpServer", "parse_listen"]

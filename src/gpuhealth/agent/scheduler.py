@@ -228,3 +228,6 @@ class Scheduler:
             overran = self._clock() >= target.next_due
         if overran:  # due again already: dispatch now (else the loop wakes at its due time anyway)
             self._wake.set()
+
+
+__all__ = ["Job", "Scheduler"]

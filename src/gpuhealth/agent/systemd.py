@@ -86,3 +86,6 @@ class SystemdReporter:
 
     def close(self) -> None:
         self.notifier.close()
+
+
+__all__ = ["SystemdReporter", "status_line"]

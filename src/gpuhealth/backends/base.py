@@ -89,3 +89,6 @@ class NvmlBackend(Protocol):
     def wait_xid_events(self, timeout_ms: int) -> list[XidEvent]:
         """Block up to ``timeout_ms`` for XID critical-error events on any GPU."""
         ...
+
+
+__all__ = ["NVLINK_KEYS", "NVLINK_MAX_LINKS", "FieldResult", "NvmlBackend", "XidEvent"]

@@ -262,3 +262,6 @@ def record(out: str | Path, *, reps: int = 20, anonymized: bool = False, sysfs_r
     tmp.write_text(json.dumps(data, indent=1, default=repr))
     tmp.replace(path)
     return data
+
+
+__all__ = ["FORMAT", "Recorder", "anonymize", "record"]

@@ -209,3 +209,8 @@ def thresholds_from(ctx: Any) -> Thresholds:
     if path:
         return _thresholds_file(str(path))
     return default_thresholds()
+
+
+__all__ = ["EccThresholds", "HostThresholds", "InfinibandThresholds", "MemoryThresholds", "NvlinkThresholds",
+           "PcieThresholds", "ThermalThresholds", "Thresholds", "ThresholdsError", "ThrottleThresholds",
+           "default_thresholds", "load_thresholds", "parse_thresholds", "thresholds_from"]

@@ -95,3 +95,6 @@ def xid_info(code: int, catalog: Mapping[int, XidInfo] | None = None) -> XidInfo
         source="gpuhealth default for unknown XIDs",
         known=False,
     )
+
+
+__all__ = ["CatalogError", "XidInfo", "load_xid_catalog", "xid_info"]

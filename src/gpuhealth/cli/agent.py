@@ -26,7 +26,8 @@ def _overrides(listen: str | None, dcgm_compat: bool | None, json_logs: bool | N
               help="Also expose the readings under dcgm-exporter's metric names and labels.")
 @click.option("--json-logs/--text-logs", default=None, help="Log JSON lines instead of text.")
 @click.option("--node-name", help="Node name in reports and dcgm-compat Hostname (default: hostname).")
-@click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default=None)
+@click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default=None,
+              help="Least severe log records written (default: agent.log_level, info).")
 def command(config_file: str | None, listen: str | None, snapshot: str | None, dcgm_compat: bool | None,
             json_logs: bool | None, node_name: str | None, log_level: str | None) -> None:
     """Run the per-node agent: collectors on a schedule, /metrics (Prometheus), /health, /ready."""
@@ -100,3 +101,6 @@ def run_agent(config: Config, reload_config: Any = None) -> int:
         click.echo(f"gpuhealth agent: cannot listen on {config.agent.listen}: {exc.strerror or exc}", err=True)
         agent.stop()
         return 3
+
+
+__all__ = ["command"]

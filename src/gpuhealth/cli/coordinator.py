@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import signal
 import sys
-from pathlib import Path
 
 import click
 
@@ -64,4 +63,4 @@ def _install(loop: asyncio.AbstractEventLoop, stop: asyncio.Event) -> None:
         loop.add_signal_handler(sig, stop.set)
 
 
-__all__ = ["Path", "command"]
+__all__ = ["command"]

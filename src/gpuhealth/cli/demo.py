@@ -219,3 +219,6 @@ def _print_health(health: dict[str, Any], tag: str) -> None:
         codes = ", ".join(f"{f['code']} ({f['severity']})" for f in gpu.get("findings", [])) or "no findings"
         click.echo(f"[{tag}]   GPU {gpu.get('index')} {gpu.get('name', '')} {gpu.get('uuid', '')}: "
                    f"{gpu.get('health')} — {codes}")
+
+
+__all__ = ["command"]

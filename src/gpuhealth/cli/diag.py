@@ -105,9 +105,10 @@ def render(o: DiagOutcome, console: Console) -> None:
 _common = [
     click.option("--device", default="cuda", show_default=True, help="cuda (all GPUs), cuda:N[,cuda:M] or cpu."),
     click.option("--force", is_flag=True, help="Run on GPUs with user processes or out of GPU-time budget."),
-    click.option("--config", "config_path", metavar="FILE", default=None),
-    click.option("--json", "as_json", is_flag=True),
-    click.option("--exit-codes", "profile", type=click.Choice(PROFILE_NAMES), default="default", show_default=True),
+    click.option("--config", "config_path", metavar="FILE", default=None, help="gpuhealth YAML config file."),
+    click.option("--json", "as_json", is_flag=True, help="Print the outcome as JSON."),
+    click.option("--exit-codes", "profile", type=click.Choice(PROFILE_NAMES), default="default", show_default=True,
+                 help="Exit-code dialect: default (0/1/2/3), slurm, npd, nagios."),
 ]
 
 
@@ -125,7 +126,8 @@ def command() -> None:
 @command.command(name="sdc")
 @_with_common
 @click.option("--inject-fault", is_flag=True, help="Self-test: inject bit flips before hashing; all must be caught.")
-@click.option("--repeats", type=click.IntRange(min=1), default=1, show_default=True)
+@click.option("--repeats", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Runs of every case on each GPU (a digest that changes between runs is nondeterministic).")
 @click.option("--record-golden", is_flag=True, help="Store this run's digests as the golden for this environment.")
 @click.option("--peers", type=click.IntRange(min=1), default=1, help="CPU only: identical 'devices' to vote.")
 @click.option("--golden-dir", default=None, help="Golden digest directory (default: config diag.golden_dir).")
@@ -141,8 +143,8 @@ def sdc_cmd(device: str, force: bool, config_path: str | None, as_json: bool, pr
 @command.command(name="busbw")
 @_with_common
 @click.option("--collectives", default=None, help="Comma list (default: all six).")
-@click.option("--max-bytes", type=int, default=1 << 30, show_default=True)
-@click.option("--min-bytes", type=int, default=1 << 20, show_default=True)
+@click.option("--max-bytes", type=int, default=1 << 30, show_default=True, help="Largest message size (bytes).")
+@click.option("--min-bytes", type=int, default=1 << 20, show_default=True, help="Smallest message size (bytes).")
 @click.option("--ranks", type=click.IntRange(min=2), default=2, show_default=True, help="CPU only: Gloo ranks.")
 def busbw_cmd(device: str, force: bool, config_path: str | None, as_json: bool, profile: str,
               collectives: str | None, max_bytes: int, min_bytes: int, ranks: int) -> None:
@@ -164,8 +166,8 @@ def bandwidth_cmd(device: str, force: bool, config_path: str | None, as_json: bo
 @command.command(name="golden")
 @click.option("--export", "export_path", metavar="FILE", default=None, help="Write every stored golden to FILE.")
 @click.option("--import", "import_path", metavar="FILE", default=None, help="Merge a bundle written by --export.")
-@click.option("--golden-dir", default=None)
-@click.option("--config", "config_path", metavar="FILE", default=None)
+@click.option("--golden-dir", default=None, help="Golden digest directory (default: config diag.golden_dir).")
+@click.option("--config", "config_path", metavar="FILE", default=None, help="gpuhealth YAML config file.")
 def golden_cmd(export_path: str | None, import_path: str | None, golden_dir: str | None,
                config_path: str | None) -> None:
     """Share golden SDC digests between nodes (export / import a bundle)."""
@@ -187,3 +189,6 @@ def golden_cmd(export_path: str | None, import_path: str | None, golden_dir: str
                 click.echo(f"{e['key_id']}  {e['key'].get('device')}  {len(e['digests'])} cases  {e.get('source', '')}")
     except (GoldenError, OSError) as exc:
         _fail(str(exc), "default")
+
+
+__all__ = ["command"]

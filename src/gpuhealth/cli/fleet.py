@@ -62,3 +62,6 @@ def command(address: str | None, config_path: str | None, token: str | None, tls
                           f"{', '.join(g['codes'])} → {g['action']}[/red]")
     bad = doc.get("version_drift") or doc.get("sdc") or doc.get("unhealthy_gpus")
     sys.exit(1 if bad else 0)
+
+
+__all__ = ["command"]

@@ -56,3 +56,6 @@ def _render(jobs: list[dict[str, Any]]) -> None:
             console.print(f"[yellow]{j['job_id']}: straggler {c['line']}[/yellow]")
         for v in (j.get("verdicts") or [])[:3]:
             console.print(f"{j['job_id']}: {v.get('summary') or v['kind']}")
+
+
+__all__ = ["command"]

@@ -35,7 +35,8 @@ def _fail(message: str, profile: str) -> None:
 
 
 @click.command(name="qualify")
-@click.option("--level", type=click.Choice(LEVELS), default="quick", show_default=True)
+@click.option("--level", type=click.Choice(LEVELS), default="quick", show_default=True,
+              help="quick (SDC, short probes, ≤ 60 s), standard (more sizes and repeats), full (+ self-test).")
 @click.option("--nvml-snapshot", "snapshot", metavar="FILE", default=None,
               help="Judge a recording or scenario file instead of the live driver (diagnostics are skipped).")
 @click.option("--kmsg", "kmsg_path", metavar="FILE", default=None, help="Kernel-log file to read XIDs from.")
@@ -43,7 +44,8 @@ def _fail(message: str, profile: str) -> None:
 @click.option("--config", "config_path", metavar="FILE", default=None, help="gpuhealth YAML config file.")
 @click.option("--force", is_flag=True, help="Test GPUs that run user processes or are out of GPU-time budget.")
 @click.option("--json", "as_json", is_flag=True, help="Print the verdict as JSON.")
-@click.option("--exit-codes", "profile", type=click.Choice(PROFILE_NAMES), default="default", show_default=True)
+@click.option("--exit-codes", "profile", type=click.Choice(PROFILE_NAMES), default="default", show_default=True,
+              help="Exit-code dialect: default (0/1/2/3), slurm, npd, nagios.")
 def command(level: str, snapshot: str | None, kmsg_path: str | None, expected_gpus: int | None,
             config_path: str | None, force: bool, as_json: bool, profile: str) -> None:
     """Pre-job node qualification with a verdict per GPU and for the node."""
@@ -107,3 +109,6 @@ def render(r: QualifyReport, console: Console) -> None:
     node_reasons: list[Any] = [x for x in r.reasons if not x.startswith("GPU ")]
     for reason in node_reasons:
         console.print(Text(f"  • {reason}"))
+
+
+__all__ = ["command"]

@@ -33,3 +33,6 @@ def command(out: str, reps: int, anonymize: bool) -> None:
     names = sorted({str(d.get("Name", {}).get("value", "?")) for d in devices})
     click.echo(f"wrote {out}: {len(devices)} GPU(s) ({', '.join(names)}), "
                f"driver {data.get('driver', {}).get('value', '?')}, NVML init {data.get('init_s', 0):.3f} s")
+
+
+__all__ = ["command"]

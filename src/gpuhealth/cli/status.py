@@ -143,3 +143,6 @@ def summary(report: NodeReport) -> dict[str, Any]:
     """A one-line-able digest (used by other commands that embed node health)."""
     return {"node": report.node, "health": str(report.health), "action": str(report.action),
             "gpus": len(report.gpus), "findings": len(report.all_findings())}
+
+
+__all__ = ["command"]

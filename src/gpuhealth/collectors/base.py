@@ -172,3 +172,6 @@ class Collector(Protocol):
     def samples(self, obs: Observations, ctx: CollectContext) -> Iterable[Sample]:
         """Pure: metric samples for the exporter."""
         ...
+
+
+__all__ = ["CollectContext", "CollectError", "Collector", "GpuIdentity", "History", "Lane", "Observations"]

@@ -52,3 +52,6 @@ def all_collectors(config: Config | None = None) -> list[Collector]:
             continue
         out.append(_module(name).create())
     return out
+
+
+__all__ = ["COLLECTOR_MODULES", "UnknownCollector", "all_collectors"]

@@ -366,3 +366,6 @@ def enumerate_gpus(backend: NvmlBackend, previous: Sequence[GpuIdentity] = ()) -
             minor=int(minor) if isinstance(minor, int) else (before.minor if before else None),
         ))
     return out
+
+
+__all__ = ["FAILED_CODE", "CollectorRun", "CollectorRunner", "CollectorStatus", "enumerate_gpus", "error_findings"]

@@ -188,3 +188,6 @@ def add_dcgm_families(fams: FamilySet, snap: ExportSnapshot) -> None:
             fam = fams.get(name, _CLOCK_REASONS_HELP, "gauge")
             for idx, mask in sorted(clock_masks.items()):
                 fam.add(float(mask), (), label_sets[idx])
+
+
+__all__ = ["CLOCK_EVENT_BITS", "CLOCK_REASON_FAMILIES", "DCGM_LABELS", "FIELDS", "DcgmField", "add_dcgm_families"]

@@ -72,3 +72,6 @@ def clean_extra_labels(raw: Mapping[str, Mapping[str, str]] | None) -> dict[str,
         if kept:
             out[str(uuid)] = kept
     return out
+
+
+__all__ = ["GPU_LABELS", "RESERVED_LABELS", "Family", "FamilySet", "Labels", "clean_extra_labels"]

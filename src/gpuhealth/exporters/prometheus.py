@@ -301,3 +301,14 @@ def _from_metric(m: Metric) -> Family:
     for s in m.samples:
         fam.series.append(((), tuple(s.labels.items()), s.value))
     return fam
+
+
+__all__ = [
+    "OPENMETRICS_CONTENT_TYPE",
+    "PREFIX",
+    "TEXT_CONTENT_TYPE",
+    "MetricsEndpoint",
+    "SnapshotCollector",
+    "build_families",
+    "encode_text",
+]

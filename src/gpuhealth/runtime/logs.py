@@ -81,3 +81,6 @@ def setup_logging(
     logger.setLevel(numeric if isinstance(numeric, int) else logging.INFO)
     logger.propagate = False
     return handler
+
+
+__all__ = ["LOGGER_NAME", "JsonLinesFormatter", "TextFormatter", "setup_logging"]

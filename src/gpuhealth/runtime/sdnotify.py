@@ -94,3 +94,6 @@ class SystemdNotifier:
         if self._sock is not None:
             self._sock.close()
             self._sock = None
+
+
+__all__ = ["SystemdNotifier"]
