@@ -123,6 +123,9 @@ def _fail(message: str, profile: str) -> None:
               help="Ranks in the job (ranks without a dump are then reported as missing).")
 @click.option("--group", "groups", multiple=True, metavar="NAME=R,R,…",
               help="Members of a process group (Gloo dumps do not record them); repeatable.")
+@click.option("--stacks", "stacks_path", type=click.Path(dir_okay=False, path_type=str), default=None,
+              help="Live stack captures per rank (JSON {rank: capture}, as a coordinator evidence folder's "
+                   "stacks.json); default: PATH/stacks.json when PATH is such a folder.")
 @click.option("--tail", "tail_entries", type=click.IntRange(min=1), default=None,
               help="Read only the newest N entries of each dump (default: automatic for very large jobs).")
 @click.option("--job", "job_id", default=None, help="Live mode: the job to triage through the coordinator.")
@@ -139,8 +142,8 @@ def _fail(message: str, profile: str) -> None:
 @click.option("--exit-codes", "profile", type=click.Choice(PROFILE_NAMES), default="default", show_default=True,
               help="Exit-code dialect: default (0/1/2/3), slurm, npd, nagios.")
 def command(path: str | None, steps: tuple[str, ...], world_size: int | None, groups: tuple[str, ...],
-            tail_entries: int | None, job_id: str | None, address: str | None, token: str | None,
-            config_path: str | None, tls_cert: str | None, tls_key: str | None, tls_ca: str | None,
+            stacks_path: str | None, tail_entries: int | None, job_id: str | None, address: str | None,
+            token: str | None, config_path: str | None, tls_cert: str | None, tls_key: str | None, tls_ca: str | None,
             as_json: bool, profile: str) -> None:
     """Triage a hung or slow job from flight-recorder dumps (PATH: a folder or files)."""
     if job_id or address:
@@ -186,9 +189,16 @@ def command(path: str | None, steps: tuple[str, ...], world_size: int | None, gr
                 _fail(str(exc), profile)
                 return
         step_records, step_problems = read_steps(_expand_steps(steps))
+        if path is not None and stacks_path is None and (Path(path) / "fr").is_dir():
+            # A coordinator evidence folder: the dumps are in fr/, the ranks' stacks beside them.
+            stacks_path = str(Path(path) / "stacks.json") if (Path(path) / "stacks.json").is_file() else None
+            path = str(Path(path) / "fr")
+        stacks, stack_problem = _read_stacks(stacks_path)
+        if stack_problem:
+            step_problems.append(stack_problem)
         from gpuhealth.flightrec.verdict import triage
 
-        rep = triage([path] if path else [], steps=step_records, job=job, tail_entries=tail_entries)
+        rep = triage([path] if path else [], steps=step_records, job=job, tail_entries=tail_entries, stacks=stacks)
         report = rep.to_dict()
         report["notes"] = list(report.get("notes", [])) + step_problems
     if as_json:
@@ -200,6 +210,25 @@ def command(path: str | None, steps: tuple[str, ...], world_size: int | None, gr
     except ValueError:
         health = Health.UNKNOWN
     sys.exit(exit_code(health, profile))
+
+
+MAX_STACKS_BYTES = 256 * 2**20
+
+
+def _read_stacks(path: str | None) -> tuple[dict[str, Any] | None, str]:
+    """The stacks file as {rank: capture}, or (None, why not) — a bad file is a note, never fatal."""
+    if path is None:
+        return None, ""
+    try:
+        p = Path(path)
+        if p.stat().st_size > MAX_STACKS_BYTES:
+            return None, f"{path}: larger than {MAX_STACKS_BYTES >> 20} MiB; stacks not used"
+        doc = json.loads(p.read_text(encoding="utf-8", errors="replace"))
+    except (OSError, ValueError, RecursionError) as exc:
+        return None, f"{path}: not readable as JSON ({exc}); stacks not used"
+    if not isinstance(doc, dict):
+        return None, f"{path}: not a JSON object of rank -> stack capture; stacks not used"
+    return doc, ""
 
 
 def _parse_groups(items: Sequence[str]) -> dict[str, list[int]]:

@@ -57,11 +57,11 @@ def safe_name(text: str) -> str:
     return f"{readable}-{hashlib.sha256(text.encode()).hexdigest()[:12]}"
 
 
-def run_triage(folder: Path, job: Mapping[str, Any]) -> TriageReport:
-    """The flight-recorder analyser on the dumps we got (one parse of each)."""
+def run_triage(folder: Path, job: Mapping[str, Any], stacks: Mapping[int, Any] | None = None) -> TriageReport:
+    """The flight-recorder analyser on the dumps we got (one parse of each), with the ranks' stacks."""
     from gpuhealth.flightrec.verdict import triage
 
-    return triage(str(folder), job=job)
+    return triage(str(folder), job=job, stacks=stacks)
 
 
 def culprit_ranks(report: TriageReport) -> list[int]:
@@ -100,7 +100,7 @@ async def investigate(source: EvidenceSource, job: JobState, *, reason: str, tim
     stacks = {r: a.payload for r, a in sorted(st.answers.items()) if a.ok}
     try:
         job_info = {"job_id": job.job_id, "world_size": job.world_size or None}
-        report = await asyncio.to_thread(run_triage, dump_dir, {k: v for k, v in job_info.items() if v})
+        report = await asyncio.to_thread(run_triage, dump_dir, {k: v for k, v in job_info.items() if v}, stacks)
         error = ""
     except Exception as exc:  # the analyser's own bugs must not lose the evidence we gathered
         error = f"triage failed: {type(exc).__name__}: {exc}"

@@ -4,6 +4,7 @@ is stuck because of it, where the rank was last seen, and the call site when a p
 
 from __future__ import annotations
 
+import dataclasses
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -14,6 +15,7 @@ from gpuhealth.flightrec.groups import GroupView
 from gpuhealth.flightrec.load import Entry, RankDump
 from gpuhealth.flightrec.p2p import P2PMismatch
 from gpuhealth.flightrec.report import RootCause, RootKind
+from gpuhealth.flightrec.stacks import MainThread
 from gpuhealth.flightrec.text import format_ranks
 from gpuhealth.model import Action, Entity, EntityKind, Finding, Severity
 
@@ -94,8 +96,28 @@ def last_seen(dump: RankDump | None) -> dict[str, Any] | None:
 
 def root_findings(root: RootCause, groups: Mapping[str, GroupView], dumps: Mapping[int, RankDump],
                   job: Mapping[str, Any], mismatches: Sequence[Mismatch],
-                  p2p_mismatches: Sequence[P2PMismatch]) -> list[Finding]:
-    """The findings of one root cause (its nested consequences go into the evidence)."""
+                  p2p_mismatches: Sequence[P2PMismatch], mains: Mapping[int, MainThread] | None = None
+                  ) -> list[Finding]:
+    """The findings of one root cause (its nested consequences go into the evidence; a culprit's live
+    stack, when one was captured, too)."""
+    found = _root_findings(root, groups, dumps, job, mismatches, p2p_mismatches)
+    out = []
+    for f in found:
+        rank = f.evidence.get("rank")
+        main = (mains or {}).get(rank) if isinstance(rank, int) else None
+        if main is not None:
+            extra: dict[str, Any] = {"live_stack": main.call_site()}
+            busy = main.in_communication()
+            if busy:
+                extra["live_stack_in"] = f"torch.distributed.{busy}"
+            f = dataclasses.replace(f, evidence={**f.evidence, **extra})
+        out.append(f)
+    return out
+
+
+def _root_findings(root: RootCause, groups: Mapping[str, GroupView], dumps: Mapping[int, RankDump],
+                   job: Mapping[str, Any], mismatches: Sequence[Mismatch],
+                   p2p_mismatches: Sequence[P2PMismatch]) -> list[Finding]:
     view = groups.get(root.group) if root.group else None
     base: dict[str, Any] = {"kind": root.kind.value, "why": root.why, "waiting_ranks": list(root.waiting_ranks),
                             "affected_ranks": list(root.affected_ranks), "consequences": list(root.consequences)}

@@ -21,6 +21,7 @@ from gpuhealth.flightrec.groups import GroupView
 from gpuhealth.flightrec.lag import Laggard
 from gpuhealth.flightrec.p2p import P2PMismatch
 from gpuhealth.flightrec.report import RootCause, RootKind
+from gpuhealth.flightrec.stacks import MainThread
 from gpuhealth.flightrec.text import format_ranks
 
 _NEVER = 1 << 62
@@ -168,3 +169,31 @@ def signature_text(sig: Signature | None) -> str:
     if sig is None:
         return "?"
     return f"{sig.op} {[list(s) for s in sig.in_sizes]} {list(sig.in_dtypes)}"
+
+
+_NOT_POSTED = frozenset({RootKind.HOST_STUCK, RootKind.P2P_UNMATCHED, RootKind.TIMED_OUT})
+
+
+def with_stacks(roots: Sequence[RootCause], mains: Mapping[int, MainThread]) -> None:
+    """Correct roots with live stacks: of several ranks that "never posted" an op, those whose main thread
+    is inside torch.distributed are waiting in communication the flight recorder does not show (Gloo records
+    no send/recv), not stuck on the host — they are consequences, not culprits."""
+    if not mains:
+        return
+    for root in roots:
+        if root.kind not in _NOT_POSTED or len(root.ranks) < 2:
+            continue
+        busy = {r: fn for r in root.ranks if (m := mains.get(r)) is not None and (fn := m.in_communication())}
+        if not busy or len(busy) == len(root.ranks):
+            continue
+        root.ranks = tuple(r for r in root.ranks if r not in busy)
+        root.affected_ranks = tuple(sorted({*root.affected_ranks, *busy}))
+        calls = sorted(set(busy.values()))
+        who = f"rank {root.ranks[0]}" if len(root.ranks) == 1 else f"ranks {format_ranks(root.ranks)}"
+        root.why = (f"{who} never posted {root.what or 'the op'} and "
+                    f"{'is' if len(root.ranks) == 1 else 'are'} not in any communication call: stuck on the host "
+                    f"(Python code, data loading, a sleep, a deadlock outside torch.distributed). Rank(s) "
+                    f"{format_ranks(busy)} never posted it either, but their stacks show them blocked in "
+                    f"torch.distributed ({', '.join(calls)}): waiting in communication the flight recorder did not "
+                    "record (Gloo records no send/recv), held up by the rank(s) above")
+        root.decided_by = "stacks"

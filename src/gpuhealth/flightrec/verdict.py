@@ -21,7 +21,8 @@ from gpuhealth.flightrec.lag import find_laggards, idle_seconds
 from gpuhealth.flightrec.load import LoadResult, RankDump, load_dumps, paused_gc, rank_from_filename
 from gpuhealth.flightrec.p2p import P2PMismatch, find_p2p_mismatches, pending_pairs
 from gpuhealth.flightrec.report import EVIDENCE_GAP_KINDS, HANG_KINDS, RootCause, RootKind, TriageReport, Verdict
-from gpuhealth.flightrec.roots import assemble
+from gpuhealth.flightrec.roots import assemble, with_stacks
+from gpuhealth.flightrec.stacks import main_threads
 from gpuhealth.flightrec.text import format_ranks
 from gpuhealth.flightrec.waits import build_graph, find_hang_roots
 from gpuhealth.model import Finding, Severity, StepRecord
@@ -45,13 +46,16 @@ def triage(
     job: Mapping[str, Any] | None = None,
     tail_entries: int | None = None,
     straggler_config: StragglerConfig | None = None,
+    stacks: Mapping[Any, Any] | None = None,
 ) -> TriageReport:
     """Triage a job. ``source``: a folder, a file, a list of paths, a LoadResult, or {rank: RankDump}.
     ``job``: optional {"job_id", "world_size", "groups": {name: [ranks]}} (Gloo dumps do not record
     group membership). ``tail_entries``: read only the newest entries of each dump (None: decide by
-    total size — whole files up to 512 MiB of dumps, tails above)."""
+    total size — whole files up to 512 MiB of dumps, tails above). ``stacks``: live stack captures per
+    rank (what the coordinator stores in ``stacks.json``), used as evidence next to the dumps."""
     with paused_gc():
-        return _triage(source, steps=steps, job=job, tail_entries=tail_entries, straggler_config=straggler_config)
+        return _triage(source, steps=steps, job=job, tail_entries=tail_entries, straggler_config=straggler_config,
+                       stacks=stacks)
 
 
 def _triage(
@@ -61,17 +65,20 @@ def _triage(
     job: Mapping[str, Any] | None,
     tail_entries: int | None,
     straggler_config: StragglerConfig | None,
+    stacks: Mapping[Any, Any] | None = None,
 ) -> TriageReport:
     job = dict(job or {})
+    mains = main_threads(stacks)
     loaded, tail_used = _load(source, tail_entries)
     dumps = loaded.dumps
     unreadable = _unreadable_ranks(loaded)
     groups, world = build_groups(dumps, job, known_ranks=unreadable)
     analysis = analyse(groups, dumps, unreadable)
     roots = analysis.roots
+    with_stacks(roots, mains)
     findings: list[Finding] = []
     for root in roots:
-        findings += root_findings(root, groups, dumps, job, analysis.mismatches, analysis.p2p_mismatches)
+        findings += root_findings(root, groups, dumps, job, analysis.mismatches, analysis.p2p_mismatches, mains)
     straggler_findings: list[Finding] = []
     if steps:
         straggler_findings += detect_stragglers(steps, straggler_config)

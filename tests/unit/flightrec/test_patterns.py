@@ -322,3 +322,64 @@ def test_torch_analyser_style_records_without_sequence_ids(tmp_path: Path) -> No
     rep = triage(tmp_path)
     assert rep.verdict == "mismatch", rep.summary
     assert sorted(f.evidence["rank"] for f in rep.findings) == [0, 1]
+
+
+# ------------------------------------------------------------------------------------------ stacks
+
+
+def _gloo_pipeline_dumps(tmp_path: Path) -> Path:
+    """Gloo records no send/recv: in a pipeline 0→1→2→3 where rank 1 is stuck on the host, ranks 1, 2 and 3
+    all look like ranks that never posted the next world all_reduce (2 and 3 are blocked in recv)."""
+    ranks = [Rank(r, backend="gloo") for r in range(4)]
+    for step in range(4):
+        for r in ranks:
+            if step == 3 and r.rank != 0:
+                continue
+            r.coll_op(state="scheduled")
+    for r in ranks:
+        for e in r.entries:
+            e["retired"] = True
+    ranks[0].entries[-1]["retired"] = False
+    return _write(tmp_path, ranks)
+
+
+def _hook_stack(*frames: tuple[str, str]) -> dict[str, Any]:
+    return {"source": "hook", "hook": {"threads": [
+        {"main": True, "frames": [{"file": f, "line": 10, "function": fn} for fn, f in frames]}]}}
+
+
+def test_without_stacks_every_rank_that_never_posted_is_named(tmp_path: Path) -> None:
+    rep = triage(_gloo_pipeline_dumps(tmp_path))
+    assert rep.verdict == "hang" and rep.roots[0].ranks == (1, 2, 3), rep.summary
+
+
+def test_stacks_tell_the_stuck_stage_from_the_ranks_blocked_in_recv(tmp_path: Path) -> None:
+    folder = _gloo_pipeline_dumps(tmp_path)
+    recv = ("recv", "/venv/lib/python3.11/site-packages/torch/distributed/distributed_c10d.py")
+    stacks = {"1": _hook_stack(("train", "/job/train.py"), ("load_batch", "/job/data.py"), ("sleep", "/job/data.py")),
+              "2": _hook_stack(("train", "/job/train.py"), recv),
+              3: {"source": "py-spy", "py_spy": [{"thread_name": "MainThread", "frames": [
+                  {"name": "recv", "filename": recv[1], "line": 1}, {"name": "train", "filename": "/job/train.py",
+                                                                      "line": 7}]}]}}
+    rep = triage(folder, stacks=stacks)
+    assert rep.verdict == "hang"
+    assert rep.roots[0].ranks == (1,) and rep.culprits == [1], rep.summary
+    assert set(rep.roots[0].affected_ranks) >= {0, 2, 3}
+    assert "blocked in torch.distributed (recv)" in rep.roots[0].why
+    head = rep.headline
+    assert head is not None and head.evidence["live_stack"][0] == "sleep at /job/data.py:10"
+
+
+def test_an_evidence_folder_is_triaged_with_its_stacks(tmp_path: Path) -> None:
+    import json
+    import subprocess
+    import sys
+
+    _gloo_pipeline_dumps(tmp_path / "ev" / "fr")
+    recv = ("recv", "/x/torch/distributed/distributed_c10d.py")
+    (tmp_path / "ev" / "stacks.json").write_text(json.dumps(
+        {"1": _hook_stack(("sleep", "/job/train.py")), "2": _hook_stack(recv), "3": _hook_stack(recv)}))
+    out = subprocess.run([sys.executable, "-m", "gpuhealth.cli.main", "triage", str(tmp_path / "ev"), "--json"],
+                         capture_output=True, text=True, timeout=120)
+    doc = json.loads(out.stdout)
+    assert doc["verdict"] == "hang" and doc["culprits"] == [1], doc["summary"]
