@@ -36,6 +36,37 @@ def cycle_length(gaps: Sequence[int]) -> int | None:
     return None
 
 
+def order_break(rank: int, gname: str, groups: Mapping[str, GroupView]) -> tuple[str, int, int, int] | None:
+    """Has this rank, since its last collective of ``gname``, run more collectives of another group than it
+    ever ran between two consecutive ones of ``gname``? Then it did not stop where the next one of ``gname``
+    belongs: it skipped it. A rank merely waiting for it is still inside its longest gap.
+
+    Weaker than :func:`ran_past` (it compares with the longest gap, not the gap at the same point of the
+    step) but needs only one gap of history, where ``ran_past`` needs three repeats of the step's pattern:
+    a fault in the second step of a job is judged too. Returns (other group, its last seq, count since,
+    the longest gap) or None."""
+    mine = groups[gname].calls.get(rank, {})
+    anchors = sorted(c.record_id for c in mine.values())
+    if len(anchors) < 2:
+        return None
+    for hname, h in groups.items():
+        if hname == gname:
+            continue
+        calls = h.calls.get(rank, {})
+        theirs = sorted(c.record_id for c in calls.values())
+        if not theirs:
+            continue
+        bounds = [a for a in anchors if a > theirs[0]] if h.oldest_seq.get(rank, 1) > 1 else anchors
+        gaps = [bisect.bisect_left(theirs, hi) - bisect.bisect_right(theirs, lo)
+                for lo, hi in itertools.pairwise(bounds)]
+        if not gaps:
+            continue
+        since = [c for c in calls.values() if c.record_id > anchors[-1]]
+        if len(since) > max(gaps):
+            return hname, max(c.seq for c in since), len(since), max(gaps)
+    return None
+
+
 def ran_past(rank: int, gname: str, seq: int, groups: Mapping[str, GroupView]) -> tuple[str, int, int, int] | None:
     """Did ``rank`` go past the place where collective ``seq`` of ``gname`` belongs in its program?
     Returns (other group, its last seq, count since, the gap's usual count) or None — also when the

@@ -32,7 +32,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from gpuhealth.flightrec.groups import GroupView, P2POp, group_sort_key
-from gpuhealth.flightrec.history import ran_past
+from gpuhealth.flightrec.history import order_break, ran_past
 from gpuhealth.flightrec.p2p import P2PPair
 from gpuhealth.flightrec.report import Blocked, RootCause, RootKind
 from gpuhealth.flightrec.text import format_ranks
@@ -502,6 +502,22 @@ def _cycle_root(groups: Mapping[str, GroupView], graph: WaitGraph, ranks: list[i
         rank = candidates[0]
         return _skipped(groups, graph, rank, blamed[rank], None,
                         "the others in this wait only hold because of it")
+    # Several never posted something: the one whose position across groups breaks its own step pattern
+    # went past the op (a skip); the others are only waiting for it.
+    breaks: dict[int, tuple[Need, tuple[str, int, int, int]]] = {}
+    if 1 < len(candidates) <= MAX_HISTORY_CANDIDATES:
+        for rank in candidates:
+            for n in sorted(blamed[rank], key=lambda x: (_created(graph, x.work) or _NEVER)):
+                if n.work.seq is not None and (hit := order_break(rank, n.work.group, groups)) is not None:
+                    breaks[rank] = (n, hit)
+                    break
+    if len(breaks) == 1:
+        (rank, (need, (other, last, ran, longest))), = breaks.items()
+        how = (f"since its last collective of group {need.work.group} it ran {ran} of group {other} (up to #{last}), "
+               f"more than it ever ran between two of group {need.work.group} before ({longest})")
+        root = _skipped(groups, graph, rank, blamed[rank], need, how)
+        root.decided_by = "order"
+        return root
     history: dict[int, tuple[Need, tuple[str, int, int, int]]] = {}
     if 1 < len(candidates) <= MAX_HISTORY_CANDIDATES:
         for rank in candidates:
