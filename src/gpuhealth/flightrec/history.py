@@ -61,6 +61,9 @@ def order_break(rank: int, gname: str, groups: Mapping[str, GroupView]) -> tuple
                 for lo, hi in itertools.pairwise(bounds)]
         if not gaps:
             continue
+        # What ran before the first anchor is (part of) a gap too: a lower bound, so it only makes a
+        # "break" rarer — with one step of history the longest gap may be that one (the step boundary).
+        gaps.append(bisect.bisect_left(theirs, bounds[0]) if bounds else 0)
         since = [c for c in calls.values() if c.record_id > anchors[-1]]
         if len(since) > max(gaps):
             return hname, max(c.seq for c in since), len(since), max(gaps)
