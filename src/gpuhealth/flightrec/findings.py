@@ -187,9 +187,11 @@ def _message(root: RootCause, rank: int, info: Mapping[str, Any]) -> str:
     if k is RootKind.BEHIND:
         return (f"rank {rank} is behind in group {root.group}: it has not enqueued {what} that rank(s) {waiting} "
                 "ran; nobody waits, so this is likely dump timing")
-    if k is RootKind.GPU_STALL:
+    if k is RootKind.GPU_STALL and root.decided_by == "started":
         return (f"rank {rank} never started its part of {what}, which every other participant posted: its GPU is "
                 f"stuck{also}")
+    if k is RootKind.GPU_STALL:
+        return root.why + also
     if k in (RootKind.DUMP_MISSING, RootKind.DUMP_UNREADABLE):
         left = "left a dump that could not be read" if k is RootKind.DUMP_UNREADABLE else "left no dump"
         return (f"rank {rank} {left} and rank(s) {waiting} wait for it in {what}: it is the prime suspect "

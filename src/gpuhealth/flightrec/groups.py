@@ -117,8 +117,17 @@ def build_groups(dumps: Mapping[int, RankDump], job: Mapping[str, Any] | None = 
     for name, members in cfg_members.items():
         if pg_names.get(name, name) in DEFAULT_GROUP_NAMES or desc.get(name) == "default_pg":
             world = max(world, len(members))
-    top = max([*dumps, *known_ranks], default=-1)
+    # Every rank any pg_config lists exists — even Gloo's unnamed entry (it lists the last group created,
+    # often the world): a rank that left no dump is then known to be missing, not unheard of.
+    listed = max((max(cfg.ranks) for d in dumps.values() for cfg in d.pg_config.values() if cfg.ranks), default=-1)
+    top = max([*dumps, *known_ranks, listed], default=-1)
     world = max(world, top + 1)
+    seen_in = {key: tuple(sorted(per_group[key])) for key in per_group
+               if key not in job_groups and key not in cfg_members
+               and not (pg_names.get(key, key) in DEFAULT_GROUP_NAMES or desc.get(key) == "default_pg")}
+    blocks = _sibling_blocks(seen_in)
+    if not job.get("world_size"):
+        world = max([world, *(max(m) + 1 for m in blocks.values())])
     groups: dict[str, GroupView] = {}
     for key in sorted(set(per_group) | set(job_groups), key=group_sort_key):
         if key in job_groups:
@@ -127,6 +136,8 @@ def build_groups(dumps: Mapping[int, RankDump], job: Mapping[str, Any] | None = 
             members, source = cfg_members[key], "pg_config"
         elif pg_names.get(key, key) in DEFAULT_GROUP_NAMES or desc.get(key) == "default_pg":
             members, source = tuple(range(world)), "world"
+        elif key in blocks:
+            members, source = blocks[key], "siblings"
         else:
             members, source = tuple(sorted(per_group[key])), "entries"
         dumped = tuple(r for r in members if r in dumps)
@@ -137,6 +148,27 @@ def build_groups(dumps: Mapping[int, RankDump], job: Mapping[str, Any] | None = 
             _fill(view, rank, dumps[rank], per_group[key].get(rank, []))
         groups[key] = view
     return groups, world
+
+
+def _sibling_blocks(seen_in: Mapping[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
+    """Groups whose members only the entries tell (Gloo) and that look like a short block of equal siblings:
+    TP groups {0,1} {2,3} {4,5} where only rank 2 of the middle one left a dump. Contiguous blocks of one
+    size k, each starting at a multiple of k, are how torch jobs build subgroups; a group seen with fewer
+    ranks than its siblings, inside such a block, is completed to the block (its other ranks left no dump)."""
+    sizes = [len(m) for m in seen_in.values()]
+    if len(sizes) < 2:
+        return {}
+    k = max(sizes)
+    full = [m for m in seen_in.values() if len(m) == k]
+    blocky = all(m == tuple(range(m[0], m[0] + k)) and m[0] % k == 0 for m in full)
+    if k < 2 or not blocky or len(full) * 2 < len(sizes):
+        return {}
+    out = {}
+    for key, m in seen_in.items():
+        start = m[0] - m[0] % k
+        if len(m) < k and all(start <= r < start + k for r in m):
+            out[key] = tuple(range(start, start + k))
+    return out
 
 
 def _configured_members(dumps: Mapping[int, RankDump]) -> dict[str, set[tuple[int, ...]]]:

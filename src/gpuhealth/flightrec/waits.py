@@ -468,18 +468,28 @@ def _stall_root(groups: Mapping[str, GroupView], graph: WaitGraph, w: Work) -> R
             why += f"; rank(s) {format_ranks(suspects)} never even started it (their GPU is busy or hung)"
         return RootCause(RootKind.GPU_STALL, tuple(suspects or both), why, group=w.group,
                          seq=p.op.entry.p2p_seq if p else None, op=op, waiting_ranks=tuple(both),
-                         created_ns=_created(graph, w), what=what)
+                         created_ns=_created(graph, w), what=what, decided_by="started" if suspects else None)
     assert w.seq is not None
     what, op = describe_work(groups, w)
     not_done = sorted(r for r in g.dumped if g.completed.get(r, 0) < w.seq)
+    finished = sorted(r for r in g.dumped if g.completed.get(r, 0) >= w.seq)
     states = {r: c.state for r in not_done if (c := g.call(r, w.seq)) is not None}
     suspects = _unstarted(states)
-    why = (f"every member enqueued {what} but rank(s) {format_ranks(not_done)} did not complete it: the GPU or "
-           "network side is stuck")
     if suspects:
-        why += f"; rank(s) {format_ranks(suspects)} never even started it (their GPU is busy or hung)"
+        why = (f"every member enqueued {what} but rank(s) {format_ranks(not_done)} did not complete it; rank(s) "
+               f"{format_ranks(suspects)} never even started it (their GPU is busy or hung)")
+        decided = "started"
+    elif finished:
+        why = (f"rank(s) {format_ranks(not_done)} did not complete {what}, which rank(s) {format_ranks(finished)} "
+               "completed: a peer failed in the middle of it (the library ended it with an error there), or the "
+               "dumps were taken a moment apart")
+        decided = "completed_elsewhere"
+    else:
+        why = (f"every member enqueued {what} and none of rank(s) {format_ranks(not_done)} completed it: the GPU or "
+               "network side is stuck")
+        decided = None
     return RootCause(RootKind.GPU_STALL, tuple(suspects or not_done), why, group=w.group, seq=w.seq, op=op,
-                     waiting_ranks=tuple(not_done), created_ns=_created(graph, w), what=what)
+                     waiting_ranks=tuple(not_done), created_ns=_created(graph, w), what=what, decided_by=decided)
 
 
 def _unstarted(states: Mapping[int, str]) -> list[int]:
