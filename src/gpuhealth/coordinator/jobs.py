@@ -29,6 +29,10 @@ class OnlineStragglerDetector(Protocol):
         """Current ``rank.straggler`` findings (empty on a healthy job)."""
         ...
 
+    def resume(self, findings: Iterable[Finding]) -> None:
+        """Continue episodes that were open before a coordinator restart (not announced again)."""
+        ...
+
     def scores(self) -> dict[int, float]:
         """Per-rank slowness score (≈ compute time / cross-rank median; 1.0 is typical)."""
         ...
@@ -67,6 +71,7 @@ class JobState:
     hang_open: bool = False  # a hang verdict was issued and no progress since
     hangs: int = 0
     stragglers: dict[int, Finding] = field(default_factory=dict)
+    episodes_stored: set[int] | None = None  # ranks whose open episode is in the store; None: not read yet
     detector: OnlineStragglerDetector | None = None
     new_detector: Callable[[], OnlineStragglerDetector] | None = None  # a fresh one for a restarted run
     restarts: int = 0

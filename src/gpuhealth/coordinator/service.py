@@ -449,12 +449,23 @@ class Coordinator:
 
     def _update_stragglers(self, job: JobState) -> None:
         assert job.detector is not None
+        if job.episodes_stored is None:
+            # First look at this job since (re)start: episodes it had open were announced already, so
+            # they continue (same onset, no second verdict) until the detector sees clear recovery.
+            restored = self.store.straggler_episodes(job.job_id)
+            job.detector.resume(restored.values())
+            job.stragglers = {**restored, **job.stragglers}
+            job.episodes_stored = set(restored)
         current = {int(f.evidence.get("rank", f.entity.id)): f for f in job.detector.evaluate()}
         for rank, finding in current.items():
             if rank not in job.stragglers:
                 doc = self.straggler_verdict(job, rank, finding)
                 self.record_verdict(job.job_id, "straggler", doc)
                 log.warning("job %s: %s", job.job_id, doc["summary"])
+        if set(current) != job.episodes_stored:
+            with self.store.transaction():
+                self.store.set_straggler_episodes(job.job_id, current, self.clock())
+            job.episodes_stored = set(current)
         job.stragglers = current
 
     def culprit(self, job: JobState, rank: int) -> dict[str, Any]:

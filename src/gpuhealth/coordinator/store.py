@@ -1,5 +1,5 @@
 """The coordinator's SQLite store (WAL): node inventory, acknowledged seqs, step batches, jobs and
-rank placement, current findings per node, SDC digests and verdicts.
+rank placement, current findings per node, SDC digests, verdicts and open straggler episodes.
 
 Durability contract: a record is acknowledged to an agent only after the transaction that wrote it
 *and* moved that agent's acked seq has committed, so a coordinator killed at any point loses no
@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import sqlite3
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -79,6 +79,19 @@ MIGRATIONS: tuple[str, ...] = (
 )
 SCHEMA_VERSION = len(MIGRATIONS)
 
+# Additive tables an older gpuhealth can ignore: created if missing, without a version bump (so the
+# database stays readable by the previous release).
+ADDITIVE: tuple[str, ...] = (
+    # Open straggler episodes per job: a restarted coordinator continues them instead of announcing
+    # the same straggler again.
+    """
+    CREATE TABLE IF NOT EXISTS straggler_episodes (
+        job_id TEXT NOT NULL, rank INTEGER NOT NULL, opened_at REAL NOT NULL, finding_json TEXT NOT NULL,
+        PRIMARY KEY (job_id, rank)
+    )
+    """,
+)
+
 
 class StoreError(RuntimeError):
     """The database cannot be opened or has a schema this version does not understand."""
@@ -135,6 +148,8 @@ class Store:
                 self._db.execute(statement)
             self._db.execute(f"PRAGMA user_version={target + 1}")
             self._db.execute("COMMIT")
+        for statement in ADDITIVE:
+            self._db.execute(statement)
 
     @property
     def schema_version(self) -> int:
@@ -329,6 +344,34 @@ class Store:
                                         " ORDER BY id DESC LIMIT ?", (job_id, limit)).fetchall()
         return [{"id": r[0], "job_id": r[1], "kind": r[2], "created_at": r[3], **json.loads(r[4])} for r in rows]
 
+    # -- straggler episodes ----------------------------------------------------------------------
+
+    def straggler_episodes(self, job_id: str) -> dict[int, Finding]:
+        """The job's open straggler episodes: rank → the finding that opened (or last described) it."""
+        with self._lock:
+            rows = self._db.execute("SELECT rank, finding_json FROM straggler_episodes WHERE job_id=? ORDER BY rank",
+                                    (job_id,)).fetchall()
+        out: dict[int, Finding] = {}
+        for rank, text in rows:
+            try:
+                out[int(rank)] = Finding.from_dict(json.loads(text))
+            except (ValueError, KeyError, TypeError):
+                continue  # a row this version cannot read: the episode is judged afresh
+        return out
+
+    def set_straggler_episodes(self, job_id: str, findings: Mapping[int, Finding], now: float) -> None:
+        """Make the job's open episodes exactly ``findings`` (rank → finding)."""
+        with self._lock:
+            keep = sorted(findings)
+            marks = ",".join("?" * len(keep))
+            self._db.execute(f"DELETE FROM straggler_episodes WHERE job_id=? AND rank NOT IN ({marks})",
+                             (job_id, *keep))
+            for rank in keep:
+                self._db.execute(
+                    "INSERT INTO straggler_episodes (job_id, rank, opened_at, finding_json) VALUES (?,?,?,?)"
+                    " ON CONFLICT(job_id, rank) DO UPDATE SET finding_json=excluded.finding_json",
+                    (job_id, rank, now, json.dumps(findings[rank].to_dict(), default=str)))
+
     # -- retention -------------------------------------------------------------------------------
 
     def prune(self, now: float, *, keep_days: float, keep_steps_hours: float) -> dict[str, int]:
@@ -344,6 +387,7 @@ class Store:
             old_jobs = [r[0] for r in self._db.execute("SELECT job_id FROM jobs WHERE last_seen<?", (before,))]
             for job in old_jobs:
                 self._db.execute("DELETE FROM ranks WHERE job_id=?", (job,))
+                self._db.execute("DELETE FROM straggler_episodes WHERE job_id=?", (job,))
                 self._db.execute("DELETE FROM jobs WHERE job_id=?", (job,))
             removed["jobs"] = len(old_jobs)
         return removed
