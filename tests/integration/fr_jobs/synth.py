@@ -3,12 +3,13 @@
 A random job (world 2-64 = TP x PP x DP, groups named in creation order as torch names them) runs a few
 training steps; one fault of one class is injected on one rank at one step. A small simulator plays the
 job — Gloo: every op blocks the host; NCCL: a step's ops are enqueued at once and the host waits at the
-step's end; an op completes when every participant posted it, in order per group — and each rank's dump is
-written as torch writes it: JSON (``rank<R>.json``) or pickle (``nccl_trace_rank_<R>``), a ring buffer of the
-last entries, Gloo's quirks (no p2p entries, state always "scheduled", a useless pg_config, op-id based
-pg_status) or NCCL's (p2p entries named with group-local ranks, coalesced groups with an end marker,
-"started" and "scheduled" states, durations). The answer (``expected.json``) comes from the injected fault,
-never from the simulation's outcome; see corpus.py for the rules it is judged by.
+step's end; an op completes when every participant posted it and the rank's earlier ops are done — and
+each rank's dump is written as torch writes it: JSON (``rank<R>.json``) or pickle (``nccl_trace_rank_<R>``),
+a ring buffer of the last entries, and the backend's quirks. Gloo: no p2p entries, state always
+"scheduled", a useless pg_config, op-id based pg_status. NCCL: p2p entries named with group-local ranks,
+coalesced groups with an end marker, "started" and "scheduled" states, durations. The answer
+(``expected.json``) comes from the injected fault, never from the simulation's outcome; see corpus.py for
+the rules it is judged by.
 
 Classes (``CLASSES``; Gloo jobs have no pipeline stages, since Gloo records no p2p):
     healthy              no fault; a random extra op each step (none, gather, scatter, uneven all_to_all,
@@ -329,10 +330,11 @@ def play(case: Case) -> Played:
 
 
 def _in_order(prog: list[Op], done: list[bool], i: int) -> bool:
-    """NCCL runs a group's ops in order on its stream (ops of one batch complete together)."""
-    g = prog[i].group
-    return all(done[j] for j in range(i) if prog[j].group is g and not (prog[i].batch and prog[j].batch == prog[i].batch
-                                                                         and prog[j].step == prog[i].step))
+    """NCCL: an op runs once the rank's earlier ops are done. torch's blocking calls make the current stream
+    wait for each op, and every later op's NCCL stream waits for the current stream (ops of one batch or
+    coalescing block run together)."""
+    o = prog[i]
+    return all(done[j] for j in range(i) if not (o.batch and prog[j].batch == o.batch and prog[j].step == o.step))
 
 
 # ------------------------------------------------------------------------------------------ the dumps
@@ -346,7 +348,7 @@ def _entries(case: Case, rank: int, played: Played) -> tuple[list[dict[str, Any]
     seq: dict[int, int] = defaultdict(int)
     p2p: dict[int, int] = defaultdict(int)
     opid: dict[int, int] = defaultdict(int)
-    first_pending: set[int] = set()
+    pending_seen = False  # NCCL: only the rank's first unfinished op has started on its GPU
     out: list[dict[str, Any]] = []
     n_posted = played.posted[rank]
     i = 0
@@ -367,8 +369,8 @@ def _entries(case: Case, rank: int, played: Played) -> tuple[list[dict[str, Any]
             p2p[pg] += 1
         t = T0_NS + op.step * STEP_NS + i * 1_000_000
         finished = all(played.done[rank][k] for k in block)
-        if not finished and pg not in first_pending:
-            first_pending.add(pg)
+        if not finished and not pending_seen:
+            pending_seen = True
             state = "scheduled" if any(prog[k].gpu_stuck for k in block) else "started"
         else:
             state = "completed" if finished else "scheduled"
