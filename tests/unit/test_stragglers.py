@@ -170,7 +170,7 @@ def test_online_detector_memory_is_bounded_when_a_rank_goes_silent() -> None:
         if rec.rank != 3:  # rank 3 stopped reporting: steps never complete
             det.add(rec)
     assert len(det._pending) <= 17
-    assert det._ring.shape == (64, 4)
+    assert det._ring.shape == (4, 64)  # ranks × the last 64 steps
 
 
 def test_records_without_a_split_are_counted_not_guessed() -> None:

@@ -34,6 +34,7 @@ class BudgetedStragglerFeed:
         # change never cuts a run short nor leaves a step fed by some ranks only (the detector would
         # wait for the rest). Keyed by run index (step // run_steps).
         self._sampled: dict[int, bool] = {}
+        self._last_run: int | None = None  # the last run taken
 
     def set_world_size(self, world_size: int) -> None:
         if world_size > 0:
@@ -41,10 +42,18 @@ class BudgetedStragglerFeed:
 
     def sampled(self, step: int) -> bool:
         """Whether ``step`` is (or will be) fed to the detector: whole runs of ``run_steps``."""
-        run = step // self.run_steps
+        return self._run_taken(step // self.run_steps)
+
+    def _run_taken(self, run: int) -> bool:
         take = self._sampled.get(run)
         if take is None:
-            take = self._sampled[run] = run % self.stride == 0
+            # One run in every ``stride``, counted from the last one taken (a stride that moves
+            # between 4 and 5 must not skip runs for longer than either would).
+            last = self._last_run
+            take = last is None or run - last >= self.stride or run < last
+            self._sampled[run] = take
+            if take:
+                self._last_run = run
             if len(self._sampled) > 4096:  # forget the oldest decisions (runs long judged)
                 for old in sorted(self._sampled)[:2048]:
                     del self._sampled[old]
@@ -56,6 +65,16 @@ class BudgetedStragglerFeed:
         n = len(cols)
         if n == 0 or (comp is None and comm is None):
             return  # wall time alone cannot show a straggler
+        # Most batches of a sampled job are not judged: decide from the batch's step range (C-speed
+        # min/max over a list) before any conversion.
+        first, last = min(cols.step) // self.run_steps, max(cols.step) // self.run_steps
+        if last - first <= 64:
+            taken = [self._run_taken(run) for run in range(first, last + 1)]
+            if not any(taken):
+                return
+            whole = all(taken)
+        else:
+            whole = False
         ranks = np.asarray(cols.rank, np.int64)
         # Without a world size the detector would judge a step as soon as its first rank reported
         # (it expects only the ranks seen so far): the highest rank seen bounds the world from below.
@@ -68,16 +87,14 @@ class BudgetedStragglerFeed:
         if comm is not None:
             # NaN compute: derive it from the wait when the hook measured only that.
             values = np.where(np.isnan(values), np.maximum(0.0, wall - np.asarray(comm, np.float64)), values)
-        take = self._take(steps)
-        if not take.all():
+        if not whole:
+            take = self._take(steps)
             ranks, steps, values, wall = ranks[take], steps[take], values[take], wall[take]
         self.detector.add_batch(ranks, steps, values, wall)
 
     def _take(self, steps: np.ndarray) -> np.ndarray:
         uniq = np.unique(steps)
         keep = [s for s in uniq.tolist() if self.sampled(s)]
-        if len(keep) == len(uniq):
-            return np.ones(len(steps), bool)
         return np.isin(steps, np.asarray(keep, np.int64))
 
     def _retune(self, n: int, now: float | None) -> None:

@@ -5,7 +5,7 @@ Per step, each rank's value (larger = slower: compute seconds, or for flight-rec
 time it did not spend waiting) is compared with the median of the *other* ranks in that step — as a
 log ratio (``relative``) or, for durations without start times, as a difference in seconds. Whole-
 job slowdowns (a checkpoint, a long batch) move every rank and cancel here. The per-step comparisons
-of the last ``history`` steps sit in a ring buffer (steps × ranks, float32).
+of the last ``history`` steps sit in a ring buffer (ranks × steps, float32: a window is one slice).
 
 Every few steps the detector evaluates windows of the last 8, 16, … 256 steps at once for all ranks
 (:mod:`gpuhealth.stragglers.stats`): trimmed mean, standard error, persistence. A rank *enters* a
@@ -255,14 +255,14 @@ class StragglerDetector:
             return
         width = max(width, self.world_size or 0)
         cap = max(16, min(self.config.history, _MAX_VALUES // width))
-        ring = np.full((cap, width), np.nan, np.float32)
+        ring = np.full((width, cap), np.nan, np.float32)
         steps = np.zeros(cap, np.int64)
         centre = np.full(cap, np.nan)
         wall = np.full(cap, np.nan)
         keep = min(self._count, self._cap, cap)
         if keep:
             old = np.arange(self._count - keep, self._count)
-            ring[old % cap, : self._width] = self._ring[old % self._cap]
+            ring[: self._width, old % cap] = self._ring[:, old % self._cap]
             steps[old % cap] = self._ring_steps[old % self._cap]
             centre[old % cap] = self._centre[old % self._cap]
             wall[old % cap] = self._wall[old % self._cap]
@@ -318,8 +318,8 @@ class StragglerDetector:
             diff = x - leave_one_out_median(np.where(valid, x, np.nan))
             centre = -float(np.median(x[valid]))  # the other ranks' typical wait
         slot = self._count % self._cap
-        self._ring[slot, : len(diff)] = diff
-        self._ring[slot, len(diff):] = np.nan
+        self._ring[: len(diff), slot] = diff
+        self._ring[len(diff):, slot] = np.nan
         self._ring_steps[slot] = step
         self._centre[slot] = centre
         wall = np.nan
@@ -341,9 +341,12 @@ class StragglerDetector:
         return np.arange(self._count - n, self._count)
 
     def _block(self, n: int) -> np.ndarray:
-        """The last ``n`` closed steps, ranks × steps (time order)."""
-        pos = self._positions(n) % self._cap
-        return np.ascontiguousarray(self._ring[pos].T)
+        """The last ``n`` closed steps, ranks × steps (time order): a view unless the ring wraps."""
+        n = min(n, self._count, self._cap)
+        end = self._count % self._cap or self._cap
+        if end >= n:
+            return self._ring[:, end - n:end]
+        return np.concatenate((self._ring[:, self._cap - (n - end):], self._ring[:, :end]), axis=1)
 
     # ------------------------------------------------------------------------------- evaluation
 
@@ -441,7 +444,7 @@ class StragglerDetector:
         """(positions, values) of ``rank`` over [start_pos, end_pos) still in the ring, finite only."""
         start = max(start_pos, self._count - self._cap, 0)
         pos = np.arange(start, max(start, end_pos))
-        vals = self._ring[pos % self._cap, rank].astype(np.float64) if len(pos) else np.zeros(0)
+        vals = self._ring[rank, pos % self._cap].astype(np.float64) if len(pos) else np.zeros(0)
         ok = np.isfinite(vals)
         return pos[ok], vals[ok]
 
