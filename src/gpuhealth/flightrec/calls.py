@@ -52,15 +52,33 @@ class Signature(NamedTuple):
         op = e.op
         if op in ALL_TO_ALL_OPS or op in UNEVEN_OPS:
             return cls(op, (), _nonempty(e.in_dtypes), (), _nonempty(e.out_dtypes))
-        if op in GATHER_OPS:  # only the root has outputs
-            return cls(op, e.in_sizes, e.in_dtypes, (), ())
-        if op in SCATTER_OPS:  # only the root has inputs
-            return cls(op, (), (), e.out_sizes, e.out_dtypes)
+        if op in GATHER_OPS or op in SCATTER_OPS:
+            sizes, dtypes = per_rank_side(e)
+            return cls(op, sizes, dtypes, (), ())
         return cls(op, e.in_sizes, e.in_dtypes, e.out_sizes, e.out_dtypes)
 
     def to_dict(self) -> dict[str, Any]:
         return {"op": self.op, "input_sizes": [list(s) for s in self.in_sizes], "input_dtypes": list(self.in_dtypes),
                 "output_sizes": [list(s) for s in self.out_sizes], "output_dtypes": list(self.out_dtypes)}
+
+
+def _absent(sizes: tuple[tuple[int, ...], ...], dtypes: tuple[str, ...]) -> bool:
+    """A buffer the rank did not pass: recorded as nothing (Gloo) or an undefined tensor (NCCL: [0],
+    UNKNOWN_SCALAR)."""
+    return not sizes or all(math.prod(s) == 0 for s in sizes) or bool(dtypes and all(d == "UNKNOWN_SCALAR"
+                                                                                    for d in dtypes))
+
+
+def per_rank_side(e: Entry) -> tuple[tuple[tuple[int, ...], ...], tuple[str, ...]]:
+    """Of a gather/scatter, the buffer every rank passes (its own chunk), not the root's list of all chunks.
+    Backends record them differently (Gloo: the root's list as one stacked tensor, the others nothing; NCCL:
+    the root's list as N tensors, the others an undefined one; inputs and outputs swapped between the two for
+    scatter), so: the side that is present, and on the root the smaller of the two."""
+    has_in, has_out = not _absent(e.in_sizes, e.in_dtypes), not _absent(e.out_sizes, e.out_dtypes)
+    use_in = numel(e.in_sizes) <= numel(e.out_sizes) if has_in and has_out else has_in
+    if not (has_in or has_out):
+        return (), ()
+    return (e.in_sizes, e.in_dtypes) if use_in else (e.out_sizes, e.out_dtypes)
 
 
 def _nonempty(dtypes: tuple[str, ...]) -> tuple[str, ...]:

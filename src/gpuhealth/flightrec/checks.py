@@ -137,6 +137,13 @@ def _vote(counts: Counter[CallSignature], seen: Counter[CallSignature]) -> tuple
     familiar = [s for s in top if seen[s] > 0]
     if len(familiar) == 1:
         return familiar[0], "history"
+    # Else the side whose tensors have the shapes and dtypes this group has always moved (a broadcast of
+    # the gradient's shape on one rank, of twice that on the other: the first time this op runs at all).
+    shapes = {(op.in_sizes, op.in_dtypes) for sig in seen for op in sig} | \
+        {(op.out_sizes, op.out_dtypes) for sig in seen for op in sig}
+    known = [s for s in top if all((op.in_sizes, op.in_dtypes) in shapes for op in s)]
+    if len(known) == 1 and not familiar:
+        return known[0], "history"
     return None, "undecided"
 
 

@@ -267,7 +267,8 @@ def _what(mm: Mismatch, got: Signature | None, exp: Signature | None) -> str:
         return "sends and receives element counts that do not balance the group's all_to_all"
     if got is None or exp is None:
         return "disagrees with the group"
-    they = "the others"
+    others = sorted(r for r, s in mm.by_rank.items() if s == exp)
+    they = f"rank(s) {format_ranks(others)}" if 0 < len(others) <= 3 else "the others"
     if mm.decided_by == "undecided":
         other = next((s for s in mm.by_rank.values() if s != got), None)
         if other is not None:

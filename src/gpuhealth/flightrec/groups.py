@@ -39,9 +39,12 @@ class P2POp:
     kind: str  # "send" | "recv"
     entry: Entry
     batch: int  # ops posted together (batch_isend_irecv) share this id
+    batch_done: bool | None = None  # a batch's completion, from its end marker (its ops' states never move)
 
     @property
     def done(self) -> bool:
+        if self.batch_done is not None:
+            return self.batch_done
         return self.entry.retired or self.entry.state == "completed"
 
 
@@ -61,6 +64,7 @@ class GroupView:
     calls: dict[int, dict[int, Call]] = field(default_factory=dict)  # rank -> seq -> call
     oldest_seq: dict[int, int] = field(default_factory=dict)  # oldest loaded seq per rank (ring buffer)
     p2p: dict[int, list[P2POp]] = field(default_factory=dict)  # rank -> its send/recv ops, in order
+    whole_history: dict[int, bool] = field(default_factory=dict)  # rank -> its ring buffer still holds record 0
 
     def pending(self, rank: int) -> bool:
         return self.enqueued.get(rank, 0) > self.completed.get(rank, 0)
@@ -200,19 +204,32 @@ def _fill(view: GroupView, rank: int, dump: RankDump, entries: Sequence[Entry]) 
     p2p: list[P2POp] = []
     batch = -1
     last_p2p_seq: int | None = None
+    open_batch: list[int] = []  # indexes into p2p of the ops since the last end marker
     for e in entries:
-        if e.is_p2p or e.p2p_src is not None or e.p2p_dst is not None or e.op in ("send", "recv"):
+        p2p_like = e.is_p2p or e.p2p_src is not None or e.p2p_dst is not None or e.op in ("send", "recv")
+        if e.op in COALESCED_MARKERS and open_batch and (p2p_like or e.p2p_seq == last_p2p_seq):
+            # The end marker of batch_isend_irecv: NCCL records it as a non-p2p "coalesced" entry that
+            # carries the batch's p2p sequence id, and only it moves to completed — its ops stay scheduled.
+            finished = e.retired or e.state == "completed"
+            for i in open_batch:
+                p2p[i] = dataclasses.replace(p2p[i], batch_done=finished)
+            open_batch, last_p2p_seq = [], None
+            continue
+        if p2p_like:
             if e.op in COALESCED_MARKERS:
                 last_p2p_seq = None
-                continue  # a batch's end marker: its ops are matched one by one
+                continue
             if e.p2p_seq != last_p2p_seq or e.p2p_seq == 0:
                 batch += 1
+                open_batch = []
             last_p2p_seq = e.p2p_seq
             op = _p2p_op(view, rank, e, batch)
             if op is not None:
+                open_batch.append(len(p2p))
                 p2p.append(op)
             continue
         last_p2p_seq = None
+        open_batch = []
         colls.append(e)
     # Records without sequence ids are numbered by position; otherwise ids ≤ 0 are not collectives.
     unnumbered = bool(colls) and all(e.seq <= 0 for e in colls)
@@ -232,6 +249,7 @@ def _fill(view: GroupView, rank: int, dump: RankDump, entries: Sequence[Entry]) 
         view.oldest_seq[rank] = min(calls)
     if p2p:
         view.p2p[rank] = p2p
+    view.whole_history[rank] = bool(dump.entries) and dump.entries[0].record_id == 0 and not dump.tail_only
 
 
 def _positional(entries: Sequence[Entry]) -> list[Entry]:

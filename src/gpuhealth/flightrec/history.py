@@ -36,15 +36,30 @@ def cycle_length(gaps: Sequence[int]) -> int | None:
     return None
 
 
+def _outgrown(gaps: Sequence[int], leading: int, since: int) -> int | None:
+    """The gap that exceeds every one before it — the open one (ops since the last anchor), or the last
+    closed one when the op after it is really the *next* step's (NCCL lets a rank that skipped one post the
+    next, so the skip hides one anchor back) — or None. ``leading``: what ran before the first anchor,
+    a lower bound of a gap. Needs one closed gap to judge the open one, two to judge the last closed one."""
+    if not gaps:
+        return None
+    if since > max([*gaps, leading]):
+        return since
+    if len(gaps) >= 2 and gaps[-1] > max([*gaps[:-1], leading]):
+        return gaps[-1]
+    return None
+
+
 def order_break(rank: int, gname: str, groups: Mapping[str, GroupView]) -> tuple[str, int, int, int] | None:
-    """Has this rank, since its last collective of ``gname``, run more collectives of another group than it
-    ever ran between two consecutive ones of ``gname``? Then it did not stop where the next one of ``gname``
-    belongs: it skipped it. A rank merely waiting for it is still inside its longest gap.
+    """Did this rank, between two consecutive collectives of ``gname`` (or since its last one), run more
+    collectives of another group than in any gap of its history before? Then it did not stop where a
+    collective of ``gname`` belongs: it skipped it. A rank merely waiting for it is still inside its longest
+    gap.
 
     Weaker than :func:`ran_past` (it compares with the longest gap, not the gap at the same point of the
     step) but needs only one gap of history, where ``ran_past`` needs three repeats of the step's pattern:
-    a fault in the second step of a job is judged too. Returns (other group, its last seq, count since,
-    the longest gap) or None."""
+    a fault in the second step of a job is judged too. Returns (other group, its last seq, the gap, the
+    longest gap before it) or None."""
     mine = groups[gname].calls.get(rank, {})
     anchors = sorted(c.record_id for c in mine.values())
     if len(anchors) < 2:
@@ -59,15 +74,35 @@ def order_break(rank: int, gname: str, groups: Mapping[str, GroupView]) -> tuple
         bounds = [a for a in anchors if a > theirs[0]] if h.oldest_seq.get(rank, 1) > 1 else anchors
         gaps = [bisect.bisect_left(theirs, hi) - bisect.bisect_right(theirs, lo)
                 for lo, hi in itertools.pairwise(bounds)]
-        if not gaps:
-            continue
-        # What ran before the first anchor is (part of) a gap too: a lower bound, so it only makes a
-        # "break" rarer — with one step of history the longest gap may be that one (the step boundary).
-        gaps.append(bisect.bisect_left(theirs, bounds[0]) if bounds else 0)
+        leading = bisect.bisect_left(theirs, bounds[0]) if bounds else 0
         since = [c for c in calls.values() if c.record_id > anchors[-1]]
-        if len(since) > max(gaps):
-            return hname, max(c.seq for c in since), len(since), max(gaps)
+        grown = _outgrown(gaps, leading, len(since))
+        if grown is not None:
+            before = max([*(gaps[:-1] if grown != len(since) else gaps), leading])
+            return hname, max(c.seq for c in calls.values()), grown, before
     return None
+
+
+OpKey = tuple[str, ...]  # ("c", group) a collective of a group; ("p", kind, peer) a send/recv to/from a peer
+
+
+def stream_break(rank: int, key: OpKey, groups: Mapping[str, GroupView]) -> tuple[int, int] | None:
+    """:func:`order_break` over everything the rank posted — collectives and send/recv ops alike: since its
+    last op ``key`` (a collective of a group, or a send to / recv from one peer), has it posted more ops than
+    it ever did between two of them? A pipeline stage whose step always held "send to rank 2" and that went
+    on without it breaks here. Returns (ops since, the longest gap) or None."""
+    stream: list[tuple[int, OpKey]] = []
+    for name, g in groups.items():
+        stream += [(c.record_id, ("c", name)) for c in g.calls.get(rank, {}).values()]
+        stream += [(op.entry.record_id, ("p", op.kind, str(op.peer))) for op in g.p2p.get(rank, [])]
+    stream.sort()
+    marks = [i for i, (_, k) in enumerate(stream) if k == key]
+    if len(marks) < 2:
+        return None
+    gaps = [b - a - 1 for a, b in itertools.pairwise(marks)]
+    since = len(stream) - 1 - marks[-1]
+    grown = _outgrown(gaps, marks[0], since)
+    return None if grown is None else (grown, max([*gaps, marks[0]]))
 
 
 def ran_past(rank: int, gname: str, seq: int, groups: Mapping[str, GroupView]) -> tuple[str, int, int, int] | None:

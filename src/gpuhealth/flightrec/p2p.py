@@ -41,29 +41,35 @@ class P2PMismatch:
 
 
 def pending_pairs(view: GroupView) -> list[P2PPair]:
-    """Every pending send/recv of the group with its partner (or None)."""
+    """Every pending send/recv of the group with its partner (or None). The partner may have completed:
+    NCCL finishes a small send without waiting for the receiver, whose mismatched buffer then hangs alone."""
     sends: dict[tuple[int, int], list[P2POp]] = defaultdict(list)
     recvs: dict[tuple[int, int], list[P2POp]] = defaultdict(list)
     any_source: dict[int, list[P2POp]] = defaultdict(list)
     for ops in view.p2p.values():
         for op in ops:
-            if op.done:
-                continue
             if op.kind == "send" and op.peer is not None:
                 sends[(op.rank, op.peer)].append(op)
             elif op.kind == "recv" and op.peer is not None:
                 recvs[(op.peer, op.rank)].append(op)
-            elif op.kind == "recv":
+            elif op.kind == "recv" and not op.done:
                 any_source[op.rank].append(op)
     partner: dict[int, P2POp] = {}
     for key, ss in sends.items():
         rs = recvs.get(key, [])
-        for s, r in zip(ss, rs, strict=False):
+        src, dst = key
+        if view.whole_history.get(src) and view.whole_history.get(dst):
+            pairs = list(zip(ss, rs, strict=False))  # both hold every op since the start: the k-th meets the k-th
+        else:
+            # Older ops fell out of a ring buffer: completed ops were matched by the library, so the
+            # pending ones line up with each other.
+            pairs = list(zip([s for s in ss if not s.done], [r for r in rs if not r.done], strict=False))
+        for s, r in pairs:
             partner[id(s)], partner[id(r)] = r, s
-    # Receives from any source take the oldest unclaimed send to their rank, from any peer.
+    # Receives from any source take the oldest unclaimed pending send to their rank, from any peer.
     for rank, rs in any_source.items():
-        free = sorted((s for (src, dst), ss in sends.items() if dst == rank for s in ss if id(s) not in partner),
-                      key=lambda s: s.entry.created_ns or 0)
+        free = sorted((s for (src, dst), ss in sends.items() if dst == rank for s in ss
+                       if id(s) not in partner and not s.done), key=lambda s: s.entry.created_ns or 0)
         for s, r in zip(free, rs, strict=False):
             partner[id(s)], partner[id(r)] = r, s
     out = []
@@ -87,10 +93,14 @@ def find_p2p_mismatches(view: GroupView, pairs: list[P2PPair]) -> list[P2PMismat
     same pair (else the same kind of op in this group) exchanged before; else both are named."""
     out = []
     history = _history(view)
+    seen: set[int] = set()
     for p in pairs:
-        if p.partner is None or p.op.kind != "send":
+        if p.partner is None:
             continue
-        send, recv = p.op, p.partner
+        send, recv = (p.op, p.partner) if p.op.kind == "send" else (p.partner, p.op)
+        if id(send) in seen:
+            continue
+        seen.add(id(send))
         s_sizes, s_dtypes = _sig(send, "send")
         r_sizes, r_dtypes = _sig(recv, "recv")
         if not s_sizes or not r_sizes or (s_sizes == r_sizes and (s_dtypes == r_dtypes or not r_dtypes)):

@@ -32,7 +32,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from gpuhealth.flightrec.groups import GroupView, P2POp, group_sort_key
-from gpuhealth.flightrec.history import order_break, ran_past
+from gpuhealth.flightrec.history import order_break, ran_past, stream_break
 from gpuhealth.flightrec.p2p import P2PPair
 from gpuhealth.flightrec.report import Blocked, RootCause, RootKind
 from gpuhealth.flightrec.text import format_ranks
@@ -194,6 +194,8 @@ def _p2p_needs(w: Work, batch: Sequence[P2PPair], g: GroupView, heads: Mapping[i
             else:
                 out.append(Need(w, op.peer, "not_posted", p))
             continue
+        if p.partner.done:
+            continue  # the other side finished: this side is not waiting for it (a stall or a mismatch of its own)
         peer = p.partner.rank
         peer_head = heads.get(peer)
         if peer_head is None or not peer_head.is_p2p or peer_head.group != g.name or peer_head.batch != p.partner.batch:
@@ -503,31 +505,34 @@ def _cycle_root(groups: Mapping[str, GroupView], graph: WaitGraph, ranks: list[i
     inside = set(ranks)
     # Who never posted something another member of the cycle waits in (the others merely hold).
     blamed: dict[int, list[Need]] = defaultdict(list)
+    needed: dict[int, list[Need]] = defaultdict(list)
     for w in works:
         for n in graph.needs.get(w, []):
-            if n.why in ("not_posted", "any_source") and n.rank in inside:
-                blamed[n.rank].append(n)
+            if n.rank in inside:
+                needed[n.rank].append(n)
+                if n.why in ("not_posted", "any_source"):
+                    blamed[n.rank].append(n)
     candidates = sorted(blamed)
+    # First, the rank whose own history shows it went past an op the others need from it — whether it never
+    # posted it, or (NCCL: a rank that skips one posts the next step's under the same sequence id) it posted
+    # a misaligned one the others only see as "held".
+    breaks: dict[int, tuple[Need, str]] = {}
+    if len(needed) <= MAX_HISTORY_CANDIDATES:
+        for rank in sorted(needed):
+            for n in sorted(needed[rank], key=lambda x: (_created(graph, x.work) or _NEVER)):
+                how = _break(rank, n, groups)
+                if how:
+                    breaks[rank] = (n, how)
+                    break
+    if len(breaks) == 1:
+        (rank, (need, how)), = breaks.items()
+        root = _skipped(groups, graph, rank, blamed.get(rank) or needed[rank], need, how)
+        root.decided_by = "order"
+        return root
     if len(candidates) == 1:
         rank = candidates[0]
         return _skipped(groups, graph, rank, blamed[rank], None,
                         "the others in this wait only hold because of it")
-    # Several never posted something: the one whose position across groups breaks its own step pattern
-    # went past the op (a skip); the others are only waiting for it.
-    breaks: dict[int, tuple[Need, tuple[str, int, int, int]]] = {}
-    if 1 < len(candidates) <= MAX_HISTORY_CANDIDATES:
-        for rank in candidates:
-            for n in sorted(blamed[rank], key=lambda x: (_created(graph, x.work) or _NEVER)):
-                if n.work.seq is not None and (hit := order_break(rank, n.work.group, groups)) is not None:
-                    breaks[rank] = (n, hit)
-                    break
-    if len(breaks) == 1:
-        (rank, (need, (other, last, ran, longest))), = breaks.items()
-        how = (f"since its last collective of group {need.work.group} it ran {ran} of group {other} (up to #{last}), "
-               f"more than it ever ran between two of group {need.work.group} before ({longest})")
-        root = _skipped(groups, graph, rank, blamed[rank], need, how)
-        root.decided_by = "order"
-        return root
     history: dict[int, tuple[Need, tuple[str, int, int, int]]] = {}
     if 1 < len(candidates) <= MAX_HISTORY_CANDIDATES:
         for rank in candidates:
@@ -562,6 +567,30 @@ def _cycle_root(groups: Mapping[str, GroupView], graph: WaitGraph, ranks: list[i
            "flight recorder holds too little history to pin down")
     return RootCause(RootKind.CIRCULAR, tuple(names), why, group=first.group, seq=first.seq, op=op,
                      waiting_ranks=tuple(ranks), decided_by="undecided", created_ns=_created(graph, first))
+
+
+def _break(rank: int, n: Need, groups: Mapping[str, GroupView]) -> str:
+    """Why ``rank``'s own history says it went past the op ``n`` needs from it ("" when it does not)."""
+    if n.work.seq is not None:
+        hit = order_break(rank, n.work.group, groups)
+        if hit is not None:
+            other, last, ran, longest = hit
+            return (f"since its last collective of group {n.work.group} it ran {ran} of group {other} (up to #{last}), "
+                    f"more than it ever ran between two of group {n.work.group} before ({longest})")
+        key: tuple[str, ...] = ("c", n.work.group)
+        what = f"collective of group {n.work.group}"
+    elif n.p2p is not None:
+        kind = "recv" if n.p2p.op.kind == "send" else "send"
+        key = ("p", kind, str(n.p2p.op.rank))
+        what = f"{kind} {'to' if kind == 'send' else 'from'} rank {n.p2p.op.rank}"
+    else:
+        return ""
+    seen = stream_break(rank, key, groups)
+    if seen is None:
+        return ""
+    since, longest = seen
+    return (f"since its last {what} it posted {since} other op(s), more than it ever did between two of them "
+            f"({longest}): its step went on without it")
 
 
 def _skipped(groups: Mapping[str, GroupView], graph: WaitGraph, rank: int, needs: Sequence[Need], need: Need | None,

@@ -19,16 +19,7 @@ import corpus  # the corpus and its rules, shared with benchmarks/triage_quality
 from gpuhealth.model import Entity, Finding, Severity
 
 # case -> the issue-12 class it stands for. Remove an entry when the analyser gets the case right.
-XFAIL: dict[str, str] = {
-    "nccl_2gpu/hang_skip": "a skipped world all_reduce where the TP group has the world's members: the peer is blamed",
-    "nccl_4gpu/hang_skip": "a skipped world all_reduce early in the job (NCCL): the waiting TP peer is blamed",
-    "nccl_2gpu/scatter_healthy": "gather/scatter: non-root ranks record [[0]] UNKNOWN_SCALAR, read as a dtype mismatch",
-    "nccl_4gpu/scatter_healthy": "gather/scatter: non-root ranks record [[0]] UNKNOWN_SCALAR, read as a dtype mismatch",
-    "nccl_2gpu/send_recv_size_mismatch": "send/recv contents: a recv of [8] against a send of [4] is not compared",
-    "nccl_4gpu/send_recv_size_mismatch": "send/recv contents: a recv of [8] against a send of [4] is not compared",
-    "nccl_4gpu/pipeline_batch_hang": "batched p2p: the rank that left its isend out is not found (a GPU stall instead)",
-    "nccl_4gpu/pipeline_batch_healthy": "batched p2p: a batch's entries stay 'scheduled' for good: read as a GPU stall",
-}
+XFAIL: dict[str, str] = {}
 
 CASES = corpus.discover()
 
