@@ -73,7 +73,7 @@ def _triage(
     dumps = loaded.dumps
     unreadable = _unreadable_ranks(loaded)
     groups, world = build_groups(dumps, job, known_ranks=unreadable)
-    analysis = analyse(groups, dumps, unreadable)
+    analysis = analyse(groups, dumps, unreadable, world)
     roots = analysis.roots
     with_stacks(roots, mains)
     findings: list[Finding] = []
@@ -116,14 +116,14 @@ class Analysis:
     p2p_mismatches: list[P2PMismatch]
 
 
-def analyse(groups: Mapping[str, GroupView], dumps: Mapping[int, RankDump], unreadable: Sequence[int] = ()
-            ) -> Analysis:
+def analyse(groups: Mapping[str, GroupView], dumps: Mapping[int, RankDump], unreadable: Sequence[int] = (),
+            world: int = 0) -> Analysis:
     """Root causes of the job's state, in reading order (see :mod:`gpuhealth.flightrec.roots`)."""
     mismatches = [m for g in groups.values() if (m := find_mismatch(g)) is not None]
     pairs = [p for g in groups.values() for p in pending_pairs(g)]
     p2p_mismatches = [m for g in groups.values() for m in find_p2p_mismatches(g, [p for p in pairs
                                                                                   if p.group == g.name])]
-    graph = build_graph(groups, pairs, dumps, unreadable)
+    graph = build_graph(groups, pairs, dumps, unreadable, world)
     hang_roots = find_hang_roots(groups, graph)
     idle = idle_seconds(dumps)
     laggards = [lg for g in groups.values() for lg in find_laggards(g, idle)]

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from gpuhealth.flightrec.groups import GroupView, P2POp, group_sort_key
 from gpuhealth.flightrec.history import order_break, ran_past, stream_break
 from gpuhealth.flightrec.p2p import P2PPair
-from gpuhealth.flightrec.report import Blocked, RootCause, RootKind
+from gpuhealth.flightrec.report import EVIDENCE_GAP_KINDS, Blocked, RootCause, RootKind
 from gpuhealth.flightrec.text import format_ranks
 
 # Past this many candidate ranks in one cycle, histories are not read (a pipeline-wide cycle): counting decides.
@@ -93,6 +93,7 @@ class WaitGraph:
     dumped: frozenset[int]
     unreadable: frozenset[int]
     reverse: dict[Node, list[Node]] = field(default_factory=dict)
+    absent: frozenset[int] = frozenset()  # ranks of the job with no (readable) dump
     needed_from: dict[int, list[Need]] = field(default_factory=dict)  # rank -> the needs that name it
 
     def edges(self, node: Node) -> list[Node]:
@@ -106,7 +107,7 @@ class WaitGraph:
 
 
 def build_graph(groups: Mapping[str, GroupView], pairs: Sequence[P2PPair], dumped: Iterable[int],
-                unreadable: Iterable[int] = ()) -> WaitGraph:
+                unreadable: Iterable[int] = (), world: int = 0) -> WaitGraph:
     dumped_set = frozenset(dumped)
     heads: dict[int, Work] = {}
     order: dict[int, tuple[int, int | None]] = {}
@@ -147,7 +148,8 @@ def build_graph(groups: Mapping[str, GroupView], pairs: Sequence[P2PPair], dumpe
         peer_head = heads.get(p.partner.rank)
         if peer_head is not None and needs.get(peer_head):
             needs[w].append(Need(w, p.partner.rank, "held", p))
-    graph = WaitGraph(heads, order, needs, dict(waiters), p2p_heads, dumped_set, frozenset(unreadable))
+    graph = WaitGraph(heads, order, needs, dict(waiters), p2p_heads, dumped_set, frozenset(unreadable),
+                      absent=frozenset(set(range(world)) - dumped_set))
     rev: dict[Node, list[Node]] = defaultdict(list)
     for r in heads:
         node: Node = ("r", r)
@@ -305,6 +307,15 @@ def find_hang_roots(groups: Mapping[str, GroupView], graph: WaitGraph) -> list[R
             if root.waiting_ranks in p2p_stalls:
                 continue
             p2p_stalls.add(root.waiting_ranks)
+        same = next((i for i, (r, _) in enumerate(found) if r.kind in EVIDENCE_GAP_KINDS
+                     and root.kind in EVIDENCE_GAP_KINDS and r.ranks == root.ranks), None)
+        if same is not None:
+            # The same missing dump seen from another stuck group: one root, the group a consequence.
+            into, nodes = found[same]
+            into.consequences = tuple(sorted({*into.consequences, *(g for g in (root.group,) if g)} - {into.group},
+                                             key=group_sort_key))
+            nodes += sink.nodes
+            continue
         if root.kind in _MERGEABLE:
             # Several ranks missing from the same op (a pipeline's downstream stages on Gloo, dumps lost
             # from a whole node): one root naming them all.
@@ -477,6 +488,19 @@ def _stall_root(groups: Mapping[str, GroupView], graph: WaitGraph, w: Work) -> R
     finished = sorted(r for r in g.dumped if g.completed.get(r, 0) >= w.seq)
     states = {r: c.state for r in not_done if (c := g.call(r, w.seq)) is not None}
     suspects = _unstarted(states)
+    absent = sorted(graph.absent)
+    if not suspects and not finished and absent and g.membership_source in ("entries", "siblings") \
+            and len(absent) <= max(8, len(g.members)):
+        # Gloo does not record who is in a subgroup: "every member posted" only means every rank that
+        # dumped. A rank with no dump that belongs to it is the likeliest reason nothing completes.
+        unread = [r for r in absent if r in graph.unreadable]
+        kind = RootKind.DUMP_UNREADABLE if unread and len(unread) == len(absent) else RootKind.DUMP_MISSING
+        left = "left a dump that could not be read" if kind is RootKind.DUMP_UNREADABLE else "left no (readable) dump"
+        why = (f"every rank that dumped and is in group {w.group} ({format_ranks(not_done)}) posted {what} and none "
+               f"completed it; the dumps do not record the group's members (Gloo), and rank(s) {format_ranks(absent)} "
+               f"{left}: most likely members that never came (crashed, killed, or stuck before dumping)")
+        return RootCause(kind, tuple(absent), why, group=w.group, seq=w.seq, op=op, waiting_ranks=tuple(not_done),
+                         created_ns=_created(graph, w), what=what, decided_by="membership")
     if suspects:
         why = (f"every member enqueued {what} but rank(s) {format_ranks(not_done)} did not complete it; rank(s) "
                f"{format_ranks(suspects)} never even started it (their GPU is busy or hung)")
