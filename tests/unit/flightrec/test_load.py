@@ -9,12 +9,13 @@ import shutil
 import tempfile
 from pathlib import Path
 
+import pytest
 from frbuild import FIXTURES, dump, entry, training, write_json, write_pickle
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from gpuhealth.flightrec.load import load_dumps, rank_from_filename
-from gpuhealth.flightrec.safe_pickle import UnsafePickleError, loads_plain
+from gpuhealth.flightrec.safe_pickle import SharedReferenceError, UnsafePickleError, loads_plain
 
 GLOO = FIXTURES / "gloo_4rank_hang_skip"
 NCCL = FIXTURES / "nccl_2gpu"
@@ -191,6 +192,31 @@ def test_restricted_unpickler_builds_plain_containers() -> None:
         assert "refused" in str(exc)
     else:
         raise AssertionError("a Path object must be refused")
+
+
+def test_restricted_unpickler_reads_every_committed_pickle_like_pickle_loads() -> None:
+    paths = [p for p in sorted(FIXTURES.rglob("*")) if p.is_file() and p.read_bytes()[:1] == b"\x80"]
+    assert len(paths) >= 10
+    for path in paths:
+        data = path.read_bytes()
+        assert loads_plain(data) == pickle.loads(data), path
+
+
+def test_restricted_unpickler_bounds_what_a_small_pickle_can_build() -> None:
+    # LONG_BINPUT 2^30: the C unpickler sizes its memo array by it (16 GB for these 12 bytes).
+    assert loads_plain(b"\x80\x02N" + b"r" + (1 << 30).to_bytes(4, "little") + b".") is None
+    nested: list[object] = []
+    for _ in range(20):
+        nested = [nested, nested]  # 2^20 leaves as a tree, a few hundred bytes as a pickle
+    with pytest.raises(SharedReferenceError, match="reuses a list of over 256 items"):
+        loads_plain(pickle.dumps(nested))
+    small = [1, 2]  # reused a few times (frbuild shares a shape list between input and output)
+    assert loads_plain(pickle.dumps([small, small])) == [[1, 2], [1, 2]]
+    ranks = list(range(200))
+    with pytest.raises(SharedReferenceError, match="more often than its size allows"):
+        loads_plain(pickle.dumps([ranks] * 5000))
+    with pytest.raises(SharedReferenceError, match="MARKs nested"):
+        loads_plain(b"\x80\x02" + b"(" * 5000 + b".")
 
 
 _JSONISH = st.recursive(
