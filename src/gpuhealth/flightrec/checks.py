@@ -174,7 +174,7 @@ def _all_to_all(view: GroupView, seq: int, calls: Mapping[int, Call],
     changed = sorted(r for r in totals if r in before and before[r] != totals[r])
     if unbalanced and len(unbalanced) * 2 < len(totals):
         culprits, decided_by = tuple(unbalanced), "majority"
-    elif changed and len(changed) * 2 < len(totals) and len(before) == len(totals):
+    elif 0 < len(changed) < len(totals) and len(before) == len(totals):
         culprits, decided_by = tuple(changed), "history"
     else:
         culprits, decided_by = tuple(unbalanced or sorted(totals)), "undecided"

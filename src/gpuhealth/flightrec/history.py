@@ -25,12 +25,12 @@ MAX_CYCLE = 256
 
 def cycle_length(gaps: Sequence[int]) -> int | None:
     """The length p of the repeating gap pattern (gaps newest first): the smallest p that repeats over
-    the WHOLE window read, at least three times; else None — a pattern longer than MAX_CYCLE, a step
+    the WHOLE window read, at least twice; else None — a pattern longer than MAX_CYCLE, a step
     shape that changes (gradient accumulation, an evaluation step), or too little history. Guessing a
     shorter cycle there would compare with a mid-step gap and name a rank that is merely waiting."""
     if not any(gaps):
         return None  # the window never left this group: it may all lie inside one step
-    for p in range(1, min(MAX_CYCLE, len(gaps) // 3) + 1):
+    for p in range(1, min(MAX_CYCLE, len(gaps) // 2) + 1):
         if all(gaps[i] == gaps[i + p] for i in range(len(gaps) - p)):
             return p
     return None
