@@ -1,104 +1,80 @@
-"""Read per-rank flight-recorder dumps into plain, normalized records.
+"""Read per-rank flight-recorder dumps into plain, normalized records — bounded, whatever the input.
 
 JSON first (``_dump_nccl_trace_json`` / ``_dump_fr_trace_json``); pickles (``_dump_nccl_trace`` and
-the dump-on-timeout files) only through :mod:`gpuhealth.flightrec.safe_pickle`. Everything that can
-be wrong with a dump — garbage bytes, a file cut short, an unknown version, a missing field, a
-duplicate rank, a file too large — becomes a :class:`Problem` naming the file; the other files
-still load. Nothing here raises for bad input.
+the dump-on-timeout files) only through :mod:`gpuhealth.flightrec.safe_pickle`. Everything
+that can be wrong with a dump — garbage bytes, a file cut short, an unknown version, a missing
+field, a duplicate rank, a file too large, a hostile file — becomes a :class:`Problem` naming the
+file (and the rank its name carries, so triage knows whose dump is missing); the other files still
+load. Nothing here raises for bad input.
+
+Bounds (whatever a file holds, memory stays a fixed multiple of its size and time linear in it):
+a JSON dump is walked entry by entry (:mod:`gpuhealth.flightrec.jsonstream`), each entry decoded
+from its own slice and normalized at once, at most ``MAX_ENTRIES`` of them; a pickle is read by a
+pure-Python unpickler that refuses globals and reused lists (:mod:`gpuhealth.flightrec.safe_pickle`)
+and normalized within a work budget proportional to its size; values are capped
+(:mod:`gpuhealth.flightrec.normalize`: ``MAX_TENSORS``, ``MAX_DIMS``, ``MAX_FRAMES``, …) and counted
+in one warning line; ranks must be below :data:`MAX_RANKS`.
 
 Format tolerance (FLIGHT_RECORDER.md): versions 2.x; ``nccl_version`` (old) or ``comm_lib_version``;
 ``pg_status`` values as strings (JSON) or ints (pickle); unset timestamps as 0 (JSON) or None
 (pickle); ``process_group`` as a list or a tuple; ``frames`` present (pickle) or not (JSON);
-``entries`` absent when empty; NCCL (``nccl:``) and Gloo (``gloo:``) profiling names.
+``entries`` absent when empty; NCCL (``nccl:``) and Gloo (``gloo:``) profiling names; any-source
+p2p (``recv 1<-?``).
 
 Rank identity comes from the contents when the file says it (a top-level ``rank``, or a
 ``gpuhealth`` block written by our instrument hook) and otherwise from the file name
-(``rank3.json``, ``node7-rank3.json``, ``nccl_trace_rank_3``, ``fr_dump3``); :attr:`RankDump.rank_source`
-says which.
+(``rank3.json``, ``node7-rank3.json``, ``nccl_trace_rank_3``, ``fr_dump3``);
+:attr:`RankDump.rank_source` says which.
 
-Large jobs: with ``tail_entries`` set, a JSON dump is read from its end — the small top-level
-blocks plus only the newest entries, extended until each group's last completed collective is
-covered — so triaging 16,384 ranks does not mean parsing 16,384 × 2,000 entries. Pickles and
-JSON whose layout the tail reader does not recognise are parsed whole (up to ``max_file_bytes``).
+Large jobs: with ``tail_entries`` set, a JSON dump is read from its end (:mod:`gpuhealth.flightrec.jsontail`)
+— the small top-level blocks plus only the newest entries, extended until each group's last completed
+collective is covered — so triaging 16,384 ranks does not mean parsing 16,384 × 2,000 entries.
+Pickles and JSON whose layout the tail reader does not recognise are read whole
+(up to ``max_file_bytes``).
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
 import gc
-import json
 import os
 import re
-import sys
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+import stat
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from gpuhealth.flightrec.jsonstream import MAX_ENTRIES, NOT_AN_OBJECT, DumpReader, JsonBoundsError, JsonSyntaxError
+from gpuhealth.flightrec.jsontail import read_tail
+from gpuhealth.flightrec.normalize import (
+    MAX_RANKS,
+    Normalized,
+    Repairs,
+    WalkBudgetError,
+    entry,
+    entry_fast,
+    entry_slow,
+    int_status,
+    pg_config,
+    text,
+)
+from gpuhealth.flightrec.records import Entry, Frame, GroupConfig, PgStatus
 from gpuhealth.flightrec.safe_pickle import UnsafePickleError, loads_plain
 
+__all__ = [
+    "DEFAULT_MAX_FILE_BYTES", "MAX_RANKS", "DumpError", "Entry", "Frame", "GroupConfig", "LoadResult", "PgStatus",
+    "Problem", "RankDump", "load_dumps", "paused_gc", "rank_from_filename",
+]
+
 DEFAULT_MAX_FILE_BYTES = 1 << 30  # a whole-file parse above this is refused (tail reading still works)
+MAX_PICKLE_BYTES = 256 << 20  # a pickle is unpickled whole: up to ~40× its size in objects
 SUPPORTED_MAJOR = 2
 _SKIP_SUFFIXES = {".jsonl", ".txt", ".log", ".tmp", ".md", ".csv", ".tar", ".gz", ".tgz", ".zip"}
-
-
-@dataclass(frozen=True, slots=True)
-class Frame:
-    name: str
-    filename: str
-    line: int
-
-    def __str__(self) -> str:
-        return f"{self.name} at {self.filename}:{self.line}"
-
-
-@dataclass(slots=True)
-class Entry:
-    """One flight-recorder entry, normalized. Times are ns since the epoch or None (never 0)."""
-
-    record_id: int
-    pg_id: int  # the process-local ProcessGroup uid (NOT the same on every rank)
-    group: str  # the process-group name: the same on every rank, the key to match on
-    group_desc: str
-    seq: int  # collective_seq_id
-    p2p_seq: int
-    op_id: int
-    op: str  # "all_reduce", "_all_gather_base", "send", …
-    backend: str  # "nccl", "gloo", "" (from the profiling name)
-    in_sizes: tuple[tuple[int, ...], ...]
-    in_dtypes: tuple[str, ...]
-    out_sizes: tuple[tuple[int, ...], ...]
-    out_dtypes: tuple[str, ...]
-    state: str  # scheduled | started | completed (Gloo: always scheduled)
-    retired: bool
-    is_p2p: bool
-    created_ns: int | None = None
-    started_ns: int | None = None
-    completed_ns: int | None = None
-    duration_ms: float | None = None
-    timeout_ms: int | None = None
-    frames: tuple[Frame, ...] = ()
-    p2p_src: int | None = None  # group-local ranks of a send/recv ("send 1->2", "recv 2<-1")
-    p2p_dst: int | None = None
-
-    @property
-    def profiling_name(self) -> str:
-        return f"{self.backend}:{self.op}" if self.backend else self.op
-
-
-@dataclass(frozen=True, slots=True)
-class PgStatus:
-    enqueued: int | None
-    started: int | None
-    completed: int | None
-
-
-@dataclass(frozen=True, slots=True)
-class GroupConfig:
-    name: str
-    desc: str
-    ranks: tuple[int, ...] | None  # None when the dump does not say (Gloo records "[]")
+# The top-level blocks the loader reads; any other (nccl_comm_state, …) is skipped unread.
+_TOP_KEYS = frozenset({"version", "comm_lib_version", "nccl_version", "pg_config", "pg_status", "rank", "host",
+                       "gpuhealth", "dump_time_ns"})
+_I64 = 1 << 63
 
 
 @dataclass(slots=True)
@@ -226,16 +202,40 @@ def _load_many_inner(files: Sequence[str], tail_entries: int | None, max_file_by
     hint: dict[str, int] = {}
     for name in files:
         path = Path(name)
-        try:
-            dumps.append(_load_file(path, tail_entries=tail_entries, max_file_bytes=max_file_bytes, problems=problems,
-                                    hint=hint))
-        except (UnsafePickleError, DumpError, OSError) as exc:
-            problems.append(Problem(str(path), str(exc)))
+        with _as_problem(problems, str(path), path.name):
+            kind, st = _sniff_file(path)
+            dumps.append(_load_file(path, kind, st, tail_entries=tail_entries, max_file_bytes=max_file_bytes,
+                                    problems=problems, hint=hint))
     return dumps, problems
 
 
+@contextlib.contextmanager
+def _as_problem(problems: list[Problem], display: str, name: str) -> Iterator[None]:
+    """Whatever goes wrong reading one file becomes one Problem line."""
+    try:
+        yield
+    except (DumpError, UnsafePickleError) as exc:
+        problems.append(_unreadable(display, name, str(exc)))
+    except OSError as exc:
+        problems.append(_unreadable(display, name, f"cannot be read: {exc.strerror or exc}"))
+    except MemoryError:
+        problems.append(_unreadable(display, name, "ran out of memory reading it"))
+    except Exception as exc:  # a bug of ours: still one line, never a traceback
+        problems.append(_unreadable(display, name, f"could not be read: {type(exc).__name__}: {exc} "
+                                                   "(a bug in gpuhealth: please report it)"))
+
+
+def _unreadable(display: str, name: str, message: str) -> Problem:
+    """An error Problem carrying the rank the file's name gives (triage then knows whose dump is
+    unreadable); None when the name has none, or an impossible one."""
+    by_name = rank_from_filename(name)
+    rank = by_name[0] if by_name is not None and by_name[0] < MAX_RANKS else None
+    return Problem(display, message, rank)
+
+
 def rank_from_filename(name: str) -> tuple[int, str | None] | None:
-    """(rank, host or None) from a dump's file name, or None when the name carries no rank."""
+    """(rank, host or None) from a dump's file name, or None when the name carries no rank. The
+    rank may be absurd (``rank9999999999999.json``): the loader refuses ranks ≥ MAX_RANKS."""
     stem = name
     for suffix in (".json", ".pkl", ".pickle", ".bin"):
         if stem.lower().endswith(suffix):
@@ -254,10 +254,18 @@ def rank_from_filename(name: str) -> tuple[int, str | None] | None:
 
 # ----------------------------------------------------------------------------------- file discovery
 
-_RANK_WORD = re.compile(r"^(?P<host>.*?)[._-]*rank[._-]?(?P<rank>\d+)$", re.IGNORECASE)
-_TRAILING_DIGITS = re.compile(r"^(?P<host>.*?)[._-]?(?P<rank>\d+)$")
+_RANK_WORD = re.compile(r"^(?P<host>.*?)[._-]*rank[._-]?(?P<rank>\d{1,30})$", re.IGNORECASE)
+_TRAILING_DIGITS = re.compile(r"^(?P<host>.*?)[._-]?(?P<rank>\d{1,30})$")
 _NOT_HOSTS = {"", "nccl_trace", "nccl_trace_", "fr_trace", "trace", "dump", "fr", "fr_dump", "nccl", "gloo",
               "flight_recorder", "nccl_trace_rank", "host"}
+
+
+def _wanted(name: str) -> bool:
+    """Whether a file may be a dump: not hidden, not a log, steps file or note."""
+    parts = name.replace("\\", "/").split("/")
+    base = parts[-1]
+    return bool(base) and not base.startswith(".") and "__MACOSX" not in parts \
+        and Path(base).suffix.lower() not in _SKIP_SUFFIXES
 
 
 def _expand(paths: Any, result: LoadResult) -> Iterator[Path]:
@@ -268,9 +276,8 @@ def _expand(paths: Any, result: LoadResult) -> Iterator[Path]:
             for root, dirs, names in os.walk(p):
                 dirs[:] = sorted(d for d in dirs if not d.startswith("."))
                 for name in sorted(names):
-                    if name.startswith(".") or Path(name).suffix.lower() in _SKIP_SUFFIXES:
-                        continue
-                    yield Path(root) / name
+                    if _wanted(name):
+                        yield Path(root) / name
         elif p.exists():
             yield p
         else:
@@ -305,55 +312,90 @@ def _copy_frames(target: RankDump, source: RankDump) -> None:
 # ---------------------------------------------------------------------------------- one file
 
 
-def _load_file(path: Path, *, tail_entries: int | None, max_file_bytes: int, problems: list[Problem],
-               hint: dict[str, int] | None = None) -> RankDump:
-    size = path.stat().st_size
-    if size == 0:
+def _sniff_file(path: Path) -> tuple[str, os.stat_result]:
+    st = path.stat()
+    if not stat.S_ISREG(st.st_mode):
+        raise DumpError("not a regular file")
+    if st.st_size == 0:
         raise DumpError("empty file")
     with path.open("rb") as fh:
-        head = fh.read(16)
-    first = head.lstrip()[:1]
-    if first == b"{":
-        fmt = "json"
-    elif head[:1] == b"\x80":
-        fmt = "pickle"
-    else:
-        raise DumpError(f"not a flight-recorder dump (starts with {head[:8]!r}; expected JSON or a pickle)")
-    raw: dict[str, Any] | None = None
-    tail_info: tuple[dict[str, Any], list[Any], bool] | None = None
-    # A tail window that covers the whole file anyway (~200 bytes an entry at least) is read whole:
-    # one json.loads is faster than decoding entry by entry from the end.
+        head = fh.read(512)
+    return _format(head), st
+
+
+def _format(head: bytes) -> str:
+    """"json" or "pickle"; DumpError for anything else."""
+    if head.lstrip()[:1] == b"{":
+        return "json"
+    if head[:1] == b"\x80":
+        return "pickle"
+    raise DumpError(f"not a flight-recorder dump (starts with {head[:8]!r}; expected JSON or a pickle)")
+
+
+def _load_file(path: Path, fmt: str, st: os.stat_result, *, tail_entries: int | None, max_file_bytes: int,
+               problems: list[Problem], hint: dict[str, int] | None = None) -> RankDump:
+    size = st.st_size
+    # A tail window that covers the whole file anyway (~200 bytes an entry at least) is read whole.
     if fmt == "json" and tail_entries is not None and size > 64 * 1024 and tail_entries * 200 < size:
-        tail_info = _read_json_tail(path, size, tail_entries, hint)
-    if tail_info is None:
-        if size > max_file_bytes:
-            raise DumpError(f"file is {size / 2**20:.0f} MiB, over the {max_file_bytes / 2**20:.0f} MiB limit for a "
-                            "whole-file parse (a JSON dump can be read by its tail: use the tail window)")
-        data = path.read_bytes()
-        raw = _parse_json(data) if fmt == "json" else _parse_pickle(data)
-        tail_only = False
-        raw_entries = raw.get("entries") or []
+        try:
+            tail = read_tail(path, size, tail_entries, _TOP_KEYS, hint)
+        except JsonBoundsError as exc:
+            raise DumpError(str(exc)) from exc
+        if tail is not None:
+            return _build(str(path), path.name, fmt, tail[0], "array", tail[1], st.st_mtime_ns, problems)
+    if size > max_file_bytes:
+        raise DumpError(f"file is {size / 2**20:.0f} MiB, over the {max_file_bytes / 2**20:.0f} MiB limit for a "
+                        "whole-file parse (a JSON dump can be read by its tail: use the tail window)")
+    return _load_data(str(path), path.name, path.read_bytes(), st.st_mtime_ns, problems)
+
+
+def _load_data(display: str, name: str, data: bytes, mtime_ns: int | None, problems: list[Problem]) -> RankDump:
+    """One dump from its bytes (a file read whole)."""
+    fmt = _format(data[:512])
+    if fmt == "json":
+        blocks, kind, got = _read_json(data)
     else:
-        raw, raw_entries, tail_only = tail_info
-    return _normalize(path, fmt, raw, raw_entries, tail_only, problems)
+        if len(data) > MAX_PICKLE_BYTES:
+            raise DumpError(f"pickle is {len(data) / 2**20:.0f} MiB, over the {MAX_PICKLE_BYTES >> 20} MiB limit "
+                            "for pickles (read whole into memory); use the JSON dump")
+        blocks, kind, got = _read_pickle(data)
+    return _build(display, name, fmt, blocks, kind, got, mtime_ns, problems)
 
 
-def _parse_json(data: bytes) -> dict[str, Any]:
+def _read_json(data: bytes) -> tuple[dict[str, Any], str, Normalized]:
+    reader = DumpReader(data, _TOP_KEYS)
+    repairs = Repairs()
+    entries: list[Entry] = []
+    append = entries.append
+    bad = 0
     try:
-        obj = json.loads(data)
-    except UnicodeDecodeError as exc:
-        raise DumpError(f"not UTF-8 JSON: {exc}") from exc
-    except ValueError as exc:
+        for item in reader.entries():  # each raw entry is dropped as soon as it is normalized
+            e: Entry | None = None
+            if type(item) is dict:
+                try:
+                    e = entry_fast(item)
+                except (KeyError, TypeError, ValueError, AttributeError, IndexError):
+                    e = None
+                if e is None:
+                    e = entry_slow(item, repairs)
+                    repairs.end_entry()
+            elif item is not NOT_AN_OBJECT:  # pragma: no cover - the reader yields objects or the marker
+                e = None
+            if e is None:
+                bad += 1
+            else:
+                append(e)
+    except JsonSyntaxError as exc:
         raise DumpError(f"broken JSON (file cut short or corrupted?): {exc}") from exc
-    except RecursionError as exc:
-        raise DumpError("JSON nested too deeply") from exc
-    if not isinstance(obj, dict):
-        raise DumpError(f"JSON top level is a {type(obj).__name__}, not an object")
-    _require_dump_keys(obj)
-    return obj
+    except JsonBoundsError as exc:
+        raise DumpError(str(exc)) from exc
+    if reader.entries_kind == "absent" and not any(k in reader.blocks for k in ("version", "pg_status", "pg_config")):
+        keys = ", ".join(reader.keys[:6])
+        raise DumpError(f"not a flight-recorder dump (no version, entries, pg_status or pg_config; keys: {keys})")
+    return reader.blocks, reader.entries_kind, Normalized(entries, bad, repairs)
 
 
-def _parse_pickle(data: bytes) -> dict[str, Any]:
+def _read_pickle(data: bytes) -> tuple[dict[str, Any], str, Normalized]:
     try:
         obj = loads_plain(data)
     except UnsafePickleError:
@@ -362,474 +404,110 @@ def _parse_pickle(data: bytes) -> dict[str, Any]:
         raise DumpError(str(exc)) from exc
     if not isinstance(obj, dict):
         raise DumpError(f"pickle holds a {type(obj).__name__}, not a dump dict")
-    _require_dump_keys(obj)
-    return obj
-
-
-def _require_dump_keys(obj: Mapping[str, Any]) -> None:
     if not any(k in obj for k in ("entries", "version", "pg_status", "pg_config")):
-        keys = ", ".join(sorted(map(str, obj))[:6])
+        keys = ", ".join(k if isinstance(k, str) else type(k).__name__ for k, _ in zip(obj, range(6), strict=False))
         raise DumpError(f"not a flight-recorder dump (no version, entries, pg_status or pg_config; keys: {keys})")
-
-
-# An entry object starts with one of the entry keys (whatever order the writer used).
-_ENTRY_KEY_AT = re.compile(
-    rb'\{"(?:collective_seq_id|record_id|frames|pg_id|process_group|profiling_name|duration_ms|input_dtypes)"'
-)
-_ENTRIES_KEY = re.compile(rb'"entries"\s*:\s*\[')
-
-
-def _read_json_tail(path: Path, size: int, want: int, hint: dict[str, int] | None = None
-                    ) -> tuple[dict[str, Any], list[Any], bool] | None:
-    """(top-level blocks, newest entries, tail_only) read from the end of a JSON dump, or None when
-    the layout is not the one torch writes (sorted keys: "entries" before "pg_status")."""
-    with path.open("rb") as fh:
-        head = fh.read(min(size, 4096))
-        m = _ENTRIES_KEY.search(head)
-        if m is None:
-            return None
+    blocks = {k: obj[k] for k in _TOP_KEYS if k in obj}
+    raw: Any = obj.get("entries")
+    kind = "absent" if raw is None else "array" if isinstance(raw, list | tuple) else type(raw).__name__
+    # The walk may visit about as many items as the file has bytes: shared dicts (allowed: torch
+    # shares stack frames) cannot make it walk more.
+    repairs = Repairs(budget=2 * len(data) + 65536, shared=True)
+    entries: list[Entry] = []
+    bad = 0
+    if kind == "array":
+        if len(raw) > MAX_ENTRIES:
+            raise DumpError(f"{len(raw):,} entries: more than any flight-recorder buffer holds ({MAX_ENTRIES:,})")
+        seen: set[int] = set()
         try:
-            prefix = json.loads(head[: m.start()].rstrip().rstrip(b",") + b"}")
-        except ValueError:
-            return None
-        if not isinstance(prefix, dict):
-            return None
-        entries_start = m.end()
-        # Dumps of one job have the same layout: start from the previous file's suffix size so a
-        # large pg_config (the world's rank list) is read in one go.
-        chunk = max(64 * 1024, (hint or {}).get("suffix", 0) + 16 * 1024) + want * 1024
-        suffix: dict[str, Any] | None = None
-        suffix_len = 0
-        while True:
-            start = max(entries_start, size - chunk)
-            fh.seek(start)
-            buf = fh.read(size - start)
-            if suffix is None:
-                found = _split_suffix(buf, (hint or {}).get("suffix"))
-                if found is None:
-                    if start == entries_start:
-                        return None
-                    chunk *= 4  # a large pg_config (the world's rank list) did not fit yet
-                    continue
-                suffix, cut = found
-                suffix_len = len(buf) - cut
-                if hint is not None:
-                    hint["suffix"] = suffix_len
-            body = buf[: len(buf) - suffix_len]
-            top = {**prefix, **suffix}
-            status = _int_status(top.get("pg_status"))
-            entries: list[Any] = []
-            covered: dict[int, int] = {}
-            done = False
-            pos = 0
-            for pos in _entry_starts_backwards(body, at_array_start=start == entries_start):
-                try:
-                    obj = _decode_at(body, pos)
-                except ValueError:
-                    return None
-                entries.append(obj)
-                if isinstance(obj, dict):
-                    pid = _as_int(obj.get("pg_id"), -1)
-                    seq = _as_int(obj.get("collective_seq_id"), -1)
-                    if pid is not None and seq is not None:
-                        covered[pid] = min(covered.get(pid, seq), seq)
-                if len(entries) >= want and _frontier_covered(status, covered):
-                    done = True
-                    break
-            entries.reverse()
-            if start == entries_start:
-                return top, entries, done and _entry_starts_exist_before(body, pos)
-            if done:
-                return top, entries, True
-            chunk *= 4
+            for item in raw:
+                if type(item) is dict:
+                    if id(item) in seen:
+                        raise DumpError("refused: the pickle lists one entry several times (a flight-recorder dump "
+                                        "never does; reused references can describe far more than the file holds)")
+                    seen.add(id(item))
+                repairs.charge(1)
+                e = entry(item, repairs)
+                if e is None:
+                    bad += 1
+                else:
+                    entries.append(e)
+        except WalkBudgetError as exc:
+            raise DumpError(str(exc)) from exc
+    return blocks, kind, Normalized(entries, bad, repairs)
 
 
-def _entry_starts_backwards(body: bytes, *, at_array_start: bool) -> Iterator[int]:
-    """Offsets of the entry objects in ``body`` (a slice of the entries array), newest first. An
-    entry starts with '{"' + an entry key, after "," or (first entry) "["."""
-    pos = len(body)
-    while True:
-        i = body.rfind(b'{"', 0, pos)
-        if i < 0:
-            return
-        j = i - 1
-        while j >= 0 and body[j] in b" \t\r\n":
-            j -= 1
-        before = body[j : j + 1] if j >= 0 else (b"[" if at_array_start else b"")
-        if before in (b",", b"[") and _ENTRY_KEY_AT.match(body, i):
-            yield i
-        pos = i
-
-
-def _entry_starts_exist_before(body: bytes, pos: int) -> bool:
-    return any(True for _ in _entry_starts_backwards(body[:pos], at_array_start=True))
-
-
-def _decode_at(buf: bytes, pos: int) -> Any:
-    """Decode the one entry object that starts at byte offset ``pos``. Entries nest only lists (and
-    small frame dicts in re-serialized pickles), so the object ends at one of the next "}"."""
-    end = buf.find(b"}", pos)
-    tries = 0
-    while end != -1 and tries < 256:
-        try:
-            return json.loads(buf[pos : end + 1])
-        except ValueError:
-            end = buf.find(b"}", end + 1)
-            tries += 1
-    raise ValueError("unterminated entry")
-
-
-def _split_suffix(buf: bytes, hint: int | None = None) -> tuple[dict[str, Any], int] | None:
-    """(the top-level keys after the entries array, offset of the array's closing "]") or None.
-    ``hint``: the suffix length of a sibling dump, to look there first instead of scanning back
-    through a large pg_config. Only a "]," followed by a known top-level key is tried."""
-    if hint:
-        lo, hi = max(0, len(buf) - hint - 512), len(buf) - hint + 512
-        m = _TOP_KEY_AFTER_ENTRIES.search(buf, lo, hi)
-        if m is not None:
-            parsed = _try_suffix(buf, m.start())
-            if parsed is not None:
-                return parsed, m.start()
-    close = buf.rfind(b'],"')
-    tries = 0
-    while close != -1 and tries < 64:
-        if _TOP_KEY_AFTER_ENTRIES.match(buf, close):
-            parsed = _try_suffix(buf, close)
-            if parsed is not None:
-                return parsed, close
-        close = buf.rfind(b'],"', 0, close)
-        tries += 1
-    return None
-
-
-def _try_suffix(buf: bytes, close: int) -> dict[str, Any] | None:
-    try:
-        suffix = json.loads(b"{" + buf[close + 2:])
-    except ValueError:
-        return None
-    if isinstance(suffix, dict) and ("pg_status" in suffix or "version" in suffix or "pg_config" in suffix):
-        return suffix
-    return None
-
-
-_TOP_KEY_AFTER_ENTRIES = re.compile(
-    rb'\],"(?:nccl_comm_state|pg_config|pg_status|version|comm_lib_version|nccl_version|rank|host|gpuhealth|'
-    rb'dump_time_ns)":'
-)
-
-
-def _frontier_covered(status: Mapping[int, PgStatus], covered: Mapping[int, int]) -> bool:
-    for pid, st in status.items():
-        target = st.completed if st.completed is not None else st.enqueued
-        if target is None or target <= 0:
-            continue
-        if pid not in covered or covered[pid] > max(1, target):
-            return False
-    return True
-
-
-# ------------------------------------------------------------------------------------ normalizing
-
-
-def _normalize(path: Path, fmt: str, raw: Mapping[str, Any], raw_entries: Any, tail_only: bool,
-               problems: list[Problem]) -> RankDump:
-    ident = raw.get("gpuhealth") if isinstance(raw.get("gpuhealth"), dict) else {}
-    rank_val = raw.get("rank", ident.get("rank") if isinstance(ident, dict) else None)
-    by_name = rank_from_filename(path.name)
+def _build(display: str, name: str, fmt: str, top: Mapping[str, Any], entries_kind: str, got: Normalized,
+           mtime_ns: int | None, problems: list[Problem]) -> RankDump:
+    """The RankDump from the top-level blocks and the normalized entries; warnings into problems."""
+    ident: Mapping[str, Any] = top["gpuhealth"] if isinstance(top.get("gpuhealth"), dict) else {}
+    rank_val = top.get("rank", ident.get("rank"))
+    by_name = rank_from_filename(name)
     host: str | None = None
-    if isinstance(rank_val, int) and not isinstance(rank_val, bool) and rank_val >= 0:
+    if type(rank_val) is int and rank_val >= 0:
+        if rank_val >= MAX_RANKS:
+            raise DumpError(f"the dump says it is rank {_big(rank_val)}: ranks above {MAX_RANKS - 1:,} are refused "
+                            f"(MAX_RANKS; no job is that large)")
         rank, source = rank_val, "contents"
-        host_val = raw.get("host", ident.get("host") if isinstance(ident, dict) else None)
-        host = str(host_val) if host_val else (by_name[1] if by_name else None)
+        host = text(top.get("host", ident.get("host")), limit=255) or (by_name[1] if by_name else None)
         if by_name is not None and by_name[0] != rank:
-            problems.append(Problem(str(path), f"file name says rank {by_name[0]} but the contents say rank {rank}; "
-                                               "using the contents", rank=rank, severity="warning"))
+            problems.append(Problem(display, f"file name says rank {_big(by_name[0])} but the contents say rank "
+                                             f"{rank}; using the contents", rank=rank, severity="warning"))
     elif by_name is not None:
+        if by_name[0] >= MAX_RANKS:
+            raise DumpError(f"the file name says rank {_big(by_name[0])}: ranks above {MAX_RANKS - 1:,} are refused "
+                            "(MAX_RANKS; no job is that large)")
         rank, host = by_name
         source = "filename"
     else:
         raise DumpError("cannot tell which rank this dump is from: no 'rank' in the contents and no rank number "
                         "in the file name (name files like rank3.json or node7-rank3.json)")
 
-    version = str(raw.get("version", ""))
+    version = text(top.get("version", ""), limit=64)
     if not version:
-        problems.append(Problem(str(path), "no format version in the dump; reading it as 2.x", rank, "warning"))
+        problems.append(Problem(display, "no format version in the dump; reading it as 2.x", rank, "warning"))
     else:
-        try:
-            major = int(version.split(".")[0])
-        except ValueError:
-            major = -1
+        head = version.split(".")[0]
+        major = int(head) if head.isdigit() and len(head) < 6 else -1
         if major != SUPPORTED_MAJOR:
-            problems.append(Problem(str(path), f"format version {version!r} is not 2.x; read on a best-effort basis",
+            problems.append(Problem(display, f"format version {version!r} is not 2.x; read on a best-effort basis",
                                     rank, "warning"))
-    if raw_entries is None:
-        raw_entries = []
-    if not isinstance(raw_entries, list | tuple):
-        problems.append(Problem(str(path), f"'entries' is a {type(raw_entries).__name__}, not a list; ignored",
-                                rank, "warning"))
-        raw_entries = []
-    entries: list[Entry] = []
-    bad = 0
-    for item in raw_entries:
-        e = _entry(item)
-        if e is None:
-            bad += 1
-        else:
-            entries.append(e)
-    if bad:
-        what = f"{bad} malformed entr{'y' if bad == 1 else 'ies'} skipped"
-        problems.append(Problem(str(path), what, rank, "warning"))
+    if entries_kind not in ("array", "absent"):
+        problems.append(Problem(display, f"'entries' is a {entries_kind}, not a list; ignored", rank, "warning"))
+    entries = got.entries
+    if got.bad:
+        what = f"{got.bad} malformed entr{'y' if got.bad == 1 else 'ies'} skipped"
+        problems.append(Problem(display, what, rank, "warning"))
+    repairs = got.repairs
+    try:
+        groups = pg_config(top.get("pg_config"), repairs)
+        status = int_status(top.get("pg_status"), repairs)
+    except WalkBudgetError as exc:
+        raise DumpError(str(exc)) from exc
+    for message in repairs.messages():
+        problems.append(Problem(display, message, rank, "warning"))
     entries.sort(key=lambda e: e.record_id)
     backends = {e.backend for e in entries if e.backend}
-    comm = str(raw.get("comm_lib_version") or raw.get("nccl_version") or "")
+    comm = text(top.get("comm_lib_version") or top.get("nccl_version"), limit=64)
     if len(backends) == 1:
         backend = next(iter(backends))
     elif backends:
         backend = "mixed"
     else:
         backend = "nccl" if comm else "unknown"
-    dump_time = ident.get("dump_time_ns") if isinstance(ident, dict) else None
-    dump_time = raw.get("dump_time_ns", dump_time)
     dump = RankDump(
-        rank=rank, rank_source=source, path=str(path), format=fmt, version=version, backend=backend,
-        comm_lib_version=comm, host=host, pg_config=_pg_config(raw.get("pg_config")),
-        pg_status=_int_status(raw.get("pg_status")), entries=entries, tail_only=tail_only,
+        rank=rank, rank_source=source, path=display, format=fmt, version=version, backend=backend,
+        comm_lib_version=comm, host=host, pg_config=groups, pg_status=status, entries=entries,
+        tail_only=got.tail_only,
     )
-    if isinstance(dump_time, int) and dump_time > 0:
+    dump_time = top.get("dump_time_ns", ident.get("dump_time_ns"))
+    if type(dump_time) is int and 0 < dump_time < _I64:
         dump.dump_time_ns, dump.dump_time_source = dump_time, "contents"
-    else:
-        try:
-            dump.dump_time_ns, dump.dump_time_source = path.stat().st_mtime_ns, "mtime"
-        except OSError:
-            pass
+    elif mtime_ns is not None:
+        dump.dump_time_ns, dump.dump_time_source = mtime_ns, "mtime"
     return dump
 
 
-def _as_int(v: Any, default: int | None = None) -> int | None:
-    if type(v) is int:
-        return v
-    if v is None or isinstance(v, bool):
-        return default
-    if isinstance(v, int):
-        return int(v)
-    try:
-        return int(str(v).strip())
-    except ValueError:
-        try:
-            return int(float(str(v)))
-        except (ValueError, OverflowError):
-            return default
-
-
-def _time(v: Any) -> int | None:
-    t = _as_int(v)
-    return t if t else None  # JSON writes 0 for "unset", pickle None
-
-
-def _sizes(v: Any) -> tuple[tuple[int, ...], ...]:
-    if not isinstance(v, list | tuple):
-        return ()
-    try:  # the common case: a list of lists of ints
-        fast = tuple(tuple(shape) for shape in v)
-        if all(type(x) is int for shape in fast for x in shape):
-            return _shared(fast)
-    except TypeError:
-        pass
-    out = []
-    for shape in v:
-        if isinstance(shape, list | tuple):
-            out.append(tuple(int(x) if isinstance(x, int) and not isinstance(x, bool) else -1 for x in shape))
-        elif isinstance(shape, int):
-            out.append((shape,))
-    return tuple(out)
-
-
-def _strs(v: Any) -> tuple[str, ...]:
-    if not isinstance(v, list | tuple):
-        return ()
-    return _shared(tuple(sys.intern(str(x)) for x in v))
-
-
-# Millions of entries repeat a handful of shapes, dtypes and names: share one object for each
-# (a third of the memory of a whole-history load). Bounded so hostile input cannot grow it.
-_SHARED: dict[Any, Any] = {}
-_SHARED_MAX = 65536
-
-
-def _shared(value: Any) -> Any:
-    got = _SHARED.get(value)
-    if got is not None:
-        return got
-    if len(_SHARED) < _SHARED_MAX:
-        _SHARED[value] = value
-    return value
-
-
-def _name(v: Any) -> str:
-    return sys.intern(str(v)) if v is not None else ""
-
-
-def _entry(item: Any) -> Entry | None:
-    """Normalize one raw entry; None when it is not an entry at all."""
-    if type(item) is dict:
-        try:
-            fast = _entry_fast(item)
-        except (KeyError, TypeError, ValueError, AttributeError, IndexError):
-            fast = None
-        if fast is not None:
-            return fast
-    return _entry_slow(item)
-
-
-# (profiling_name, group name, group desc) -> (backend, op, p2p_src, p2p_dst, group, desc)
-_NAMES: dict[tuple[str, str, str], tuple[str, str, int | None, int | None, str, str]] = {}
-
-
-def _entry_fast(item: dict[str, Any]) -> Entry | None:
-    """The common case — an entry exactly as torch writes it — without per-field fallbacks.
-    Returns None (or raises) on anything unusual; :func:`_entry_slow` then handles it."""
-    seq, rid, pg_id = item["collective_seq_id"], item["record_id"], item["pg_id"]
-    if type(seq) is not int or type(rid) is not int or type(pg_id) is not int:
-        return None
-    pg = item["process_group"]
-    key = (item["profiling_name"], pg[0], pg[1])
-    names = _NAMES.get(key)
-    if names is None:
-        if not all(type(k) is str for k in key):
-            return None
-        slow = _entry_slow(item)
-        if slow is None:
-            return None
-        names = (slow.backend, slow.op, slow.p2p_src, slow.p2p_dst, slow.group, slow.group_desc)
-        if len(_NAMES) < _SHARED_MAX:
-            _NAMES[key] = names
-    backend, op, p2p_src, p2p_dst, group, desc = names
-    state = item["state"]
-    created, started, completed = (item["time_created_ns"], item["time_discovered_started_ns"],
-                                   item["time_discovered_completed_ns"])
-    dur = item.get("duration_ms")
-    if not (type(state) is str and type(created) is int and (started is None or type(started) is int)
-            and (completed is None or type(completed) is int) and (dur is None or type(dur) in (int, float))
-            and "frames" not in item):
-        return None
-    timeout = item.get("timeout_ms")
-    return Entry(
-        record_id=rid, pg_id=pg_id, group=group, group_desc=desc, seq=seq,
-        p2p_seq=_as_int(item.get("p2p_seq_id"), 0) or 0, op_id=_as_int(item.get("op_id"), 0) or 0, op=op,
-        backend=backend, in_sizes=_sizes(item["input_sizes"]), in_dtypes=_strs(item["input_dtypes"]),
-        out_sizes=_sizes(item["output_sizes"]), out_dtypes=_strs(item["output_dtypes"]),
-        state=sys.intern(state or "scheduled"), retired=bool(item.get("retired", False)),
-        is_p2p=bool(item.get("is_p2p", False)), created_ns=created or None, started_ns=started or None,
-        completed_ns=completed or None, duration_ms=None if dur is None else float(dur),
-        timeout_ms=timeout if type(timeout) is int else _as_int(timeout), frames=(), p2p_src=p2p_src,
-        p2p_dst=p2p_dst,
-    )
-
-
-def _entry_slow(item: Any) -> Entry | None:
-    if not isinstance(item, dict):
-        return None
-    pname = str(item.get("profiling_name") or "")
-    backend, _, op = pname.partition(":")
-    backend = sys.intern(backend)
-    if not op:
-        backend, op = "", pname
-    p2p_src = p2p_dst = None
-    op, _, meta = op.partition(" ")
-    if meta:
-        m = _P2P_META.match(meta.strip())
-        if m:
-            if m.group(2) == "->":
-                p2p_src, p2p_dst = int(m.group(1)), int(m.group(3))
-            else:
-                p2p_dst, p2p_src = int(m.group(1)), int(m.group(3))
-    pg = item.get("process_group")
-    pg_id = _as_int(item.get("pg_id"), -1)
-    if isinstance(pg, list | tuple) and pg:
-        group, desc = _name(pg[0]), _name(pg[1]) if len(pg) > 1 else ""
-    elif isinstance(pg, dict):
-        group, desc = str(pg.get("name", pg_id)), str(pg.get("desc", ""))
-    else:
-        group, desc = str(pg_id), ""
-    seq = _as_int(item.get("collective_seq_id"))
-    record_id = _as_int(item.get("record_id"))
-    if seq is None or record_id is None:
-        return None
-    dur = item.get("duration_ms")
-    try:
-        duration = float(dur) if dur is not None and not isinstance(dur, bool) else None
-    except (TypeError, ValueError):
-        duration = None
-    frames_raw = item.get("frames")
-    frames: tuple[Frame, ...] = ()
-    if isinstance(frames_raw, list | tuple):
-        frames = tuple(
-            Frame(str(f.get("name", "?")), str(f.get("filename", "?")), _as_int(f.get("line"), 0) or 0)
-            for f in frames_raw if isinstance(f, dict)
-        )
-    return Entry(
-        record_id=record_id, pg_id=pg_id if pg_id is not None else -1, group=group, group_desc=desc, seq=seq,
-        p2p_seq=_as_int(item.get("p2p_seq_id"), 0) or 0, op_id=_as_int(item.get("op_id"), 0) or 0,
-        op=sys.intern(op),
-        backend=backend, in_sizes=_sizes(item.get("input_sizes")), in_dtypes=_strs(item.get("input_dtypes")),
-        out_sizes=_sizes(item.get("output_sizes")), out_dtypes=_strs(item.get("output_dtypes")),
-        state=sys.intern(str(item.get("state") or "scheduled")), retired=bool(item.get("retired", False)),
-        is_p2p=bool(item.get("is_p2p", False)), created_ns=_time(item.get("time_created_ns")),
-        started_ns=_time(item.get("time_discovered_started_ns")),
-        completed_ns=_time(item.get("time_discovered_completed_ns")), duration_ms=duration,
-        timeout_ms=_as_int(item.get("timeout_ms")), frames=frames, p2p_src=p2p_src, p2p_dst=p2p_dst,
-    )
-
-
-_P2P_META = re.compile(r"^(\d+)\s*(->|<-)\s*(\d+)$")
-
-
-def _int_status(v: Any) -> dict[int, PgStatus]:
-    out: dict[int, PgStatus] = {}
-    if not isinstance(v, dict):
-        return out
-    for key, st in v.items():
-        pid = _as_int(key)
-        if pid is None or not isinstance(st, dict):
-            continue
-        out[pid] = PgStatus(
-            enqueued=_as_int(st.get("last_enqueued_collective")),
-            started=_as_int(st.get("last_started_collective")),
-            completed=_as_int(st.get("last_completed_collective")),
-        )
-    return out
-
-
-def _pg_config(v: Any) -> dict[str, GroupConfig]:
-    out: dict[str, GroupConfig] = {}
-    if not isinstance(v, dict):
-        return out
-    for key, cfg in v.items():
-        if not isinstance(cfg, dict):
-            continue
-        ranks = _parse_ranks(cfg.get("ranks"))
-        name = str(cfg.get("name", key) or key)
-        out[str(key)] = GroupConfig(name=name, desc=str(cfg.get("desc", "")), ranks=ranks or None)
-    return out
-
-
-@functools.lru_cache(maxsize=64)
-def _parse_rank_string(v: str) -> tuple[int, ...]:
-    # Every rank's dump repeats the world group's list (16,384 numbers at 16k ranks): parse it once.
-    return tuple(int(x) for x in re.findall(r"\d+", v))
-
-
-def _parse_ranks(v: Any) -> tuple[int, ...]:
-    # Real dumps write the list as a string ("[0, 1]"); never eval it.
-    if isinstance(v, str):
-        return _parse_rank_string(v)
-    if isinstance(v, list | tuple):
-        items: Iterable[Any] = v
-    else:
-        return ()
-    out = []
-    for x in items:
-        i = _as_int(x)
-        if i is not None and i >= 0:
-            out.append(i)
-    return tuple(out)
+def _big(n: int) -> str:
+    """A number for a message; a huge one (no str() past 4,300 digits) as its size."""
+    return f"{n:,}" if n.bit_length() <= 64 else f"≈2^{n.bit_length() - 1}"

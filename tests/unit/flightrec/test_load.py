@@ -124,6 +124,9 @@ def test_bad_files_become_problems_and_the_rest_loads(tmp_path: Path) -> None:
     assert "cannot tell which rank" in msgs["mystery.json"]
     assert "2 malformed entries skipped" in msgs["rank6.json"]
     assert len(res.dumps[6].entries) == 2
+    # A file named as a rank's dump that cannot be read says whose dump it was.
+    assert {Path(p.path).name: p.rank for p in res.problems if p.severity == "error"} == {
+        "rank1.json": 1, "rank2.json": 2, "rank3.json": 3, "rank4.json": 4, "rank5.pkl": 5, "mystery.json": None}
 
 
 def test_duplicate_rank_is_reported(tmp_path: Path) -> None:
@@ -254,6 +257,7 @@ def test_fuzz_loader_never_crashes(tmp_path: Path, top: dict, entries: list, noi
     res = load_dumps(folder, tail_entries=2)
     res2 = load_dumps(folder)
     for r in (res, res2):
+        assert not [p for p in r.problems if "bug in gpuhealth" in p.message], r.problems
         assert all(isinstance(x, int) and x >= 0 for x in r.ranks)
         assert len(r.ranks) + len([p for p in r.problems if p.severity == "error"]) >= 1
         for d in r.dumps.values():
@@ -273,7 +277,8 @@ def test_parallel_loading_gives_the_same_result(tmp_path: Path) -> None:
 
 
 def test_fast_and_careful_entry_readers_agree_on_real_dumps() -> None:
-    from gpuhealth.flightrec.load import _entry_fast, _entry_slow
+    from gpuhealth.flightrec.normalize import entry_fast as _entry_fast
+    from gpuhealth.flightrec.normalize import entry_slow as _entry_slow
 
     n = 0
     for path in sorted(FIXTURES.rglob("rank*.json")):

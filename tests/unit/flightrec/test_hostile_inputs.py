@@ -1,0 +1,330 @@
+"""Hostile and absurd dumps, built for real on disk: each becomes one clear problem line (or one
+warning with what was capped), within a memory cap (a child process under RLIMIT_AS of 64 × the
+input + 300 MiB) and a time cap — through the loader and through ``gpuhealth triage`` as a
+subprocess. Never a traceback, never an out-of-memory."""
+
+from __future__ import annotations
+
+import json
+import math
+import resource
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from frbuild import dump, entry, training, write_json, write_pickle
+
+from gpuhealth.flightrec.jsonstream import MAX_ENTRIES
+from gpuhealth.flightrec.load import MAX_RANKS, load_dumps
+from gpuhealth.flightrec.normalize import MAX_DIMS, MAX_TENSORS
+
+MIB = 1 << 20
+TIME_CAP_S = 120
+_GPUHEALTH = Path(sys.executable).with_name("gpuhealth")
+_CLI = [str(_GPUHEALTH)] if _GPUHEALTH.exists() else [sys.executable, "-m", "gpuhealth.cli.main"]
+_LOADER = """
+import json, resource, sys
+from gpuhealth.flightrec.load import load_dumps
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+r = load_dumps(sys.argv[1])
+print(json.dumps({
+    "ranks": r.ranks,
+    "entries": {str(d.rank): len(d.entries) for d in r.dumps.values()},
+    "problems": [p.to_dict() for p in r.problems],
+    "rss_growth": (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) * 1024,
+}))
+"""
+
+
+def _input_bytes(folder: Path) -> int:
+    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
+
+
+def _capped(cmd: list[str], folder: Path) -> subprocess.CompletedProcess[str]:
+    cap = 64 * _input_bytes(folder) + 300 * MIB
+
+    def limit() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
+
+    proc = subprocess.run(cmd, preexec_fn=limit, capture_output=True, text=True, timeout=TIME_CAP_S)
+    assert "Traceback" not in proc.stderr and "MemoryError" not in proc.stderr, proc.stderr[-3000:]
+    return proc
+
+
+def load_capped(folder: Path) -> dict[str, Any]:
+    """load_dumps(folder) in a child under the memory cap."""
+    proc = _capped([sys.executable, "-c", _LOADER, str(folder)], folder)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out: dict[str, Any] = json.loads(proc.stdout)
+    return out
+
+
+def triage_capped(folder: Path) -> tuple[int, dict[str, Any]]:
+    """``gpuhealth triage FOLDER --json`` under the memory cap: (exit code, report)."""
+    proc = _capped([*_CLI, "triage", str(folder), "--json"], folder)
+    report: dict[str, Any] = json.loads(proc.stdout)
+    return proc.returncode, report
+
+
+def _errors(out: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {Path(p["path"]).name: p for p in out["problems"] if p["severity"] == "error"}
+
+
+def _healthy_job(folder: Path, ranks: range = range(4)) -> None:
+    for r in ranks:
+        write_json(folder, f"rank{r}.json", dump(training(5)))
+
+
+# ------------------------------------------------------------------------------------ pickles
+
+
+def _entry_with(**fields: Any) -> dict[str, Any]:
+    e = entry(1, json_style=False)
+    e.update(fields)
+    return e
+
+
+def _dag(depth: int) -> list[Any]:
+    node: list[Any] = []
+    for _ in range(depth):
+        node = [node, node]  # pickled once, referenced twice through the memo
+    return node
+
+
+def _tuple_key_bomb(depth: int) -> bytes:
+    """{t: 1} where t = (t', t'), t' = (t'', t''), … depth levels down to (): hashing t as the key
+    takes 2^depth steps (written by hand: building it in Python would hash it)."""
+    ops = b"\x80\x02}q\x00)q\x010"  # {} (memo 0), () (memo 1), pop
+    for i in range(1, depth + 1):
+        ops += b"h" + bytes([i]) + b"h" + bytes([i]) + b"\x86q" + bytes([i + 1]) + b"0"  # (t, t) (memo i+1)
+    return ops + b"h" + bytes([depth + 1]) + b"K\x01s."  # d[t] = 1
+
+
+def test_pickles_that_inflate_through_reused_references_are_refused(tmp_path: Path) -> None:
+    shallow, deep = _dag(20), _dag(21)
+    write_pickle(tmp_path, "rank0.pkl", {"version": "2.10", "entries": [_entry_with(input_sizes=shallow,
+                                                                                   input_dtypes=shallow)]})
+    write_pickle(tmp_path, "rank1.pkl", {"version": "2.10", "entries": [_entry_with(input_dtypes=deep)]})
+    frame: dict[str, Any] = {"name": "f", "filename": "x.py", "line": 1}
+    for _ in range(30):
+        frame = {"name": frame, "filename": frame, "line": 1}  # a dict DAG where a frame goes
+    write_pickle(tmp_path, "rank2.pkl", {"version": "2.10", "entries": [_entry_with(frames=[frame])]})
+    (tmp_path / "rank3.pkl").write_bytes(_tuple_key_bomb(60))
+    shared = _entry_with()
+    write_pickle(tmp_path, "rank4.pkl", {"version": "2.10", "entries": [shared] * 50_000})
+    write_pickle(tmp_path, "rank5.pkl", {"version": "2.10", "entries": [shared] * 3})
+    assert all(p.stat().st_size < 200_000 for p in tmp_path.iterdir())
+    assert (tmp_path / "rank0.pkl").stat().st_size < 2000
+
+    out = load_capped(tmp_path)
+    errors = _errors(out)
+    assert out["ranks"] == []
+    assert set(errors) == {f"rank{r}.pkl" for r in range(6)}
+    for r in range(5):
+        assert errors[f"rank{r}.pkl"]["message"].startswith("refused: the pickle reuses"), errors
+        assert errors[f"rank{r}.pkl"]["rank"] == r
+    assert "more often than its size allows" in errors["rank4.pkl"]["message"]
+    assert "lists one entry several times" in errors["rank5.pkl"]["message"]
+
+    code, report = triage_capped(tmp_path)
+    assert code == 3 and report["verdict"] == "incomplete"
+    assert len([p for p in report["problems"] if p["severity"] == "error"]) == 6
+
+
+def test_pickle_opcodes_that_grow_the_unpickler_itself_are_bounded(tmp_path: Path) -> None:
+    # LONG_BINPUT 2^30: the C unpickler sizes its memo array by this number (16 GB for 12 bytes).
+    (tmp_path / "rank0.pkl").write_bytes(b"\x80\x02N" + b"r" + (1 << 30).to_bytes(4, "little") + b".")
+    (tmp_path / "rank1.pkl").write_bytes(b"\x80\x02" + b"(" * 200_000 + b".")  # 200k nested MARKs
+    cyclic: list[Any] = []
+    cyclic.append(cyclic)
+    write_pickle(tmp_path, "rank2.pkl", {"version": "2.10", "entries": [_entry_with(input_sizes=cyclic)]})
+    out = load_capped(tmp_path)
+    errors = _errors(out)
+    assert "not a dump dict" in errors["rank0.pkl"]["message"]
+    assert "MARKs nested" in errors["rank1.pkl"]["message"]
+    # A list that holds itself loads as an unknown shape, counted in one warning.
+    assert out["ranks"] == [2] and out["entries"] == {"2": 1}
+    warnings = [p["message"] for p in out["problems"] if p["severity"] == "warning"]
+    assert warnings == ["1 entry had values torch never writes, capped or ignored: input_sizes (1)"]
+
+
+# ------------------------------------------------------------------------------------ ranks
+
+
+def test_absurd_ranks_are_refused_and_the_rest_is_judged(tmp_path: Path) -> None:
+    _healthy_job(tmp_path)
+    write_json(tmp_path, "rank9999999999999.json", dump(training(5)))
+    small = tmp_path / "dump.json"
+    small.write_text('{"version":"2.10","rank":30000000,"entries":[]}')
+    assert small.stat().st_size == 47
+    huge = dump(training(5), extra={"gpuhealth": {"rank": 10**40}})
+    write_json(tmp_path, "mystery.json", huge)
+    # The world's list naming a rank far beyond the job: the rank is dropped, not tabled.
+    cfg = {"0": {"name": "0", "desc": "default_pg", "ranks": "[0, 1, 2, 3, 30000000, 99999999999999999999]"}}
+    write_json(tmp_path, "rank3.json", dump(training(5), pg_config=cfg))
+
+    out = load_capped(tmp_path)
+    assert out["ranks"] == [0, 1, 2, 3]
+    errors = _errors(out)
+    assert "file name says rank 9,999,999,999,999" in errors["rank9999999999999.json"]["message"]
+    assert "says it is rank 30,000,000" in errors["dump.json"]["message"]
+    assert "says it is rank ≈2^132" in errors["mystery.json"]["message"]
+    assert all(p["rank"] is None for p in errors.values())  # no impossible rank reaches triage
+    assert f"ranks above {MAX_RANKS - 1:,} are refused" in errors["dump.json"]["message"]
+    assert any("pg_config: rank numbers that are not ranks" in p["message"] and p["rank"] == 3
+               for p in out["problems"])
+
+    code, report = triage_capped(tmp_path)
+    assert code == 0 and report["verdict"] == "healthy", report["summary"]
+    assert report["ranks_seen"] == [0, 1, 2, 3]
+
+    alone = tmp_path / "alone"
+    alone.mkdir()
+    (alone / "rank9999999999999.json").write_text('{"version":"2.10","entries":[]}')
+    code, report = triage_capped(alone)
+    assert code == 3 and report["verdict"] == "incomplete"
+    assert [p["message"][:33] for p in report["problems"]] == ["the file name says rank 9,999,999"]
+
+
+# ------------------------------------------------------------------------------------ JSON size
+
+
+def test_a_flood_of_entries_is_refused_past_what_a_buffer_holds(tmp_path: Path) -> None:
+    with (tmp_path / "rank0.json").open("w") as f:
+        f.write('{"version":"2.10","entries":[' + ",".join(["{}"] * (MAX_ENTRIES + 1)) + "]}")
+    out = load_capped(tmp_path)
+    assert out["ranks"] == []
+    assert _errors(out)["rank0.json"]["message"] == (f"more than {MAX_ENTRIES:,} entries: more than any "
+                                                     "flight-recorder buffer holds")
+    assert _errors(out)["rank0.json"]["rank"] == 0
+    code, report = triage_capped(tmp_path)
+    assert code == 3 and report["verdict"] == "incomplete"
+
+
+def test_malformed_entries_are_counted_in_one_line(tmp_path: Path) -> None:
+    good = dump(training(3))
+    good["entries"] += [{}] * 100_000 + [[]] * 1000 + ["x", 1, None, {"record_id": 1}]
+    write_json(tmp_path, "rank0.json", good)
+    write_json(tmp_path, "rank1.json", dump(training(3)))
+    out = load_capped(tmp_path)
+    assert out["entries"] == {"0": 3, "1": 3}
+    assert [p["message"] for p in out["problems"]] == ["101004 malformed entries skipped"]
+
+
+def test_streaming_keeps_memory_a_small_multiple_of_the_file(tmp_path: Path) -> None:
+    """The reason to stream: json.loads of a whole dump holds every entry as a dict (5-26× the
+    file); entry by entry, only the normalized entries and the file's bytes are held."""
+    write_json(tmp_path, "rank0.json", dump([entry(s, duration_ms=1.5) for s in range(1, 40_001)]))
+    size = _input_bytes(tmp_path)
+    assert size > 15 * MIB
+    out = load_capped(tmp_path)
+    assert out["entries"] == {"0": 40_000}
+    assert out["rss_growth"] < 3.5 * size, out["rss_growth"] / size
+
+
+def test_deeply_nested_json_is_a_problem_line(tmp_path: Path) -> None:
+    deep = "[" * 100_000 + "]" * 100_000
+    (tmp_path / "rank0.json").write_text('{"version":"2.10","entries":[' + deep + "]}")
+    (tmp_path / "rank1.json").write_text('{"version":"2.10","pg_config":' + deep + ',"entries":[]}')
+    (tmp_path / "rank2.json").write_text('{"version":"2.10","entries":[{"record_id":' + deep + "}]}")
+    out = load_capped(tmp_path)
+    errors = _errors(out)
+    # An element that is no object is skipped unread, however deep; one that must be decoded is refused.
+    assert out["entries"] == {"0": 0}
+    assert [p["message"] for p in out["problems"] if p["rank"] == 0] == ["1 malformed entry skipped"]
+    assert errors["rank1.json"]["message"] == "the top-level 'pg_config' is nested too deeply"
+    assert errors["rank2.json"]["message"] == "entry #1 is nested too deeply"
+
+
+# ------------------------------------------------------------------------------------ identity
+
+
+def test_unreadable_files_named_as_dumps_carry_their_rank(tmp_path: Path) -> None:
+    write_json(tmp_path, "rank0.json", dump(training(3)))
+    (tmp_path / "rank1.json").write_bytes(b"\x00\xffgarbage" * 10)
+    (tmp_path / "rank2.pkl").write_bytes(b"\x80\x04\x95" + (40).to_bytes(8, "little") + b"\x8c\x08builtins\x94"
+                                         b"\x8c\x04eval\x94\x93\x94\x8c\x10open('x','w')\x94\x85\x94R\x94.")
+    good = json.dumps(dump(training(3)))
+    (tmp_path / "rank3.json").write_text(good[: len(good) // 2])
+    (tmp_path / "node7-rank4.json").write_text("")
+    write_pickle(tmp_path, "rank6.pkl", {"version": "2.10", "entries": [_entry_with(input_dtypes=_dag(12))]})
+    (tmp_path / "nccl_trace_rank_7").write_bytes(b"\x80\x02}q\x00.")  # a pickle of {}: not a dump
+    (tmp_path / "steps_rank0.jsonl").write_text("{}\n")  # not a dump: no problem line
+    (tmp_path / "notes.txt").write_text("rank 9 was slow")
+
+    res = load_dumps(tmp_path)
+    assert res.ranks == [0]
+    by_rank = {p.rank: p for p in res.problems}
+    assert sorted(by_rank) == [1, 2, 3, 4, 6, 7], res.problems
+    assert all(p.severity == "error" for p in res.problems)
+    assert "not a flight-recorder dump" in by_rank[1].message
+    assert "builtins.eval" in by_rank[2].message
+    assert "broken JSON" in by_rank[3].message
+    assert by_rank[4].message == "empty file"
+    assert "reuses" in by_rank[6].message
+    assert "not a flight-recorder dump" in by_rank[7].message
+    assert not Path("x").exists()
+
+
+# ------------------------------------------------------------------------------------ fields
+
+
+def test_any_source_p2p_parses(tmp_path: Path) -> None:
+    entries = [entry(1, op="recv", p2p="1<-?", state="started"), entry(2, op="send", p2p="0->?", state="started"),
+               entry(3, op="send", p2p="0->99999999999", state="started")]
+    write_json(tmp_path, "rank1.json", dump(entries))
+    res = load_dumps(tmp_path)
+    recv, send, absurd = res.dumps[1].entries
+    assert (recv.op, recv.p2p_src, recv.p2p_dst) == ("recv", None, 1)
+    assert (send.op, send.p2p_src, send.p2p_dst) == ("send", 0, None)
+    assert (absurd.op, absurd.p2p_src, absurd.p2p_dst) == ("send", 0, None)
+    assert [p.message for p in res.problems] == [
+        "1 entry had values torch never writes, capped or ignored: profiling_name (1)"]
+
+
+def _absurd_entries(many: int) -> list[dict[str, Any]]:
+    """Each absurd in another way, the same on input and output (so the records stay self-consistent)."""
+    e = [entry(s) for s in range(1, 9)]
+    for side in ("input", "output"):
+        e[0][f"{side}_sizes"] = [[-5, 3]]
+        e[1][f"{side}_sizes"] = [[1] for _ in range(many)]
+        e[1][f"{side}_dtypes"] = ["Float"] * many
+        e[2][f"{side}_sizes"] = [[2] * many]
+    e[3]["duration_ms"] = math.nan
+    e[4]["duration_ms"] = math.inf
+    e[5]["time_created_ns"] = "yesterday"
+    e[5]["time_discovered_started_ns"] = "1795657428304121098"
+    e[6]["time_discovered_completed_ns"] = -7
+    e[7]["timeout_ms"] = 10**30
+    e[7]["process_group"] = ["0", {"nested": ["dict"]}]
+    return e
+
+
+@pytest.mark.parametrize("fmt", ["json", "pickle"])
+def test_absurd_field_values_are_capped_and_counted(tmp_path: Path, fmt: str) -> None:
+    for r in (0, 1):
+        # 10^6 tensors or dimensions; 2×10^5 in a pickle (the pure-Python unpickler is slower)
+        doc = dump(_absurd_entries(1_000_000 if fmt == "json" else 200_000))
+        if fmt == "json":
+            (tmp_path / f"rank{r}.json").write_text(json.dumps(doc))  # NaN and Infinity as Python writes them
+        else:
+            write_pickle(tmp_path, f"rank{r}.pkl", doc)
+    res = load_dumps(tmp_path)
+    assert res.ranks == [0, 1]
+    e = res.dumps[0].entries
+    assert len(e) == 8
+    assert e[0].in_sizes == ((-1, 3),)
+    assert len(e[1].in_sizes) == len(e[1].out_dtypes) == MAX_TENSORS
+    assert len(e[2].in_sizes[0]) == len(e[2].out_sizes[0]) == MAX_DIMS
+    assert e[3].duration_ms is None and e[4].duration_ms is None
+    assert e[5].created_ns is None and e[5].started_ns == 1795657428304121098
+    assert e[6].completed_ns is None and e[7].timeout_ms is None and e[7].group_desc == ""
+    lines = [p.message for p in res.problems if p.rank == 0]
+    assert lines == ["8 entries had values torch never writes, capped or ignored: duration_ms (2), input_dtypes (1), "
+                     "input_sizes (3), output_dtypes (1), output_sizes (3), process_group (1), time_created_ns (1), "
+                     "time_discovered_completed_ns (1), time_discovered_started_ns (1), timeout_ms (1)"]
+    code, report = triage_capped(tmp_path)
+    assert code == 0 and report["verdict"] == "healthy", report["summary"]
+    assert len([p for p in report["problems"] if p["severity"] == "warning"]) == 2
