@@ -95,6 +95,17 @@ def test_a_rank_slow_on_every_other_step_is_found() -> None:
     assert 1.35 <= float(found[5]["ratio_to_median"]) <= 1.65  # type: ignore[arg-type]
 
 
+def test_when_most_ranks_are_slow_they_are_named_against_the_fastest_ranks() -> None:
+    # Ten of sixteen ranks (a slow node and a half) are 1.3x: the median is theirs, so only the
+    # fastest ranks show what the job could do.
+    slow = {r: 1.3 for r in range(6, 16)}
+    found = _stragglers(_records(_job(16, 120, noise=0.05, slow=slow)))
+    assert sorted(found) == list(range(6, 16))
+    assert all(f["compared_with"] == "fastest quarter of the ranks" for f in found.values())
+    assert all(1.2 <= float(f["ratio_to_median"]) <= 1.4 and f["active"] for f in found.values())  # type: ignore[arg-type]
+    assert detect_stragglers(_records(_job(16, 120, noise=0.05, slow={r: 1.3 for r in range(8)}))) != []
+
+
 def test_spikes_and_checkpoints_are_never_a_straggler() -> None:
     spiky = _job(16, 200, noise=0.10, spikes=0.03)
     assert detect_stragglers(_records(spiky)) == []

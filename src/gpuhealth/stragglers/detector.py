@@ -52,6 +52,7 @@ class _Episode:
     window: int
     compared_with: str
     worst: float  # largest window excess seen (log ratio, or seconds)
+    offset: float = 0.0  # the reference against the median reference: the fastest quarter's (≤ 0), or 0
     active: bool = True
     recovered_step: int | None = None
     recovered_pos: int | None = None
@@ -72,6 +73,7 @@ class _Candidate:
     window: int
     excess: float
     compared_with: str
+    offset: float = 0.0
 
 
 @dataclass(slots=True)
@@ -79,6 +81,7 @@ class _Window:
     loc: np.ndarray
     se: np.ndarray
     enough: np.ndarray
+    fastest: float = 0.0  # the fastest quarter's location (0: not compared)
     candidates: dict[int, _Candidate] = field(default_factory=dict)
 
 
@@ -386,10 +389,11 @@ class StragglerDetector:
             for r, ep in active.items():
                 if r in recovered or self._count - ep.onset_pos < w or not win.enough[r]:
                     continue  # only windows inside the episode can show recovery
-                loc, se = float(win.loc[r]), float(win.se[r])
+                ref = win.fastest if ep.compared_with == _FASTEST else 0.0
+                loc, se = float(win.loc[r]) - ref, float(win.se[r])
                 if not (math.isfinite(loc) and math.isfinite(se)):
                     continue
-                if r in win.candidates or loc >= floor:
+                if loc >= floor:
                     ep.worst = max(ep.worst, loc)
                 if loc + cfg.exit_z * se < max(floor / 2, ep.worst / 3):  # well below where it entered
                     recovered[r] = w
@@ -421,8 +425,9 @@ class StragglerDetector:
             cand = enough & (z >= z_crit) & (loc >= floor) & (frac >= cfg.min_slow_fraction)
         for r in np.flatnonzero(cand).tolist():
             win.candidates[r] = _Candidate(float(z[r]), w, float(loc[r]), _MEDIAN)
-        # Against the fastest ranks: only when the median itself is pulled up (half the ranks slow:
-        # a node or a switch), i.e. the fastest quarter is clearly faster than the median.
+        # Against the fastest ranks: only when the median itself is pulled up (most ranks slow: a
+        # node or a switch holding up the rest), i.e. the fastest quarter is clearly faster than the
+        # median. On a healthy job the gap is ~0.7 standard errors, never 3.
         if n_ranks >= 8 and int(enough.sum()) >= 8:
             good = loc[enough]
             ref = float(np.quantile(good, 0.25))
@@ -433,9 +438,9 @@ class StragglerDetector:
                     zf = excess / se
                     fracf = (srt > (ref + excess / 2)[:, None]).sum(axis=1) / np.maximum(k, 1)
                     candf = enough & ~cand & (zf >= z_crit) & (excess >= floor) & (fracf >= cfg.min_slow_fraction)
-                if 0 < int(candf.sum()) <= n_ranks // 2:
-                    for r in np.flatnonzero(candf).tolist():
-                        win.candidates[r] = _Candidate(float(zf[r]), w, float(excess[r]), _FASTEST)
+                win.fastest = ref
+                for r in np.flatnonzero(candf).tolist():
+                    win.candidates[r] = _Candidate(float(zf[r]), w, float(excess[r]), _FASTEST, ref)
         return win
 
     # ---------------------------------------------------------------------------------- episodes
@@ -458,7 +463,7 @@ class StragglerDetector:
             if strength >= 3.0:
                 onset_pos = int(pos[idx])
         ep = _Episode(rank, int(self._ring_steps[onset_pos % self._cap]), onset_pos, cand.z, cand.window,
-                      cand.compared_with, cand.excess)
+                      cand.compared_with, cand.excess, cand.offset)
         self._episodes[rank] = ep
         ep.finding = self._finding(ep)
         ep.reported_ratio = float(ep.finding.evidence["ratio_to_median"])
@@ -497,7 +502,8 @@ class StragglerDetector:
             start, end = max(ep.onset_pos, self._count - _RECENT), self._count
         else:
             start, end = ep.onset_pos, ep.recovered_pos if ep.recovered_pos is not None else self._count
-        pos, vals = self._series(ep.rank, start, end)
+        pos, own_vals = self._series(ep.rank, start, end)
+        vals = own_vals - ep.offset  # against the reference it was named against
         if len(pos) < 2 and ep.finding is not None and ep.active:
             return ep.finding  # a resumed episode without new data yet: keep what the store had
         slots = pos % self._cap if len(pos) else np.zeros(0, np.int64)
@@ -526,7 +532,7 @@ class StragglerDetector:
             "measure": self.source_label, f"since_{unit}": self._label(ep.onset_step), "onset_step": ep.onset_step,
             "recovered_step": ep.recovered_step, f"last_{unit}": self._label(last_step),
         }
-        own = self._own_history(ep, pos, vals, slots)
+        own = self._own_history(ep, pos, own_vals, slots)
         if own is not None:
             evidence["vs_own_history"] = round(own, 3)
         if self.job_id:
