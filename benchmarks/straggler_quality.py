@@ -11,7 +11,9 @@ Student-t (3 dof) with CV 0–30 %, plus rare heavy-tail spikes (1.5–5×). Fam
     large       1,024 ranks, three stragglers of 1.1–2×
     alternate   a rank slow on every other step
     transient   a rank slow for 40–70 steps, then back to normal (expected: found, and recovered)
-    fr          flight-recorder durations only (one world all_reduce, or a TP pair + world per step)
+    fr          flight-recorder durations only (one world all_reduce, or a TP pair + world per step), as
+                triage passes them today: (group, seq, ms)
+    fr_timed    the same with each collective's start time: (group, seq, ms, start_ns)
     healthy     no straggler, noise 0–30 %, 2–1,024 ranks, some with data-dependent step times
     spikes      no straggler, heavy-tail spikes on random (rank, step)s
     checkpoint  no straggler, every 50th step slow on every rank (or on rank 0 alone: it saves)
@@ -21,6 +23,12 @@ Tune on seeds 0–4, report on 100–104 (``--seed``); the held-out corpus uses 
 
     .venv/bin/python benchmarks/straggler_quality.py [--seed 100 101 102 103 104] [--cli-sample 6]
         [--no-delay] [--json OUT.json]
+    .venv/bin/python benchmarks/straggler_quality.py --online 100000 [--online-steps 120]
+
+``--online N``: the coordinator's feed (``BudgetedStragglerFeed``) alone on one core, for an N-rank job
+whose agents send 1,000 ranks × 1 step per batch at 200,000 rank-steps/s of simulated time: CPU
+seconds per rank-step fed, with every step judged (no budget) and under the default budget, and
+the step at which a 1.2× rank (5 % noise) is named.
 """
 
 from __future__ import annotations
@@ -124,13 +132,14 @@ def build_corpus(seed: int) -> list[Case]:
         end = onset + int(rng.integers(40, 71))
         cases.append(Case(f"transient f={factor} cv={noise} n={world}", "transient", world, pick(BASES), noise, seed,
                           (Slow(int(rng.integers(world)), factor, onset, end),), pick(NOISE_KINDS), pick(SPLITS)))
-    # Flight-recorder durations only.
-    for factor in (1.1, 1.2, 1.5, 2.0):
-        for noise in (0.05, 0.15):
-            world = pick((2, 4, 8))
-            cases.append(Case(f"fr f={factor} cv={noise} n={world}", "fr", world, pick(BASES), noise, seed,
-                              (Slow(int(rng.integers(world)), factor, pick((0, mid()))),), pick(NOISE_KINDS),
-                              fr=pick(("world", "tp"))))
+    # Flight-recorder durations only (with and without start times).
+    for family in ("fr", "fr_timed"):
+        for factor in (1.1, 1.2, 1.5, 2.0):
+            for noise in (0.05, 0.15):
+                world = pick((2, 4, 8))
+                cases.append(Case(f"{family} f={factor} cv={noise} n={world}", family, world, pick(BASES), noise,
+                                  seed, (Slow(int(rng.integers(world)), factor, pick((0, mid()))),),
+                                  pick(NOISE_KINDS), fr=pick(("world", "tp"))))
     # ---- no straggler (47 per seed) ----
     for world in (4, 16, 64, 256, 1024):
         for noise in (0.0, 0.05, 0.15, 0.30):
@@ -215,12 +224,18 @@ def step_records(case: Case, compute: np.ndarray, wall: np.ndarray) -> list[Step
     return out
 
 
-def durations(case: Case, compute: np.ndarray, wall: np.ndarray) -> dict[int, list[tuple[str, int, float]]]:
-    """{rank: [(group, seq, ms), …]} as triage passes them: each rank's collectives in its own order."""
+def durations(case: Case, compute: np.ndarray, wall: np.ndarray) -> dict[int, list[tuple[Any, ...]]]:
+    """{rank: [(group, seq, ms[, start_ns]), …]}: each rank's collectives in its own order."""
     n, s = compute.shape
     rng = np.random.default_rng([case.seed, 7])
     coll = wall - compute.max(axis=0)
-    out: dict[int, list[tuple[str, int, float]]] = {r: [] for r in range(n)}
+    begin = np.concatenate(([0.0], np.cumsum(wall)[:-1]))  # step start times (s)
+    out: dict[int, list[tuple[Any, ...]]] = {r: [] for r in range(n)}
+
+    def put(r: int, group: str, step: int, ms: float, arrive: float) -> None:
+        item = (group, step + 1, float(max(ms, 0.001)))
+        out[r].append((*item, int((1.7e9 + begin[step] + arrive) * 1e9)) if case.family == "fr_timed" else item)
+
     for step in range(s):
         c = compute[:, step]
         arrive_world = c.copy()
@@ -229,13 +244,11 @@ def durations(case: Case, compute: np.ndarray, wall: np.ndarray) -> dict[int, li
             for p in range(0, n - 1, 2):
                 done = max(c[p], c[p + 1]) + coll[step] * 0.3
                 for r in (p, p + 1):
-                    ms = (done - c[r]) * 1000 * (1 + 0.02 * rng.normal())
-                    out[r].append((f"tp{p // 2}", step + 1, float(max(ms, 0.001))))
+                    put(r, f"tp{p // 2}", step, (done - c[r]) * 1000 * (1 + 0.02 * rng.normal()), c[r])
                     arrive_world[r] = done
         done = arrive_world.max() + coll[step]
         for r in range(n):
-            ms = (done - arrive_world[r]) * 1000 * (1 + 0.02 * rng.normal())
-            out[r].append(("world", step + 1, float(max(ms, 0.001))))
+            put(r, "world", step, (done - arrive_world[r]) * 1000 * (1 + 0.02 * rng.normal()), arrive_world[r])
     return out
 
 
@@ -261,7 +274,7 @@ def _run(case: Case, compute: np.ndarray, wall: np.ndarray) -> tuple[list[Findin
         return found, elapsed, prefix_fr
     recs = step_records(case, compute, wall)
     t0 = time.perf_counter()
-    found = detect_stragglers(recs)
+    found = detect_stragglers(recs, job_slowdown=True)
     elapsed = time.perf_counter() - t0
     n = case.world
 
@@ -396,6 +409,36 @@ def report(outcomes: Sequence[Outcome], cli: list[tuple[Case, dict[str, Any], se
     }
 
 
+def online(world: int, steps: int, budget: float | None) -> dict[str, Any]:
+    from gpuhealth.coordinator.straggler_feed import BudgetedStragglerFeed
+    from gpuhealth.proto.convert import StepColumns
+
+    rng = np.random.default_rng(0)
+    feed = BudgetedStragglerFeed("bench", budget_records_s=budget or float("inf"))
+    feed.set_world_size(world)
+    slow, onset, per_batch, rate = world // 3, 20, 1000, 200_000.0
+    ranks = [list(range(a, min(world, a + per_batch))) for a in range(0, world, per_batch)]
+    t_sim, cpu, named = 0.0, 0.0, None
+    for step in range(steps):
+        comp = 0.1 * (1 + 0.05 * rng.normal(size=world))
+        if step >= onset:
+            comp[slow] *= 1.2
+        batches = [StepColumns("bench", r, [step] * len(r), [1.7e9] * len(r), [0.13] * len(r),
+                               comp[r[0]:r[-1] + 1].tolist(), None) for r in ranks]
+        t0 = time.process_time()
+        for cols in batches:
+            t_sim += len(cols) / rate
+            feed.feed(cols, now=t_sim)
+        found = feed.evaluate()
+        cpu += time.process_time() - t0
+        if named is None and any(f.evidence["rank"] == slow for f in found):
+            named = step
+    return {"ranks": world, "steps": steps, "budget_records_s": budget, "stride": feed.stride,
+            "cpu_s_per_rank_step_us": round(cpu / (world * steps) * 1e6, 3),
+            "rank_steps_per_cpu_s": round(world * steps / cpu), "straggler_named_at_step": named, "onset_step": onset,
+            "history_steps": int(feed.detector._cap)}
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--seed", type=int, nargs="+", default=[100, 101, 102, 103, 104])
@@ -403,7 +446,16 @@ def main() -> int:
     p.add_argument("--no-delay", action="store_true", help="skip the detection-delay bisection (faster)")
     p.add_argument("--family", default="", help="only this family (tuning)")
     p.add_argument("--json", default="", help="write the report here too")
+    p.add_argument("--online", type=int, default=0, metavar="RANKS", help="time the coordinator's feed instead")
+    p.add_argument("--online-steps", type=int, default=120)
     args = p.parse_args()
+    if args.online:
+        from gpuhealth.config import CoordinatorConfig
+
+        rows = [online(args.online, args.online_steps, None),
+                online(args.online, args.online_steps, CoordinatorConfig().straggler_budget_records_s)]
+        print(json.dumps({"online": rows, "date": time.strftime("%Y-%m-%d"), "machine": platform.machine()}, indent=2))
+        return 0
     t0 = time.perf_counter()
     cases = [c for s in args.seed for c in build_corpus(s) if not args.family or c.family == args.family]
     outcomes = evaluate(cases, delay=not args.no_delay)
