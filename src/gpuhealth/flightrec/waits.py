@@ -572,6 +572,18 @@ def _cycle_root(groups: Mapping[str, GroupView], graph: WaitGraph, ranks: list[i
                f"collective(s) of group {hname} (up to #{hseq}), where its own earlier steps ran {period} at that "
                "point")
         return _skipped(groups, graph, rank, blamed[rank], need, how)
+    votes = _peer_votes(groups, blamed) if 1 < len(candidates) <= MAX_HISTORY_CANDIDATES else {}
+    if votes:
+        top = max(votes.values(), key=lambda v: v[1])
+        leaders = [r for r, v in votes.items() if v[1] == top[1]]
+        if len(leaders) == 1:
+            rank = leaders[0]
+            need, score, other = votes[rank]
+            how = (f"it went on to {other} while {score} rank(s) of group {need.work.group} that share that op posted "
+                   f"#{need.work.seq} first and have not reached it: their programs run #{need.work.seq} before it")
+            root = _skipped(groups, graph, rank, blamed[rank], need, how)
+            root.decided_by = "peers"
+            return root
     ahead = [r for r in candidates if _ahead_in(groups, graph, r)]
     if len(ahead) == 1:
         rank = ahead[0]
@@ -591,6 +603,36 @@ def _cycle_root(groups: Mapping[str, GroupView], graph: WaitGraph, ranks: list[i
            "flight recorder holds too little history to pin down")
     return RootCause(RootKind.CIRCULAR, tuple(names), why, group=first.group, seq=first.seq, op=op,
                      waiting_ranks=tuple(ranks), decided_by="undecided", created_ns=_created(graph, first))
+
+
+def _peer_votes(groups: Mapping[str, GroupView], blamed: Mapping[int, Sequence[Need]]
+                ) -> dict[int, tuple[Need, int, str]]:
+    """For each candidate that never posted collective (g, s): how many ranks of g that did post it — and are
+    in the group of an op the candidate ran instead (since its g#(s-1)) — have not reached that op. Each such
+    rank's program runs (g, s) first: the candidate went past it. Too little history for the rank's own
+    pattern, the job's other ranks still vote. {rank: (need, votes, the op it went on to)}."""
+    out: dict[int, tuple[Need, int, str]] = {}
+    for rank, needs in blamed.items():
+        best: tuple[Need, int, str] | None = None
+        for n in needs:
+            w = n.work
+            if w.seq is None:
+                continue
+            g = groups[w.group]
+            prev = g.call(rank, w.seq - 1)
+            if prev is None:
+                continue
+            since = [(name, c) for name, h in groups.items() if name != w.group
+                     for c in h.calls.get(rank, {}).values() if c.record_id > prev.record_id]
+            for name, c in since:
+                h = groups[name]
+                voters = {r for r in g.dumped if r != rank and g.enqueued.get(r, 0) >= w.seq and r in h.members
+                          and h.enqueued.get(r, 0) < c.seq}
+                if voters and (best is None or len(voters) > best[1]):
+                    best = (n, len(voters), f"{c.name} #{c.seq} of group {name}")
+        if best is not None:
+            out[rank] = best
+    return out
 
 
 def _break(rank: int, n: Need, groups: Mapping[str, GroupView]) -> str:
