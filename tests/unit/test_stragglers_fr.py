@@ -4,8 +4,11 @@ lateness is judged relative to the step."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 
+from gpuhealth.flightrec.load import load_dumps
 from gpuhealth.stragglers import detect_from_durations
 
 
@@ -65,6 +68,39 @@ def test_with_start_times_lateness_is_relative_to_the_step() -> None:
     assert 1.15 <= ev["ratio_to_median"] <= 1.25
     assert 0.1 <= ev["cost_share"] <= 0.2  # 4 ms of a ~25 ms step
     assert "costs the job" in found[0].message
+
+
+def _real(case: str, clock: str | None) -> dict[int, list[tuple[str, int, float] | tuple[str, int, float, int]]]:
+    dumps = load_dumps(Path(__file__).parent.parent / "fixtures" / "flightrec" / case / "dumps").dumps
+    return {r: [(e.group, e.seq, float(e.duration_ms), getattr(e, clock)) if clock else
+                (e.group, e.seq, float(e.duration_ms))
+                for e in d.entries if e.duration_ms is not None and not e.is_p2p and e.seq > 0]
+            for r, d in dumps.items()}
+
+
+def test_real_nccl_dumps_with_their_enqueue_times_give_the_true_slowdown() -> None:
+    # 4 x H200, TP pairs + world: rank 3 does 1.5x the compute (24 -> 36 ms) from step 10; 2 x H200:
+    # rank 1 does 2x. With each collective's created_ns the step is known, so the ratio is the true one.
+    for case, rank, factor in (("nccl_4gpu/straggler", 3, 1.5), ("nccl_2gpu/straggler", 1, 2.0)):
+        found = detect_from_durations(_real(case, "created_ns"))
+        assert [f.evidence["rank"] for f in found] == [rank]
+        assert abs(found[0].evidence["ratio_to_median"] - factor) < 0.05 * factor
+        assert found[0].evidence["cost_share"] > 0.3
+        # The watchdog's started_ns ticks in 100 ms: refused, judged by lateness instead.
+        assert [f.evidence["rank"] for f in detect_from_durations(_real(case, "started_ns"))] == [rank]
+    for case in ("nccl_4gpu/healthy", "nccl_2gpu/healthy"):
+        assert detect_from_durations(_real(case, "created_ns")) == []
+
+
+def test_start_times_that_cannot_be_steps_fall_back_to_lateness() -> None:
+    # A clock that ticks every 100 ms (NCCL's watchdog discovery time) gives zero gaps and
+    # quanta, not steps: judged by lateness instead of a wrong step length.
+    timed = _dumps(4, 80, slow=1, factor=1.5, tp=True, timed=True)
+    coarse = {r: [(x[0], x[1], x[2], int(x[3] // 100_000_000 * 100_000_000)) for x in items]  # type: ignore[misc]
+              for r, items in timed.items()}
+    found = detect_from_durations(coarse)
+    assert [f.evidence["rank"] for f in found] == [1]
+    assert found[0].evidence["cost_share"] is None and "waits least" in found[0].message
 
 
 def test_unreadable_items_are_skipped() -> None:

@@ -78,9 +78,10 @@ def detect_from_durations(
     A collective lasts from a rank's arrival to the end, so the rank that arrives last waits least.
     The group with the most ranks (the world or data-parallel group) marks the steps; a rank's wait in
     one step is the sum of its durations since the previous such collective (so waits inside a
-    tensor-parallel pair are counted where they happen). With start times, the step is the time
-    between consecutive marks and compute = step − wait, judged like step records; without them,
-    ranks are compared by lateness in seconds (``fr_min_lateness_s`` at least)."""
+    tensor-parallel pair are counted where they happen). With start times (the collective's
+    ``created_ns``: the watchdog's ``started_ns`` ticks too coarsely and is refused), the step is the
+    time between consecutive marks and compute = step − wait, judged like step records; without
+    usable start times, ranks are compared by lateness in seconds (``fr_min_lateness_s`` at least)."""
     fr = _fr_steps(durations)
     if fr is None:
         return []
@@ -152,17 +153,33 @@ def _fr_steps(durations: Mapping[int, Sequence[DurationItem]]) -> _FrSteps | Non
     mat = np.full((len(step_ids), width), np.nan)
     for (rank, seq), w in waits.items():
         mat[index[seq], rank] = w
-    return _FrSteps(anchor, step_ids, mat, _periods(starts, step_ids))
+    return _FrSteps(anchor, step_ids, mat, _periods(starts, step_ids, mat))
 
 
-def _periods(starts: Mapping[tuple[int, int], float], step_ids: np.ndarray) -> np.ndarray | None:
-    """Median over ranks of the time between a rank's start of consecutive marks (ns → s)."""
+def _periods(starts: Mapping[tuple[int, int], float], step_ids: np.ndarray, waits: np.ndarray) -> np.ndarray | None:
+    """Median over ranks of the time between a rank's start of consecutive marks (ns → s); None when
+    the times cannot be steps: too few, not increasing (a clock that ticks in coarse quanta, such as
+    a watchdog's discovery time), or shorter than the waits inside them."""
     gaps: dict[int, list[float]] = {}
+    flat = 0
+    total = 0
     for (rank, seq), t in starts.items():
         prev = starts.get((rank, seq - 1))
-        if prev is not None and t > prev:
+        if prev is None:
+            continue
+        total += 1
+        if t > prev:
             gaps.setdefault(seq, []).append((t - prev) / 1e9)
+        else:
+            flat += 1
+    if not total or flat > 0.1 * total:
+        return None
     out = np.array([statistics.median(gaps[int(s)]) if int(s) in gaps else np.nan for s in step_ids])
-    if not len(out) or np.isfinite(out).mean() < 0.5:
+    known = np.isfinite(out)
+    if not len(out) or known.mean() < 0.5:
+        return None
+    with np.errstate(invalid="ignore"):
+        longest_wait = np.nanmax(np.where(np.isfinite(waits), waits, -np.inf), axis=1)
+    if (out[known] < longest_wait[known]).mean() > 0.1:
         return None
     return out
