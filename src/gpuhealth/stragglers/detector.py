@@ -233,11 +233,6 @@ class StragglerDetector:
             out.append(self._trend.finding)
         return out
 
-    def job_findings(self) -> list[Finding]:
-        """The current ``job.slowdown`` finding, if the whole job is slower than its own best pace."""
-        f = self._trend.finding if self._trend is not None else None
-        return [f] if f is not None and f.evidence.get("active") else []
-
     def scores(self, limit: int | None = None) -> dict[int, float]:
         """Per-rank slowness over the last evaluated window: ≈ compute / the other ranks' median
         (1.0 typical); in seconds of lateness for durations without start times. ``limit``: only
@@ -338,10 +333,6 @@ class StragglerDetector:
         if evaluate and self._count % self.config.eval_every == 0:
             return self._evaluate()
         return []
-
-    def _positions(self, n: int) -> np.ndarray:
-        n = min(n, self._count, self._cap)
-        return np.arange(self._count - n, self._count)
 
     def _block(self, n: int) -> np.ndarray:
         """The last ``n`` closed steps, ranks × steps (time order): a view unless the ring wraps."""
