@@ -8,6 +8,7 @@ pickle provided frames. Only faults become findings: there is no "no errors foun
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -25,7 +26,7 @@ from gpuhealth.flightrec.roots import assemble, with_stacks
 from gpuhealth.flightrec.stacks import main_threads
 from gpuhealth.flightrec.text import format_ranks
 from gpuhealth.flightrec.waits import build_graph, find_hang_roots
-from gpuhealth.model import Finding, Severity, StepRecord
+from gpuhealth.model import Action, Finding, Severity, StepRecord
 from gpuhealth.stragglers import StragglerConfig, detect_from_durations, detect_stragglers
 
 __all__ = ["VERDICTS", "RootCause", "RootKind", "TriageReport", "Verdict", "triage"]
@@ -81,13 +82,17 @@ def _triage(
         findings += root_findings(root, groups, dumps, job, analysis.mismatches, analysis.p2p_mismatches, mains)
     straggler_findings: list[Finding] = []
     if steps:
-        straggler_findings += detect_stragglers(steps, straggler_config)
+        straggler_findings += detect_stragglers(steps, straggler_config, job_slowdown=True)
     # From the tails of a large job there are too few collectives per rank to call persistence.
     durations = {} if any(d.tail_only for d in dumps.values()) else _durations(dumps)
     if durations:
-        have = {int(f.evidence["rank"]) for f in straggler_findings}
+        have = {int(f.evidence["rank"]) for f in straggler_findings if f.code == "rank.straggler"}
         straggler_findings += [f for f in detect_from_durations(durations, straggler_config)
                                if int(f.evidence["rank"]) not in have]
+    if any(r.kind is RootKind.MISMATCH or r.kind in HANG_KINDS for r in roots):
+        # A hung or mismatched job: that fault is the story, and the last steps before a hang time badly.
+        # A slower rank is worth knowing, not worth blaming.
+        straggler_findings = [_as_context(f) for f in straggler_findings]
     findings += straggler_findings
     # What an operator reads first is the most severe finding: keep the root order within a severity.
     findings.sort(key=lambda f: -int(f.severity))
@@ -107,6 +112,14 @@ def _triage(
                             "more where a group's frontier needed it); older history was not compared")
     report.summary = _summary(report)
     return report
+
+
+def _as_context(f: Finding) -> Finding:
+    if f.severity <= Severity.INFO:
+        return f
+    return dataclasses.replace(f, severity=Severity.INFO, action=Action.MONITOR,
+                               message=f"before the job stopped: {f.message}",
+                               evidence={**f.evidence, "demoted": "the job is hung or mismatched: that is the fault"})
 
 
 @dataclass(slots=True)
@@ -185,13 +198,15 @@ def _total_bytes(source: Any) -> int:
     return total
 
 
-def _durations(dumps: Mapping[int, RankDump]) -> dict[int, list[tuple[str, int, float]]]:
-    out: dict[int, list[tuple[str, int, float]]] = {}
+def _durations(dumps: Mapping[int, RankDump]) -> dict[int, list[tuple[str, int, float, int | None]]]:
+    """Per rank, its collectives' (group, seq, duration_ms, created_ns) in the order it ran them: the creation
+    time places each wait inside its step (see ``stragglers.detect_from_durations``)."""
+    out: dict[int, list[tuple[str, int, float, int | None]]] = {}
     for rank, d in dumps.items():
-        items = [(e.group, e.seq, e.duration_ms) for e in d.entries
+        items = [(e.group, e.seq, float(e.duration_ms), e.created_ns) for e in d.entries
                  if e.duration_ms is not None and not e.is_p2p and e.seq > 0]
         if items:
-            out[rank] = [(g, s, float(ms)) for g, s, ms in items if ms is not None]
+            out[rank] = items
     return out
 
 

@@ -6,10 +6,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 from frbuild import FIXTURES
 
 from gpuhealth.flightrec.verdict import triage
-from gpuhealth.model import StepRecord
+from gpuhealth.model import Severity, StepRecord
 
 NCCL4 = FIXTURES / "nccl_4gpu"
 
@@ -25,7 +26,9 @@ def test_rank_that_skipped_its_tp_all_reduce_is_named_with_its_group() -> None:
     # "not started": that is the same fault seen again, not a GPU stall of rank 2.
     rep = triage(NCCL4 / "subgroup_skip" / "dumps", steps=_steps(NCCL4 / "subgroup_skip"))
     assert rep.verdict == "hang"
-    assert [(f.code, f.evidence["rank"]) for f in rep.findings] == [("collective.missing_rank", 3)]
+    # Only the root is blamed; timing read from the steps before the hang is at most context (info).
+    assert [(f.code, f.evidence["rank"]) for f in rep.findings if f.severity >= Severity.WARNING] == \
+        [("collective.missing_rank", 3)]
     ev = rep.findings[0].evidence
     assert ev["kind"] == "skipped" and ev["group"] == "2" and ev["seq"] == 11
     assert ev["waiting_ranks"] == [2] and ev["consequences"] == ["0"]
@@ -50,3 +53,25 @@ def test_rank_doing_one_and_a_half_times_the_compute_is_the_straggler() -> None:
     ev = by_steps.findings[0].evidence
     assert ev["measure"] == "step records" and ev["since_step"] == 10
     assert 1.4 <= ev["ratio_to_median"] <= 1.6
+
+
+@pytest.mark.parametrize(("case", "rank", "factor"), [
+    ("nccl_4gpu/straggler_1.1", 3, 1.1), ("nccl_4gpu/straggler_1.2", 3, 1.2), ("nccl_4gpu/straggler_1.3", 3, 1.3),
+    ("nccl_2gpu/straggler_1.2", 1, 1.2),
+])
+def test_a_slightly_slow_rank_is_named_from_step_records_and_from_fr_durations_alone(case: str, rank: int,
+                                                                                     factor: float) -> None:
+    # Real 4 x H200 jobs (scripts/device/straggler_runs.sh): one rank's GPU does 1.1-1.3x the matmuls of the
+    # others from step 10; the others wait for it at every all_reduce.
+    folder = FIXTURES / case
+    for rep in (triage(folder / "dumps", steps=_steps(folder)), triage(folder / "dumps")):
+        assert rep.verdict == "straggler", rep.summary
+        assert rep.culprits == [rank], rep.summary
+        ev = rep.findings[0].evidence
+        assert abs(ev["ratio_to_median"] - factor) <= 0.05, ev["ratio_to_median"]
+
+
+def test_a_healthy_job_with_15_percent_jitter_on_every_rank_is_healthy() -> None:
+    folder = NCCL4 / "healthy_jitter"
+    for rep in (triage(folder / "dumps", steps=_steps(folder)), triage(folder / "dumps")):
+        assert rep.verdict == "healthy" and rep.findings == [], rep.summary
