@@ -1,7 +1,8 @@
 """Read per-rank flight-recorder dumps into plain, normalized records — bounded, whatever the input.
 
 JSON first (``_dump_nccl_trace_json`` / ``_dump_fr_trace_json``); pickles (``_dump_nccl_trace`` and
-the dump-on-timeout files) only through :mod:`gpuhealth.flightrec.safe_pickle`. Everything
+the dump-on-timeout files) only through :mod:`gpuhealth.flightrec.safe_pickle`; either of them
+gzip/bzip2/xz-compressed or in a zip or tar archive (:mod:`gpuhealth.flightrec.archive`). Everything
 that can be wrong with a dump — garbage bytes, a file cut short, an unknown version, a missing
 field, a duplicate rank, a file too large, a hostile file — becomes a :class:`Problem` naming the
 file (and the rank its name carries, so triage knows whose dump is missing); the other files still
@@ -23,13 +24,13 @@ p2p (``recv 1<-?``).
 
 Rank identity comes from the contents when the file says it (a top-level ``rank``, or a
 ``gpuhealth`` block written by our instrument hook) and otherwise from the file name
-(``rank3.json``, ``node7-rank3.json``, ``nccl_trace_rank_3``, ``fr_dump3``);
+(``rank3.json``, ``node7-rank3.json``, ``nccl_trace_rank_3``, ``fr_dump3``, ``rank3.json.gz``);
 :attr:`RankDump.rank_source` says which.
 
 Large jobs: with ``tail_entries`` set, a JSON dump is read from its end (:mod:`gpuhealth.flightrec.jsontail`)
 — the small top-level blocks plus only the newest entries, extended until each group's last completed
 collective is covered — so triaging 16,384 ranks does not mean parsing 16,384 × 2,000 entries.
-Pickles and JSON whose layout the tail reader does not recognise are read whole
+Pickles, compressed dumps and JSON whose layout the tail reader does not recognise are read whole
 (up to ``max_file_bytes``).
 """
 
@@ -45,6 +46,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from gpuhealth.flightrec import archive
 from gpuhealth.flightrec.jsonstream import MAX_ENTRIES, NOT_AN_OBJECT, DumpReader, JsonBoundsError, JsonSyntaxError
 from gpuhealth.flightrec.jsontail import read_tail
 from gpuhealth.flightrec.normalize import (
@@ -70,7 +72,7 @@ __all__ = [
 DEFAULT_MAX_FILE_BYTES = 1 << 30  # a whole-file parse above this is refused (tail reading still works)
 MAX_PICKLE_BYTES = 256 << 20  # a pickle is unpickled whole: up to ~40× its size in objects
 SUPPORTED_MAJOR = 2
-_SKIP_SUFFIXES = {".jsonl", ".txt", ".log", ".tmp", ".md", ".csv", ".tar", ".gz", ".tgz", ".zip"}
+_SKIP_SUFFIXES = {".jsonl", ".txt", ".log", ".tmp", ".md", ".csv"}
 # The top-level blocks the loader reads; any other (nccl_comm_state, …) is skipped unread.
 _TOP_KEYS = frozenset({"version", "comm_lib_version", "nccl_version", "pg_config", "pg_status", "rank", "host",
                        "gpuhealth", "dump_time_ns"})
@@ -204,17 +206,26 @@ def _load_many_inner(files: Sequence[str], tail_entries: int | None, max_file_by
         path = Path(name)
         with _as_problem(problems, str(path), path.name):
             kind, st = _sniff_file(path)
-            dumps.append(_load_file(path, kind, st, tail_entries=tail_entries, max_file_bytes=max_file_bytes,
-                                    problems=problems, hint=hint))
+            if archive.is_packed(kind):
+                for member in archive.unpack(path, kind, max_file_bytes, _wanted):
+                    if member.data is None:
+                        problems.append(_unreadable(member.display, member.name, member.error or "not read"))
+                        continue
+                    with _as_problem(problems, member.display, member.name):
+                        dumps.append(_load_data(member.display, member.name, member.data, member.mtime_ns,
+                                                problems))
+            else:
+                dumps.append(_load_file(path, kind, st, tail_entries=tail_entries, max_file_bytes=max_file_bytes,
+                                        problems=problems, hint=hint))
     return dumps, problems
 
 
 @contextlib.contextmanager
 def _as_problem(problems: list[Problem], display: str, name: str) -> Iterator[None]:
-    """Whatever goes wrong reading one file becomes one Problem line."""
+    """Whatever goes wrong reading one file (or archive member) becomes one Problem line."""
     try:
         yield
-    except (DumpError, UnsafePickleError) as exc:
+    except (DumpError, UnsafePickleError, archive.ArchiveError) as exc:
         problems.append(_unreadable(display, name, str(exc)))
     except OSError as exc:
         problems.append(_unreadable(display, name, f"cannot be read: {exc.strerror or exc}"))
@@ -237,10 +248,11 @@ def rank_from_filename(name: str) -> tuple[int, str | None] | None:
     """(rank, host or None) from a dump's file name, or None when the name carries no rank. The
     rank may be absurd (``rank9999999999999.json``): the loader refuses ranks ≥ MAX_RANKS."""
     stem = name
-    for suffix in (".json", ".pkl", ".pickle", ".bin"):
-        if stem.lower().endswith(suffix):
-            stem = stem[: -len(suffix)]
-            break
+    for suffixes in ((".gz", ".bz2", ".xz", ".zst", ".lz4"), (".json", ".pkl", ".pickle", ".bin")):
+        for suffix in suffixes:
+            if stem.lower().endswith(suffix):
+                stem = stem[: -len(suffix)]
+                break
     m = _RANK_WORD.search(stem)
     if m is None:
         m = _TRAILING_DIGITS.search(stem)
@@ -261,7 +273,7 @@ _NOT_HOSTS = {"", "nccl_trace", "nccl_trace_", "fr_trace", "trace", "dump", "fr"
 
 
 def _wanted(name: str) -> bool:
-    """Whether a file may be a dump: not hidden, not a log, steps file or note."""
+    """Whether a file (or archive member) may be a dump: not hidden, not a log, steps file or note."""
     parts = name.replace("\\", "/").split("/")
     base = parts[-1]
     return bool(base) and not base.startswith(".") and "__MACOSX" not in parts \
@@ -324,12 +336,16 @@ def _sniff_file(path: Path) -> tuple[str, os.stat_result]:
 
 
 def _format(head: bytes) -> str:
-    """"json" or "pickle"; DumpError for anything else."""
+    """"json", "pickle", or a packed kind (archive.sniff); DumpError for anything else."""
     if head.lstrip()[:1] == b"{":
         return "json"
     if head[:1] == b"\x80":
         return "pickle"
-    raise DumpError(f"not a flight-recorder dump (starts with {head[:8]!r}; expected JSON or a pickle)")
+    kind = archive.sniff(head)
+    if kind:
+        return kind
+    raise DumpError(f"not a flight-recorder dump (starts with {head[:8]!r}; expected JSON, a pickle or a "
+                    "gzip/bzip2/xz/zip/tar of them)")
 
 
 def _load_file(path: Path, fmt: str, st: os.stat_result, *, tail_entries: int | None, max_file_bytes: int,
@@ -350,15 +366,17 @@ def _load_file(path: Path, fmt: str, st: os.stat_result, *, tail_entries: int | 
 
 
 def _load_data(display: str, name: str, data: bytes, mtime_ns: int | None, problems: list[Problem]) -> RankDump:
-    """One dump from its bytes (a file read whole)."""
+    """One dump from its bytes (a file read whole, or an archive member)."""
     fmt = _format(data[:512])
     if fmt == "json":
         blocks, kind, got = _read_json(data)
-    else:
+    elif fmt == "pickle":
         if len(data) > MAX_PICKLE_BYTES:
             raise DumpError(f"pickle is {len(data) / 2**20:.0f} MiB, over the {MAX_PICKLE_BYTES >> 20} MiB limit "
                             "for pickles (read whole into memory); use the JSON dump")
         blocks, kind, got = _read_pickle(data)
+    else:
+        raise DumpError(f"a {fmt} inside a packed file is not unpacked: unpack it first")
     return _build(display, name, fmt, blocks, kind, got, mtime_ns, problems)
 
 

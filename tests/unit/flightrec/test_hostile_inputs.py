@@ -5,11 +5,18 @@ subprocess. Never a traceback, never an out-of-memory."""
 
 from __future__ import annotations
 
+import bz2
+import gzip
+import io
 import json
+import lzma
 import math
+import os
 import resource
 import subprocess
 import sys
+import tarfile
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +24,7 @@ import pytest
 from frbuild import dump, entry, training, write_json, write_pickle
 
 from gpuhealth.flightrec.jsonstream import MAX_ENTRIES
-from gpuhealth.flightrec.load import MAX_RANKS, load_dumps
+from gpuhealth.flightrec.load import MAX_RANKS, load_dumps, rank_from_filename
 from gpuhealth.flightrec.normalize import MAX_DIMS, MAX_TENSORS
 
 MIB = 1 << 20
@@ -238,6 +245,115 @@ def test_deeply_nested_json_is_a_problem_line(tmp_path: Path) -> None:
     assert errors["rank2.json"]["message"] == "entry #1 is nested too deeply"
 
 
+# ------------------------------------------------------------------------------------ packed
+
+
+def _plain_job(folder: Path) -> dict[int, bytes]:
+    """A 4-rank hang (rank 2 never enqueues the last all_reduce): the same dumps, however shipped."""
+    data = {}
+    for r in range(4):
+        entries = training(5, state_last="started") if r != 2 else training(4)
+        data[r] = json.dumps(dump(entries), separators=(",", ":"), sort_keys=True).encode()
+        (folder / f"rank{r}.json").write_bytes(data[r])
+    return data
+
+
+def test_compressed_dumps_and_archives_load_like_plain_ones(tmp_path: Path) -> None:
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    data = _plain_job(plain)
+    packed = {name: tmp_path / name for name in ("gz", "bz2", "xz", "zip", "tgz", "tar", "mixed")}
+    for folder in packed.values():
+        folder.mkdir()
+    for r, raw in data.items():
+        (packed["gz"] / f"rank{r}.json.gz").write_bytes(gzip.compress(raw))
+        (packed["bz2"] / f"node1-rank{r}.json.bz2").write_bytes(bz2.compress(raw))
+        (packed["xz"] / f"rank{r}.json.xz").write_bytes(lzma.compress(raw))
+    with zipfile.ZipFile(packed["zip"] / "dumps.zip", "w", zipfile.ZIP_DEFLATED) as z:
+        for r, raw in data.items():
+            z.writestr(f"job-7/dumps/rank{r}.json", raw)
+        z.writestr("job-7/dumps/steps_rank0.jsonl", "{}\n")  # not a dump: skipped as on disk
+        z.writestr("__MACOSX/job-7/dumps/._rank0.json", b"\x00\x05\x16\x07")
+    for name, mode in (("tgz", "w:gz"), ("tar", "w")):
+        with tarfile.open(packed[name] / f"dumps.{'tar.gz' if name == 'tgz' else 'tar'}", mode) as t:
+            for r, raw in data.items():
+                info = tarfile.TarInfo(f"dumps/rank{r}.json")
+                info.size, info.mtime = len(raw), 1_795_657_448
+                t.addfile(info, io.BytesIO(raw))
+    # A zip of gzipped dumps, next to a plain one.
+    with zipfile.ZipFile(packed["mixed"] / "some.zip", "w") as z:
+        for r in (0, 1):
+            z.writestr(f"rank{r}.json.gz", gzip.compress(data[r]))
+    (packed["mixed"] / "rank2.json").write_bytes(data[2])
+    (packed["mixed"] / "rank3.json.gz").write_bytes(gzip.compress(data[3]))
+
+    want = load_dumps(plain)
+    for name, folder in packed.items():
+        got = load_dumps(folder)
+        assert got.problems == [], (name, got.problems)
+        assert got.ranks == [0, 1, 2, 3], name
+        for r in range(4):
+            assert got.dumps[r].entries == want.dumps[r].entries, (name, r)
+    tar_dump = load_dumps(packed["tar"]).dumps[0]
+    assert tar_dump.path.endswith("dumps.tar!/dumps/rank0.json")
+    assert tar_dump.dump_time_ns == 1_795_657_448 * 10**9 and tar_dump.dump_time_source == "mtime"
+    assert load_dumps(packed["bz2"]).dumps[1].host == "node1"
+
+    code, report = triage_capped(packed["tgz"])
+    code_plain, report_plain = triage_capped(plain)
+    assert code == code_plain == 2
+    assert report["verdict"] == report_plain["verdict"] == "hang"
+    assert report["summary"] == report_plain["summary"]
+
+
+class _Spaces:
+    """A file of ``n`` spaces that is never held in memory."""
+
+    def __init__(self, n: int) -> None:
+        self.left = n
+
+    def read(self, size: int = -1) -> bytes:
+        size = self.left if size < 0 else min(size, self.left)
+        self.left -= size
+        return b" " * size
+
+
+def _deflate_bomb(f: Any, n_mib: int, start: bytes = b'{"version":"2.10","entries":[') -> None:
+    f.write(start)
+    chunk = b" " * MIB
+    for _ in range(n_mib):
+        f.write(chunk)
+    f.write(b"]}")
+
+
+def test_decompression_bombs_are_problem_lines(tmp_path: Path) -> None:
+    good = json.dumps(dump(training(5)), separators=(",", ":"), sort_keys=True).encode()
+    with zipfile.ZipFile(tmp_path / "dumps.zip", "w", zipfile.ZIP_DEFLATED, compresslevel=9) as z:
+        with z.open("rank0.json", "w", force_zip64=True) as f:
+            _deflate_bomb(f, 300)
+        z.writestr("rank1.json", good)
+    with gzip.open(tmp_path / "rank2.json.gz", "wb", compresslevel=9) as f:
+        _deflate_bomb(f, 300)
+    with tarfile.open(tmp_path / "more.tar.gz", "w:gz", compresslevel=9) as t:
+        info = tarfile.TarInfo("rank3.json")
+        info.size = 300 * MIB
+        t.addfile(info, _Spaces(info.size))
+    (tmp_path / "rank4.json.zst").write_bytes(b"(\xb5/\xfd" + os.urandom(64))  # zstd: not unpacked here
+    assert _input_bytes(tmp_path) < 2 * MIB
+
+    out = load_capped(tmp_path)
+    assert out["ranks"] == [1]
+    errors = {p["rank"]: p["message"] for p in out["problems"] if p["severity"] == "error"}
+    assert set(errors) == {0, 2, 3, 4}, out["problems"]
+    for r in (0, 2, 3):
+        assert "zip bomb?" in errors[r] and "unpacks to more than" in errors[r], errors[r]
+    assert errors[4] == ("compressed with zstd, which gpuhealth does not unpack: unpack it first "
+                         "(zstd -d rank4.json.zst)")
+
+    code, report = triage_capped(tmp_path)
+    assert code == 3 and report["verdict"] == "incomplete"
+
+
 # ------------------------------------------------------------------------------------ identity
 
 
@@ -249,23 +365,38 @@ def test_unreadable_files_named_as_dumps_carry_their_rank(tmp_path: Path) -> Non
     good = json.dumps(dump(training(3)))
     (tmp_path / "rank3.json").write_text(good[: len(good) // 2])
     (tmp_path / "node7-rank4.json").write_text("")
+    (tmp_path / "rank5.json.gz").write_bytes(gzip.compress(good.encode())[:40])
     write_pickle(tmp_path, "rank6.pkl", {"version": "2.10", "entries": [_entry_with(input_dtypes=_dag(12))]})
     (tmp_path / "nccl_trace_rank_7").write_bytes(b"\x80\x02}q\x00.")  # a pickle of {}: not a dump
+    with zipfile.ZipFile(tmp_path / "late.zip", "w") as z:
+        z.writestr("dumps/rank8.json", '{"version":"2.10","entries":[{"record_id":')
     (tmp_path / "steps_rank0.jsonl").write_text("{}\n")  # not a dump: no problem line
     (tmp_path / "notes.txt").write_text("rank 9 was slow")
 
     res = load_dumps(tmp_path)
     assert res.ranks == [0]
     by_rank = {p.rank: p for p in res.problems}
-    assert sorted(by_rank) == [1, 2, 3, 4, 6, 7], res.problems
+    assert sorted(by_rank) == list(range(1, 9)), res.problems
     assert all(p.severity == "error" for p in res.problems)
     assert "not a flight-recorder dump" in by_rank[1].message
     assert "builtins.eval" in by_rank[2].message
     assert "broken JSON" in by_rank[3].message
     assert by_rank[4].message == "empty file"
+    assert "damaged gzip" in by_rank[5].message
     assert "reuses" in by_rank[6].message
     assert "not a flight-recorder dump" in by_rank[7].message
+    assert by_rank[8].path.endswith("late.zip!/dumps/rank8.json") and "broken JSON" in by_rank[8].message
     assert not Path("x").exists()
+    # Triage does not judge from rank 0 alone: the others exist, their dumps could not be read.
+    code, report = triage_capped(tmp_path)
+    assert code == 3 and report["verdict"] == "incomplete"
+    assert report["ranks_unreadable"] == list(range(1, 9))
+
+
+def test_compressed_names_give_ranks() -> None:
+    assert rank_from_filename("rank3.json.gz") == (3, None)
+    assert rank_from_filename("node2-rank12.pkl.xz") == (12, "node2")
+    assert rank_from_filename("nccl_trace_rank_5.bz2") == (5, None)
 
 
 # ------------------------------------------------------------------------------------ fields
