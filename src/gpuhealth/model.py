@@ -11,6 +11,10 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+# The largest job gpuhealth accepts: ranks are 0 … MAX_RANKS-1 everywhere (dumps, step records, the wire).
+# Per-rank tables are sized by it, so a number above it is bad input, never a job.
+MAX_RANKS = 1 << 20
+
 
 class Severity(enum.IntEnum):
     """Ordered so that ``max()`` over findings gives the worst one."""
@@ -235,5 +239,5 @@ class StepRecord:
         )
 
 
-__all__ = ["Action", "Entity", "EntityKind", "Finding", "Health", "MetricKind", "RankIdentity", "Sample", "Severity",
-           "StepRecord", "health_of", "worst_action"]
+__all__ = ["MAX_RANKS", "Action", "Entity", "EntityKind", "Finding", "Health", "MetricKind", "RankIdentity", "Sample",
+           "Severity", "StepRecord", "health_of", "worst_action"]

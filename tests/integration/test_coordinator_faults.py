@@ -27,12 +27,13 @@ from cryptography.x509.oid import NameOID
 from simagent import SimAgent, step_batch_message
 
 from gpuhealth.agent.coordinator_link import CoordinatorLink, LinkSettings
-from gpuhealth.coordinator.security import AuthPolicy, TlsFiles, channel_credentials
+from gpuhealth.coordinator.security import AuthPolicy
 from gpuhealth.coordinator.server import CoordinatorServer
 from gpuhealth.coordinator.service import Coordinator, Settings
 from gpuhealth.coordinator.store import Store
 from gpuhealth.model import StepRecord
 from gpuhealth.proto import gpuhealth_v1_pb2 as pb
+from gpuhealth.runtime.tls import TlsFiles, channel_credentials
 
 pytestmark = pytest.mark.integration
 

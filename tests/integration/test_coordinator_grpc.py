@@ -18,12 +18,13 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from simagent import SimAgent, step_batch_message
 
 from gpuhealth.coordinator.query import CoordinatorQueryError, fleet, list_jobs, live_triage, run_diagnostic
-from gpuhealth.coordinator.security import AuthPolicy, token_metadata
+from gpuhealth.coordinator.security import AuthPolicy
 from gpuhealth.coordinator.server import CoordinatorServer
 from gpuhealth.coordinator.service import Coordinator, Settings
 from gpuhealth.coordinator.store import Store
 from gpuhealth.coordinator.straggler_feed import BudgetedStragglerFeed
 from gpuhealth.proto import gpuhealth_v1_pb2 as pb
+from gpuhealth.runtime.tls import token_metadata
 
 pytestmark = pytest.mark.integration
 

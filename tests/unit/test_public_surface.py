@@ -20,8 +20,10 @@ from gpuhealth.cli.main import COMMANDS, cli
 
 # The modules others build on, and exactly what each offers.
 PUBLIC: dict[str, set[str]] = {
-    "gpuhealth.model": {"Action", "Entity", "EntityKind", "Finding", "Health", "MetricKind", "RankIdentity", "Sample",
-                        "Severity", "StepRecord", "health_of", "worst_action"},
+    "gpuhealth.model": {"MAX_RANKS", "Action", "Entity", "EntityKind", "Finding", "Health", "MetricKind",
+                        "RankIdentity", "Sample", "Severity", "StepRecord", "health_of", "worst_action"},
+    "gpuhealth.flightrec.verdict": {"VERDICTS", "RootCause", "RootKind", "TriageReport", "Verdict", "triage"},
+    "gpuhealth.flightrec.report": {"Blocked", "RootCause", "RootKind", "TriageReport", "Verdict"},
     "gpuhealth.config": {"AgentConfig", "CollectorsConfig", "Config", "ConfigError", "CoordinatorConfig",
                          "DiagConfig", "load_config"},
     "gpuhealth.node": {"AgentFacts", "GpuReport", "NodeReport", "assemble_report", "build_report", "collect_once",
@@ -52,7 +54,7 @@ PUBLIC: dict[str, set[str]] = {
     "gpuhealth.runtime.logs": {"LOGGER_NAME", "JsonLinesFormatter", "TextFormatter", "setup_logging"},
     "gpuhealth.instrument": {"COLLECTIVES", "Tracker"},
 }
-OWNED_COMMANDS = sorted(name for name in COMMANDS if name != "triage")  # triage.py: the triage issue's
+OWNED_COMMANDS = sorted(COMMANDS)
 
 
 def _modules_with_all() -> list[ModuleType]:

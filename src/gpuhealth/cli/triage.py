@@ -19,7 +19,9 @@ import click
 
 from gpuhealth.cli.exitcodes import PROFILE_NAMES, exit_code
 from gpuhealth.flightrec.report import Verdict
-from gpuhealth.model import Health, StepRecord
+from gpuhealth.model import MAX_RANKS, Health, StepRecord
+
+__all__ = ["command"]
 
 
 class StepsFileError(ValueError):
@@ -119,7 +121,7 @@ def _fail(message: str, profile: str) -> None:
 @click.argument("path", required=False, type=click.Path(path_type=str))
 @click.option("--steps", "steps", multiple=True, metavar="STEPS.jsonl",
               help="Step records (JSONL, one StepRecord per line, or a folder of them); repeatable.")
-@click.option("--world-size", type=click.IntRange(min=1), default=None,
+@click.option("--world-size", type=click.IntRange(min=1, max=MAX_RANKS), default=None,
               help="Ranks in the job (ranks without a dump are then reported as missing).")
 @click.option("--group", "groups", multiple=True, metavar="NAME=R,R,…",
               help="Members of a process group (Gloo dumps do not record them); repeatable.")
@@ -241,6 +243,8 @@ def _parse_groups(items: Sequence[str]) -> dict[str, list[int]]:
             out[name] = [int(r) for r in ranks.split(",") if r.strip()]
         except ValueError as exc:
             raise ValueError(f"--group {item!r}: ranks must be integers") from exc
+        if any(not 0 <= r < MAX_RANKS for r in out[name]):
+            raise ValueError(f"--group {item!r}: ranks must be 0 … {MAX_RANKS - 1}")
     return out
 
 

@@ -9,9 +9,9 @@ from typing import Any
 
 import grpc
 
-from gpuhealth.coordinator.security import TlsFiles, channel_credentials, token_metadata
 from gpuhealth.proto import gpuhealth_v1_pb2 as pb
 from gpuhealth.proto.options import UNARY_DEADLINE_S, client_options
+from gpuhealth.runtime.tls import TlsFiles, channel_credentials, token_metadata
 
 SERVICE = "/gpuhealth.v1.Coordinator/"
 

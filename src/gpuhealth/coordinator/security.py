@@ -20,17 +20,6 @@ from typing import Any
 
 from gpuhealth.proto.options import TOKEN_METADATA
 
-# TLS files, credentials and token metadata are shared with every gRPC client (the agent's link, the
-# CLI): they live in gpuhealth.runtime.tls; re-exported for the coordinator's modules.
-from gpuhealth.runtime.tls import (
-    SecurityConfigError,
-    TlsFiles,
-    channel_credentials,
-    server_credentials,
-    tls_files,
-    token_metadata,
-)
-
 
 @dataclass(frozen=True, slots=True)
 class AuthPolicy:
@@ -91,5 +80,4 @@ def peer_names(auth_context: dict[str, list[bytes]]) -> set[str]:
     return names
 
 
-__all__ = ["AuthPolicy", "SecurityConfigError", "TlsFiles", "channel_credentials", "peer_names", "server_credentials",
-           "tls_files", "token_metadata"]
+__all__ = ["AuthPolicy", "peer_names"]

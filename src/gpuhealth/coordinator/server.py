@@ -25,12 +25,13 @@ from grpc_reflection.v1alpha import reflection
 from prometheus_client.exposition import start_http_server
 
 from gpuhealth.coordinator.metrics import CoordinatorCollector, make_registry
-from gpuhealth.coordinator.security import AuthPolicy, TlsFiles, peer_names, server_credentials
+from gpuhealth.coordinator.security import AuthPolicy, peer_names
 from gpuhealth.coordinator.service import Coordinator, StreamRejected, json_reply
 from gpuhealth.coordinator.triage_wire import reply_to_dict
 from gpuhealth.proto import gpuhealth_v1_pb2 as pb
 from gpuhealth.proto.convert import WireError
 from gpuhealth.proto.options import server_options
+from gpuhealth.runtime.tls import TlsFiles, server_credentials
 
 log = logging.getLogger("gpuhealth.coordinator")
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Coordinator"].full_name

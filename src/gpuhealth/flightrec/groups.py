@@ -26,6 +26,7 @@ from typing import Any
 from gpuhealth.flightrec.calls import COALESCED_MARKERS, Call, build_calls
 from gpuhealth.flightrec.load import Entry, PgStatus, RankDump
 from gpuhealth.flightrec.text import format_ranks
+from gpuhealth.model import MAX_RANKS
 
 DEFAULT_GROUP_NAMES = frozenset({"0", "default_pg"})
 
@@ -96,7 +97,9 @@ def build_groups(dumps: Mapping[int, RankDump], job: Mapping[str, Any] | None = 
     """Group views and the world size. ``job`` may give ``world_size`` and ``groups`` {name: [ranks]};
     ``known_ranks``: ranks known to exist without a readable dump (a file named for them)."""
     job = job or {}
-    job_groups = {str(k): tuple(int(r) for r in v) for k, v in (job.get("groups") or {}).items()}
+    # The job's description is input too: only ranks a job can have (the coordinator and the CLI check it).
+    job_groups = {str(k): tuple(r for r in (int(x) for x in v) if 0 <= r < MAX_RANKS)
+                  for k, v in (job.get("groups") or {}).items()}
     configured = _configured_members(dumps)
     ambiguous = {name for name, sets in configured.items() if len(sets) > 1}
     per_group: dict[str, dict[int, list[Entry]]] = defaultdict(lambda: defaultdict(list))
@@ -117,7 +120,7 @@ def build_groups(dumps: Mapping[int, RankDump], job: Mapping[str, Any] | None = 
     for name, sets in configured.items():
         if name not in ambiguous:
             cfg_members[name] = next(iter(sets))
-    world = int(job.get("world_size") or 0)
+    world = min(int(job.get("world_size") or 0), MAX_RANKS)
     for name, members in cfg_members.items():
         if pg_names.get(name, name) in DEFAULT_GROUP_NAMES or desc.get(name) == "default_pg":
             world = max(world, len(members))

@@ -16,8 +16,8 @@ from collections import Counter
 from typing import Any
 
 from gpuhealth.flightrec.records import Entry, Frame, GroupConfig, PgStatus
+from gpuhealth.model import MAX_RANKS
 
-MAX_RANKS = 1 << 20  # ranks are 0 … MAX_RANKS-1: later code builds per-rank tables (range(world))
 MAX_TENSORS = 1 << 16  # tensors kept per entry (an all_to_all lists one per peer)
 MAX_DIMS = 64  # dimensions kept per tensor shape
 MAX_FRAMES = 256  # stack frames kept per entry

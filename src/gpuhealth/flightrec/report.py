@@ -17,6 +17,8 @@ from typing import Any
 from gpuhealth.flightrec.load import Problem
 from gpuhealth.model import Finding, Health, Severity
 
+__all__ = ["Blocked", "RootCause", "RootKind", "TriageReport", "Verdict"]
+
 
 class Verdict(StrEnum):
     HANG = "hang"

@@ -26,7 +26,7 @@ from gpuhealth.flightrec.roots import assemble, with_stacks
 from gpuhealth.flightrec.stacks import main_threads
 from gpuhealth.flightrec.text import format_ranks
 from gpuhealth.flightrec.waits import build_graph, find_hang_roots
-from gpuhealth.model import Action, Finding, Severity, StepRecord
+from gpuhealth.model import MAX_RANKS, Action, Finding, Severity, StepRecord
 from gpuhealth.stragglers import StragglerConfig, detect_from_durations, detect_stragglers
 
 __all__ = ["VERDICTS", "RootCause", "RootKind", "TriageReport", "Verdict", "triage"]
@@ -35,7 +35,6 @@ VERDICTS = tuple(v.value for v in Verdict)
 # Above this many bytes of dumps, read each JSON dump's tail instead of the whole file.
 AUTO_TAIL_BYTES = 512 * 2**20
 DEFAULT_TAIL_ENTRIES = 4
-MAX_RANKS = 1 << 20  # a rank number above this is not a real job's (and must not size anything)
 
 Source = str | os.PathLike[str] | Sequence[str | os.PathLike[str]] | LoadResult | Mapping[int, RankDump]
 

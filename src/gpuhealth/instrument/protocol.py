@@ -36,7 +36,7 @@ import math
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
-from gpuhealth.model import RankIdentity, StepRecord
+from gpuhealth.model import MAX_RANKS, RankIdentity, StepRecord
 
 PROTOCOL_VERSION = 1
 # Large enough for a batch of step records or all-thread stacks of a busy process; small enough
@@ -170,7 +170,7 @@ def read_steps(message: Mapping[str, Any]) -> tuple[list[StepRecord], int]:
 # The coordinator's wire limits (proto/convert.py), checked here already: one bad record from one rank
 # must not make the agent's whole batch — every job's — fail to encode or be refused upstream.
 _MAX_JOB_ID_LEN = 256
-_MAX_RANK = 1 << 22
+_MAX_RANK = MAX_RANKS
 _MAX_STEP = 1 << 62
 _MAX_STEP_SECONDS = 7 * 86_400.0
 

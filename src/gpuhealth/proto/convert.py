@@ -12,12 +12,12 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from gpuhealth.model import Action, Entity, EntityKind, Finding, RankIdentity, Severity, StepRecord
+from gpuhealth.model import MAX_RANKS, Action, Entity, EntityKind, Finding, RankIdentity, Severity, StepRecord
 from gpuhealth.proto import gpuhealth_v1_pb2 as pb
 
 MAX_NAME_LEN = 253  # a DNS name
 MAX_JOB_ID_LEN = 256
-MAX_WORLD_SIZE = 1 << 22
+MAX_WORLD_SIZE = MAX_RANKS
 MAX_BATCH_RECORDS = 1 << 20
 MAX_FINDINGS = 10_000
 MAX_EVIDENCE_BYTES = 64 * 1024

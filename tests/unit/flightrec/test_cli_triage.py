@@ -91,3 +91,11 @@ def test_live_mode_without_the_coordinator_extra_says_what_to_install() -> None:
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert res.returncode == 3, res.stderr
     assert "install gpuhealth[coordinator]" in res.stderr and "Traceback" not in res.stderr
+
+
+def test_absurd_rank_numbers_in_options_are_one_clear_line() -> None:
+    # A world size or a group rank past MAX_RANKS would size per-rank tables: refused before any work.
+    code, _, err = _run(str(NCCL / "healthy" / "dumps"), "--world-size", "1000000000000")
+    assert code == 2 and "--world-size" in err and "Traceback" not in err
+    code, _, err = _run(str(NCCL / "healthy" / "dumps"), "--group", "1=0,1,1000000000000")
+    assert code == 3 and "ranks must be 0" in err and "Traceback" not in err
