@@ -383,3 +383,14 @@ def test_an_evidence_folder_is_triaged_with_its_stacks(tmp_path: Path) -> None:
                          capture_output=True, text=True, timeout=120)
     doc = json.loads(out.stdout)
     assert doc["verdict"] == "hang" and doc["culprits"] == [1], doc["summary"]
+
+
+def test_nccl2_profiling_names_are_read_like_nccl(tmp_path: Path) -> None:
+    # Newer torch's second NCCL process group writes "nccl2:all_reduce" (torchfrtrace refuses the prefix).
+    ranks = [Rank(r, backend="nccl2") for r in range(4)]
+    _steps(ranks, 3)
+    for r in ranks:
+        if r.rank != 2:
+            r.coll_op(state="started")
+    rep = triage(_write(tmp_path, ranks))
+    assert rep.verdict == "hang" and rep.culprits == [2], rep.summary
