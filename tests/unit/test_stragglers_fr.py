@@ -4,12 +4,19 @@ lateness is judged relative to the step."""
 
 from __future__ import annotations
 
+import random
+import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from gpuhealth.flightrec.load import load_dumps
+from gpuhealth.flightrec.verdict import triage
 from gpuhealth.stragglers import detect_from_durations
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integration" / "fr_jobs"))
+import synth  # the triage corpus generator: NCCL dumps with durations, JSON or pickle
 
 
 def _dumps(world: int, steps: int, *, slow: int | None = None, factor: float = 1.5, onset: int = 0,
@@ -108,3 +115,117 @@ def test_unreadable_items_are_skipped() -> None:
     dumps[1] = [*dumps[1], ("world", "x", 1.0), ("world",), ("world", 99, float("nan")), ("world", 98, -3.0)]  # type: ignore[list-item]
     assert [f.evidence["rank"] for f in detect_from_durations(dumps)] == [0]
     assert detect_from_durations({}) == [] and detect_from_durations({0: []}) == []
+
+
+# ---------------------------------------------------------------- TP × DP layouts without a world group
+
+
+def _grid(tp: int, dp: int, steps: int, *, slow: int | None = None, factor: float = 1.5, noise: float = 0.05,
+          buckets: int = 1, world_op: bool = False, timed: bool = True, seed: int = 0,
+          ) -> dict[int, list[tuple[str, int, float] | tuple[str, int, float, int]]]:
+    """Ranks d·tp + t. Per step: compute, a TP all_reduce, ``buckets`` DP all_reduces back to back (the
+    first waits for the DP group's slowest TP group), optionally a world all_reduce. Groups are named in
+    creation order as torch names them: world "0", TP groups "1".."dp" (if tp > 1), DP groups after them. Compute
+    jitter is uniform ±``noise``; a collective lasts from a rank's arrival until the last member arrived."""
+    rng = np.random.default_rng(seed)
+    world = tp * dp
+    tp_name = {r: str(1 + r // tp) for r in range(world)}
+    dp_name = {r: str(1 + (dp if tp > 1 else 0) + r % tp) for r in range(world)}
+    out: dict[int, list[tuple[str, int, float] | tuple[str, int, float, int]]] = {r: [] for r in range(world)}
+    seqs: dict[str, int] = {}
+    clock = np.zeros(world)
+
+    def collective(ranks: list[int], name: str, arrive: np.ndarray) -> None:
+        seqs[name] = seqs.get(name, 0) + 1
+        done = max(arrive[r] for r in ranks) + 0.00005
+        for r in ranks:
+            out[r].append((name, seqs[name], (done - arrive[r]) * 1000, int(1.7e18 + arrive[r] * 1e9)))
+            arrive[r] = done
+
+    for _ in range(steps):
+        clock += 0.05 * (1 + rng.uniform(-noise, noise, world))
+        if slow is not None:
+            clock[slow] += 0.05 * (factor - 1)
+        for d in range(dp if tp > 1 else 0):
+            collective(list(range(d * tp, d * tp + tp)), tp_name[d * tp], clock)
+        for _ in range(buckets):
+            for t in range(tp):
+                collective(list(range(t, world, tp)), dp_name[t], clock)
+        if world_op:
+            collective(list(range(world)), "0", clock)
+    if not timed:
+        return {r: [(x[0], x[1], x[2]) for x in items] for r, items in out.items()}
+    return out
+
+
+@pytest.mark.parametrize("timed", [True, False])
+@pytest.mark.parametrize(("tp", "dp", "buckets", "slow"), [(8, 3, 1, 13), (2, 4, 3, 6), (4, 4, 2, 0), (2, 2, 1, 3)])
+def test_a_straggler_is_named_without_a_group_that_spans_the_job(tp: int, dp: int, buckets: int, slow: int,
+                                                                   timed: bool) -> None:
+    # No collective spans the job: the largest groups are a different group on every rank. Its TP peers
+    # wait least in their own DP groups (they reach them with it) but long in the TP group: not named.
+    found = detect_from_durations(_grid(tp, dp, 20, slow=slow, buckets=buckets, timed=timed))
+    assert [f.evidence["rank"] for f in found] == [slow]
+    if timed:
+        assert 1.4 <= found[0].evidence["ratio_to_median"] <= 1.6
+
+
+@pytest.mark.parametrize("timed", [True, False])
+@pytest.mark.parametrize(("tp", "dp", "buckets"), [(8, 3, 1), (2, 4, 3), (4, 2, 2), (8, 8, 2)])
+def test_a_healthy_tp_dp_job_with_jitter_is_quiet(tp: int, dp: int, buckets: int, timed: bool) -> None:
+    for seed in range(3):
+        assert detect_from_durations(_grid(tp, dp, 40, noise=0.15, buckets=buckets, timed=timed, seed=seed)) == []
+
+
+def test_a_step_is_every_bucket_of_the_step_not_each_collective() -> None:
+    # Three DP buckets per step: the step is the three of them (after the TP all_reduce), so a 1.2x rank is
+    # judged against whole steps — each bucket on its own would read as three noisy steps.
+    dumps = _grid(2, 4, 60, slow=5, factor=1.2, buckets=3)
+    found = detect_from_durations(dumps)
+    assert [f.evidence["rank"] for f in found] == [5]
+    assert 1.15 <= found[0].evidence["ratio_to_median"] <= 1.25
+    # Named in the rank's own DP group (the larger family), by the bucket that ends a step: the third.
+    since = str(found[0].evidence["since_collective"])
+    assert since.startswith("group 6 collective #") and int(since.rsplit("#", 1)[1]) % 3 == 0
+
+
+def test_buckets_back_to_back_in_the_only_group_are_told_apart_by_time() -> None:
+    # Data parallel alone, two buckets per step in one group: nothing in the order of collectives shows
+    # where a step ends; the time outside collectives does (none between the buckets, compute after).
+    dumps = _grid(1, 8, 30, slow=7, buckets=2)
+    assert {g for items in dumps.values() for g, *_ in items} == {"1"}
+    found = detect_from_durations(dumps)
+    assert [f.evidence["rank"] for f in found] == [7]
+    assert 1.4 <= found[0].evidence["ratio_to_median"] <= 1.6
+    assert str(found[0].evidence["since_collective"]).startswith("group 1 collective #")
+
+
+def test_a_ring_buffer_that_kept_eight_steps_is_enough() -> None:
+    # Five collectives per step, 40 kept per rank (NCCL's buffer was cut): eight whole steps, the first
+    # one too — the dump holds a full cycle of collectives before its first mark.
+    dumps = _grid(8, 2, 20, slow=11, buckets=3, world_op=True)
+    cut = {r: items[-40:] for r, items in dumps.items()}
+    found = detect_from_durations(cut)
+    assert [f.evidence["rank"] for f in found] == [11]
+
+
+def _synth_grid_case(klass: str) -> synth.Case:
+    """The first case of ``klass`` whose job has TP and DP groups and no world all_reduce."""
+    for seed in range(500):
+        try:
+            case = synth.make_case(random.Random(seed), klass, 0)
+        except LookupError:
+            continue
+        if case.job.tp > 1 and case.job.dp > 1 and not case.job.loss_all_reduce:
+            return case
+    raise AssertionError(f"no {klass} case without a world collective")
+
+
+def test_triage_names_the_straggler_of_a_tp_dp_job_from_its_dumps(tmp_path: Path) -> None:
+    case = _synth_grid_case("straggler_fr")
+    report = triage(synth.write(case, tmp_path) / "dumps")
+    assert report.verdict.value == "straggler"
+    assert report.culprits == case.expected["root_ranks"]
+    healthy = _synth_grid_case("healthy_timed")
+    report = triage(synth.write(healthy, tmp_path) / "dumps")
+    assert report.verdict.value == "healthy" and report.culprits == []

@@ -18,7 +18,7 @@ rank's own series. See docs/stragglers.md.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -100,7 +100,8 @@ class StragglerDetector:
         self.source_label = source_label
         self.unit = unit
         self.relative = relative  # False: values are seconds compared by difference (no step to divide by)
-        self.labels: dict[int, str] = {}  # step -> display name (flight-recorder collectives)
+        # (rank, step) -> display name: flight-recorder steps are named by each rank's own collectives
+        self.label_of: Callable[[int, int], str] | None = None
         self.skipped_no_split = 0  # records with neither compute nor wait (wall alone says nothing)
         self._width = 0
         self._cap = 0
@@ -482,10 +483,10 @@ class StragglerDetector:
             return ep.finding
         return None
 
-    def _label(self, step: int | None) -> str | int | None:
-        if step is None or not self.labels:
+    def _label(self, step: int | None, rank: int) -> str | int | None:
+        if step is None or self.label_of is None:
             return step
-        return self.labels.get(step, str(step))
+        return self.label_of(rank, step)
 
     def _finding(self, ep: _Episode) -> Finding:
         # An active episode is described by its recent steps (how slow it is now), a finished one whole.
@@ -520,8 +521,9 @@ class StragglerDetector:
             "cost_share": round(cost, 3) if cost is not None else None,
             "z": round(min(ep.z, 999.0), 1),  # noiseless data make z unbounded (and JSON has no inf)
             "window": ep.window, "compared_with": ep.compared_with,
-            "measure": self.source_label, f"since_{unit}": self._label(ep.onset_step), "onset_step": ep.onset_step,
-            "recovered_step": ep.recovered_step, f"last_{unit}": self._label(last_step),
+            "measure": self.source_label, f"since_{unit}": self._label(ep.onset_step, ep.rank),
+            "onset_step": ep.onset_step,
+            "recovered_step": ep.recovered_step, f"last_{unit}": self._label(last_step, ep.rank),
         }
         own = self._own_history(ep, pos, own_vals, slots)
         if own is not None:
@@ -547,10 +549,10 @@ class StragglerDetector:
     def _words(self, ep: _Episode, ratio: float, excess_s: float, cost: float | None,
                ) -> tuple[Severity, str, Action]:
         unit = self.unit
-        since = self._label(ep.onset_step)
+        since = self._label(ep.onset_step, ep.rank)
         if not ep.active:
             msg = (f"rank {ep.rank} is no longer a straggler: back in line with the other ranks from {unit} "
-                   f"{self._label(ep.recovered_step)} (slow since {unit} {since})")
+                   f"{self._label(ep.recovered_step, ep.rank)} (slow since {unit} {since})")
             return Severity.INFO, msg, Action.NONE
         if not self.relative:
             msg = (f"rank {ep.rank} is a straggler: it reaches the collectives {excess_s * 1000:.1f} ms after the "

@@ -1,0 +1,310 @@
+"""Steps out of flight-recorder durations: a steps × ranks matrix of the seconds each rank spent in
+collectives per step, without assuming one group that every rank is in.
+
+Each rank's collectives repeat once per training step. Every rank gets a *mark*: one group it is in
+and which of that group's collectives ends a step (a DP group with three gradient buckets has three
+per step; the third ends it). A rank's wait in a step is the sum of its durations over one whole
+cycle ending at its mark, so every group it waited in counts, wherever the cycle is cut. Marks are
+chosen so that the groups used cover the ranks without overlap — the world group when there is
+one, else one family of same-sized groups (all TP groups, or all DP groups) — and steps line up
+across ranks through the sequence ids: a group's ids are the same on all its members, and the
+groups of one family run the same program."""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+MAX_RANK = 1 << 21  # a rank id beyond this is bad input, not a job (it would size the matrices)
+MAX_PER_STEP = 256  # collectives of one group per step looked for (gradient buckets, layers × microbatches)
+_PATTERN_SHARE = 0.9  # share of a cycle's repetitions that must agree to call it the cycle
+
+# (group, seq, duration_ms) as triage passes them, optionally with the collective's start time in ns
+# (``created_ns``): with it, lateness is judged relative to the step.
+DurationItem = tuple[str, int, float] | tuple[str, int, float, int | float | None]
+
+
+@dataclass(frozen=True, slots=True)
+class Mark:
+    """Where a rank's step ends: the ``group`` collective whose sequence id ≡ ``residue`` (mod
+    ``per_step``). Step *k* ends at sequence id ``k · per_step + residue``."""
+
+    group: str
+    per_step: int
+    residue: int
+
+    def seq(self, step: int) -> int:
+        return step * self.per_step + self.residue
+
+
+@dataclass(frozen=True, slots=True)
+class FrSteps:
+    steps: np.ndarray  # step ids, increasing
+    waits: np.ndarray  # steps × ranks: seconds in collectives over the cycle ending at the rank's mark
+    periods: np.ndarray | None  # seconds from one step's end to the next (from start times), if known
+    marks: dict[int, Mark]  # rank -> its mark
+
+
+@dataclass(frozen=True, slots=True)
+class _Ops:
+    """One rank's collectives in the order it ran them."""
+
+    names: list[str]
+    seqs: np.ndarray  # int64
+    secs: np.ndarray  # duration in seconds
+    starts: np.ndarray  # ns, NaN where unknown
+
+
+def fr_steps(durations: Mapping[int, Sequence[DurationItem]]) -> FrSteps | None:
+    ops = _clean(durations)
+    if not ops:
+        return None
+    marks = _marks(ops)
+    rows: list[tuple[int, np.ndarray, np.ndarray, np.ndarray]] = []  # (rank, step ids, waits, mark starts)
+    for rank, mark in marks.items():
+        got = _rank_steps(ops[rank], mark)
+        if got is not None:
+            rows.append((rank, *got))
+    if not rows:
+        return None
+    step_ids = np.unique(np.concatenate([r[1] for r in rows]))
+    width = max(r[0] for r in rows) + 1
+    waits = np.full((len(step_ids), width), np.nan)
+    starts = np.full((len(step_ids), width), np.nan)
+    for rank, ids, wait, start in rows:
+        at = np.searchsorted(step_ids, ids)
+        waits[at, rank] = wait
+        starts[at, rank] = start
+    return FrSteps(step_ids, waits, _periods(step_ids, starts, waits), marks)
+
+
+# ------------------------------------------------------------------------------------------ input
+
+
+def _clean(durations: Mapping[int, Sequence[DurationItem]]) -> dict[int, _Ops]:
+    out: dict[int, _Ops] = {}
+    for rank, items in durations.items():
+        if not isinstance(rank, int) or isinstance(rank, bool) or not 0 <= rank < MAX_RANK:
+            continue
+        ops = _fast(items)
+        if ops is None:
+            ops = _slow(items)
+        if ops is not None and len(ops.names):
+            out[rank] = ops
+    return out
+
+
+def _fast(items: Sequence[DurationItem]) -> _Ops | None:
+    """Whole columns at once when every item is well formed (what triage passes); None otherwise."""
+    n = len(items)
+    try:
+        if any(len(x) < 3 or type(x[1]) is not int for x in items):
+            return None
+        seqs = np.fromiter((x[1] for x in items), np.int64, n)
+        ms = np.fromiter((x[2] for x in items), np.float64, n)
+        starts = np.fromiter((x[3] if len(x) > 3 and x[3] is not None else math.nan for x in items),
+                             np.float64, n)
+    except (TypeError, ValueError, OverflowError):
+        return None
+    if not (np.isfinite(ms).all() and (ms >= 0).all()) or np.isinf(starts).any():
+        return None
+    return _Ops([x[0] if type(x[0]) is str else str(x[0]) for x in items], seqs, ms / 1000.0, starts)
+
+
+def _slow(items: Sequence[DurationItem]) -> _Ops | None:
+    """Item by item, skipping what cannot be read (a missing field, a text or NaN duration)."""
+    names: list[str] = []
+    seqs: list[int] = []
+    secs: list[float] = []
+    starts: list[float] = []
+    for item in items:
+        if not isinstance(item, tuple | list) or len(item) < 3:
+            continue
+        seq, ms = _number(item[1]), _number(item[2])
+        if seq is None or ms is None or ms < 0 or abs(seq) > 2**62:
+            continue
+        start = _number(item[3]) if len(item) > 3 else None
+        names.append(str(item[0]))
+        seqs.append(int(seq))
+        secs.append(ms / 1000.0)
+        starts.append(math.nan if start is None else start)
+    if not names:
+        return None
+    return _Ops(names, np.array(seqs, np.int64), np.array(secs), np.array(starts))
+
+
+def _number(x: object) -> float | None:
+    if isinstance(x, bool) or not isinstance(x, int | float):
+        return None
+    v = float(x)
+    return v if math.isfinite(v) else None
+
+
+# ------------------------------------------------------------------------------------------ marks
+
+
+def _marks(ops: Mapping[int, _Ops]) -> dict[int, Mark]:
+    """Each rank's mark. Groups whose collectives repeat in a pattern are tried first, largest first
+    (the world, else the widest family), then fewest collectives per step; a group is used only if
+    none of its members has a mark yet, so the groups used are disjoint and, in a TP × DP layout,
+    all of one family. Steps line up across groups by their sequence ids (the same program)."""
+    members: dict[str, list[int]] = {}
+    counts: dict[int, Counter[str]] = {}
+    for rank in sorted(ops):
+        counts[rank] = Counter(ops[rank].names)
+        for g in counts[rank]:
+            members.setdefault(g, []).append(rank)
+    cadence: dict[str, tuple[int, int, bool]] = {}
+
+    def cadence_of(g: str) -> tuple[int, int, bool]:
+        if g not in cadence:
+            best = max(members[g], key=lambda r: counts[r][g])  # the longest history of this group
+            cadence[g] = _cadence(ops[best], g)
+        return cadence[g]
+
+    def key(g: str) -> tuple[bool, int, int, tuple[int, int, str]]:
+        per_step, _, regular = cadence_of(g)
+        return not regular, -len(members[g]), per_step, _name_key(g)
+
+    marks: dict[int, Mark] = {}
+    for disjoint in (True, False):  # then a rank every one of whose groups overlaps a used one
+        for rank in sorted(ops):
+            if rank in marks:
+                continue
+            for g in sorted(counts[rank], key=key):
+                if disjoint and any(m in marks for m in members[g]):
+                    continue
+                per_step, residue, _ = cadence_of(g)
+                for m in members[g] if disjoint else [rank]:
+                    marks[m] = Mark(g, per_step, residue)
+                break
+    return marks
+
+
+def _name_key(name: str) -> tuple[int, int, str]:
+    # torch names groups "0", "1", … in creation order; the groups of one family are created together
+    return (0, int(name), "") if name.isdigit() and len(name) < 19 else (1, 0, name)
+
+
+def _cadence(ops: _Ops, group: str) -> tuple[int, int, bool]:
+    """(collectives of ``group`` per step, the residue mod that of the sequence id that ends a step,
+    whether a pattern was found), from one member's history: the step is the smallest repeating
+    pattern of the gaps between the group's collectives — counted in the rank's collectives, or,
+    where the group's collectives come back to back, in the time the rank spent outside collectives
+    between them (two gradient buckets with no compute between them, then a step of compute) — and
+    the one followed by the longest gap ends it."""
+    pos = _positions(ops, group)
+    if len(pos) < 3:
+        return 1, 0, False
+    gaps = np.diff(pos).astype(np.float64)
+    per_step = _repeating(gaps)
+    if not per_step:
+        return 1, 0, False
+    if per_step == 1 and np.median(gaps) == 1:
+        # enqueued before the previous one ended (the host ran ahead): no idle time at all
+        idle = np.maximum(ops.starts[pos[1:]] - ops.starts[pos[:-1]] - ops.secs[pos[:-1]] * 1e9, 0.0)
+        if np.isfinite(idle).all():
+            gaps = idle
+            per_step = _levels(idle)
+    if per_step == 1:
+        return 1, 0, True
+    phase = ops.seqs[pos[:-1]] % per_step
+    counts = np.bincount(phase, minlength=per_step)
+    sums = np.bincount(phase, weights=gaps, minlength=per_step)
+    means = np.where(counts > 0, sums / np.maximum(counts, 1), -np.inf)
+    return per_step, int(np.argmax(means)), True
+
+
+def _positions(ops: _Ops, group: str) -> np.ndarray:
+    """Indices of the group's collectives; of entries repeating one sequence id (a coalesced block
+    and its end marker), the last."""
+    pos = np.fromiter((i for i, g in enumerate(ops.names) if g == group), np.int64)
+    if len(pos) > 1:
+        seqs = ops.seqs[pos]
+        pos = pos[np.append(seqs[1:] != seqs[:-1], True)]
+    return pos
+
+
+def _repeating(gaps: np.ndarray) -> int:
+    """The smallest period of a pattern that repeats in ``gaps`` (0 when none does)."""
+    for c in range(1, min(MAX_PER_STEP, len(gaps) // 2) + 1):
+        if (gaps[c:] == gaps[:-c]).mean() >= _PATTERN_SHARE:
+            return c
+    return 0
+
+
+def _levels(gaps: np.ndarray) -> int:
+    """The smallest period whose phases explain the gaps (short, long, short, long: 2), where the
+    shortest phase is less than half the longest; 1 when none does."""
+    total = float(((gaps - gaps.mean()) ** 2).sum())
+    if not total > 0:
+        return 1
+    for c in range(2, min(MAX_PER_STEP, len(gaps) // 3) + 1):
+        phase = np.arange(len(gaps)) % c
+        means = np.bincount(phase, weights=gaps, minlength=c) / np.bincount(phase, minlength=c)
+        within = float(((gaps - means[phase]) ** 2).sum())
+        if within <= (1 - _PATTERN_SHARE) * total and means.min() < 0.5 * means.max():
+            return c
+    return 1
+
+
+# ------------------------------------------------------------------------------------------ steps
+
+
+def _rank_steps(ops: _Ops, mark: Mark) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+    """(step ids, waits, start times of the marks) of one rank: the wait of a step is the sum of the
+    durations since the previous step's mark, or over the cycle's length of collectives before the
+    first mark (when the dump holds them all: the ring buffer may have dropped the start)."""
+    pos = _positions(ops, mark.group)
+    pos = pos[ops.seqs[pos] % mark.per_step == mark.residue]
+    if not len(pos):
+        return None
+    ids = (ops.seqs[pos] - mark.residue) // mark.per_step
+    rising = ids > np.maximum.accumulate(np.concatenate(([ids[0] - 1], ids[:-1])))
+    pos, ids = pos[rising], ids[rising]  # a sequence id seen again out of order is not a new step
+    cum = np.concatenate(([0.0], np.cumsum(ops.secs)))
+    follows = np.concatenate(([False], np.diff(ids) == 1))
+    span = int(np.median(np.diff(pos)[follows[1:]])) if follows.any() else 0
+    waits = np.full(len(pos), np.nan)
+    prev = np.concatenate(([0], pos[:-1]))
+    waits[follows] = cum[pos[follows] + 1] - cum[prev[follows] + 1]
+    whole = ~follows & (span > 0) & (pos + 1 >= span)  # a cycle's worth of collectives before it
+    waits[whole] = cum[pos[whole] + 1] - cum[pos[whole] + 1 - span]
+    keep = np.isfinite(waits)
+    if not keep.any():
+        return None
+    return ids[keep], waits[keep], ops.starts[pos[keep]]
+
+
+def _periods(step_ids: np.ndarray, starts: np.ndarray, waits: np.ndarray) -> np.ndarray | None:
+    """Per step, the median over ranks of the time since their previous step's mark (ns → s); None
+    when the times cannot be steps: too few, not increasing (a clock that ticks in coarse quanta,
+    such as the watchdog's discovery time), or shorter than the waits inside them. A step without
+    its own (the first one kept) gets the typical step."""
+    follows = np.diff(step_ids) == 1
+    if not follows.any():
+        return None
+    gaps = (starts[1:] - starts[:-1])[follows]
+    known = np.isfinite(gaps)
+    total = int(known.sum())
+    if not total or int((gaps[known] <= 0).sum()) > 0.1 * total:
+        return None
+    gaps = np.where(gaps > 0, gaps, np.nan) / 1e9
+    out = np.full(len(step_ids), np.nan)
+    have = np.isfinite(gaps).any(axis=1)
+    rows = np.flatnonzero(follows)[have] + 1
+    out[rows] = np.nanmedian(gaps[have], axis=1)
+    measured = np.isfinite(out)
+    if measured.mean() < 0.5:
+        return None
+    with np.errstate(invalid="ignore"):
+        longest_wait = np.nanmax(np.where(np.isfinite(waits), waits, -np.inf), axis=1)
+    if (out[measured] < longest_wait[measured]).mean() > 0.1:
+        return None
+    typical = statistics.median(out[measured].tolist())
+    return np.where(measured, out, typical)
