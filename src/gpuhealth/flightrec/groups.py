@@ -107,8 +107,8 @@ def build_groups(dumps: Mapping[int, RankDump], job: Mapping[str, Any] | None = 
     pg_names: dict[str, str] = {}
     cfg_members: dict[str, tuple[int, ...]] = {}
     for rank, d in dumps.items():
-        own = {name: members for name, sets in configured.items() if name in ambiguous
-               for members in sets if rank in members}
+        own = {name: members for name in ambiguous for members in configured[name] if rank in members} \
+            if ambiguous else {}
         for e in d.entries:
             key = e.group
             if e.group in ambiguous and e.group in own:
@@ -126,7 +126,12 @@ def build_groups(dumps: Mapping[int, RankDump], job: Mapping[str, Any] | None = 
             world = max(world, len(members))
     # Every rank any pg_config lists exists — even Gloo's unnamed entry (it lists the last group created,
     # often the world): a rank that left no dump is then known to be missing, not unheard of.
-    listed = max((max(cfg.ranks) for d in dumps.values() for cfg in d.pg_config.values() if cfg.ranks), default=-1)
+    tops: dict[int, int] = {}  # one max per distinct list (every rank repeats the world's)
+    for d in dumps.values():
+        for cfg in d.pg_config.values():
+            if cfg.ranks and id(cfg.ranks) not in tops:
+                tops[id(cfg.ranks)] = max(cfg.ranks)
+    listed = max(tops.values(), default=-1)
     top = max([*dumps, *known_ranks, listed], default=-1)
     world = max(world, top + 1)
     seen_in = {key: tuple(sorted(per_group[key])) for key in per_group
@@ -185,6 +190,7 @@ def _configured_members(dumps: Mapping[int, RankDump]) -> dict[str, set[tuple[in
     # Every rank repeats the world's list (the loader shares one tuple per distinct list): normalise
     # each list once, not once per rank (16k × 16k at 16k ranks).
     normal: dict[int, tuple[tuple[int, ...], frozenset[int]]] = {}
+    added: set[tuple[str, int]] = set()  # (name, id of the list): hashing a 16k-rank tuple once, not per rank
     for rank, d in dumps.items():
         for key, cfg in d.pg_config.items():
             if not key or not cfg.ranks:
@@ -193,7 +199,8 @@ def _configured_members(dumps: Mapping[int, RankDump]) -> dict[str, set[tuple[in
             if got is None:
                 members = tuple(sorted(set(cfg.ranks)))
                 got = normal[id(cfg.ranks)] = (members, frozenset(members))
-            if rank in got[1]:
+            if rank in got[1] and (key, id(got[0])) not in added:
+                added.add((key, id(got[0])))
                 out[key].add(got[0])
     return out
 
