@@ -97,6 +97,13 @@ class CoordinatorConfig:
     # Agent side: step records are packed into one message per job this often. Larger batches cost the
     # coordinator less per record (benchmarks/coordinator_load.py); detection waits up to this long.
     link_batch_interval_s: float = 1.0
+    max_inflight: int = 256  # records an agent may send before waiting for an ack
+    warm_start_s: float = 600.0  # step batches replayed into job state after a restart
+    forget_job_after_s: float = 3600.0  # a finished job leaves memory after this long without records
+
+    def resolved_evidence_dir(self) -> str:
+        """Where hang evidence goes: ``evidence_dir``, or "evidence" beside the database."""
+        return self.evidence_dir or str(Path(self.db_path).resolve().parent / "evidence")
 
 
 @dataclass(slots=True)

@@ -27,9 +27,10 @@ from cryptography.x509.oid import NameOID
 from simagent import SimAgent, step_batch_message
 
 from gpuhealth.agent.coordinator_link import CoordinatorLink, LinkSettings
+from gpuhealth.config import CoordinatorConfig
 from gpuhealth.coordinator.security import AuthPolicy
 from gpuhealth.coordinator.server import CoordinatorServer
-from gpuhealth.coordinator.service import Coordinator, Settings
+from gpuhealth.coordinator.service import Coordinator
 from gpuhealth.coordinator.store import Store
 from gpuhealth.model import StepRecord
 from gpuhealth.proto import gpuhealth_v1_pb2 as pb
@@ -168,7 +169,7 @@ def test_mtls_refuses_wrong_certificate_and_other_node(tmp_path: Path) -> None:
     pki = _pki(tmp_path)
 
     async def main() -> None:
-        coord = Coordinator(Store(tmp_path / "c.db"), Settings(evidence_dir=str(tmp_path / "ev")))
+        coord = Coordinator(Store(tmp_path / "c.db"), CoordinatorConfig(evidence_dir=str(tmp_path / "ev")))
         server = CoordinatorServer(coord, listen="127.0.0.1:0", metrics_listen=None, policy=AuthPolicy(mtls=True),
                                    tls=pki["server"])
         endpoints = await server.start()

@@ -17,10 +17,11 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from simagent import SimAgent, step_batch_message
 
+from gpuhealth.config import CoordinatorConfig
 from gpuhealth.coordinator.query import CoordinatorQueryError, fleet, list_jobs, live_triage, run_diagnostic
 from gpuhealth.coordinator.security import AuthPolicy
 from gpuhealth.coordinator.server import CoordinatorServer
-from gpuhealth.coordinator.service import Coordinator, Settings
+from gpuhealth.coordinator.service import Coordinator
 from gpuhealth.coordinator.store import Store
 from gpuhealth.coordinator.straggler_feed import BudgetedStragglerFeed
 from gpuhealth.proto import gpuhealth_v1_pb2 as pb
@@ -31,7 +32,7 @@ pytestmark = pytest.mark.integration
 
 async def _server(tmp_path: Path, token: str | None = None, operator_token: str | None = None) -> CoordinatorServer:
     store = Store(tmp_path / "c.db")
-    coord = Coordinator(store, Settings(evidence_dir=str(tmp_path / "ev"), tick_s=0.1, hang_floor_s=3600),
+    coord = Coordinator(store, CoordinatorConfig(evidence_dir=str(tmp_path / "ev"), tick_s=0.1, hang_floor_s=3600),
                         detector_factory=lambda j: BudgetedStragglerFeed(j))
     server = CoordinatorServer(coord, listen="127.0.0.1:0", metrics_listen="127.0.0.1:0",
                                policy=AuthPolicy(token=token, operator_token=operator_token), metrics_interval_s=0.1)

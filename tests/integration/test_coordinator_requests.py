@@ -11,9 +11,10 @@ from pathlib import Path
 import pytest
 
 from gpuhealth.agent.coordinator_link import CoordinatorLink, LinkSettings
+from gpuhealth.config import CoordinatorConfig
 from gpuhealth.coordinator.security import AuthPolicy
 from gpuhealth.coordinator.server import CoordinatorServer
-from gpuhealth.coordinator.service import Coordinator, Settings
+from gpuhealth.coordinator.service import Coordinator
 from gpuhealth.coordinator.store import Store
 from gpuhealth.proto import gpuhealth_v1_pb2 as pb
 
@@ -22,7 +23,7 @@ pytestmark = pytest.mark.integration
 
 def test_requests_are_answered_even_when_they_cannot_run(tmp_path: Path) -> None:
     async def main() -> None:
-        coord = Coordinator(Store(tmp_path / "c.db"), Settings(evidence_dir=str(tmp_path / "ev")))
+        coord = Coordinator(Store(tmp_path / "c.db"), CoordinatorConfig(evidence_dir=str(tmp_path / "ev")))
         server = CoordinatorServer(coord, listen="127.0.0.1:0", metrics_listen=None, policy=AuthPolicy())
         endpoints = await server.start()
         link = CoordinatorLink(LinkSettings(address=f"127.0.0.1:{endpoints.grpc_port}",

@@ -6,12 +6,11 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Callable
-from pathlib import Path
 
 from gpuhealth.config import CoordinatorConfig
 from gpuhealth.coordinator.security import AuthPolicy
 from gpuhealth.coordinator.server import CoordinatorServer, Endpoints, write_ready_file
-from gpuhealth.coordinator.service import Coordinator, Settings
+from gpuhealth.coordinator.service import Coordinator
 from gpuhealth.coordinator.store import Store, StoreError
 from gpuhealth.coordinator.straggler_feed import BudgetedStragglerFeed
 from gpuhealth.runtime.sdnotify import SystemdNotifier
@@ -22,14 +21,6 @@ log = logging.getLogger("gpuhealth.coordinator")
 
 class CoordinatorStartError(RuntimeError):
     """Bad TLS files, an unusable database or an address that cannot be bound."""
-
-
-def settings_from(cfg: CoordinatorConfig) -> Settings:
-    evidence = cfg.evidence_dir or str(Path(cfg.db_path).resolve().parent / "evidence")
-    return Settings(hang_k=cfg.hang_k, hang_floor_s=cfg.hang_floor_s, tick_s=cfg.tick_s,
-                    evidence_timeout_s=cfg.evidence_timeout_s, evidence_dir=evidence,
-                    heartbeat_interval_s=cfg.heartbeat_interval_s, retention_days=cfg.retention_days,
-                    step_retention_hours=cfg.step_retention_hours)
 
 
 def build(cfg: CoordinatorConfig) -> CoordinatorServer:
@@ -45,7 +36,7 @@ def build(cfg: CoordinatorConfig) -> CoordinatorServer:
     def factory(job_id: str) -> BudgetedStragglerFeed:
         return BudgetedStragglerFeed(job_id, budget_records_s=budget)
 
-    coord = Coordinator(store, settings_from(cfg), detector_factory=factory)
+    coord = Coordinator(store, cfg, detector_factory=factory)
     metrics = None if cfg.metrics_listen in ("", "off", "none") else cfg.metrics_listen
     return CoordinatorServer(coord, listen=cfg.listen, metrics_listen=metrics,
                              policy=AuthPolicy(token=cfg.token, mtls=tls is not None,

@@ -24,6 +24,7 @@ from typing import Any
 
 import grpc
 
+from gpuhealth.config import CoordinatorConfig
 from gpuhealth.coordinator import hangs
 from gpuhealth.coordinator.fleet import (
     NodeView,
@@ -54,21 +55,6 @@ log = logging.getLogger("gpuhealth.coordinator")
 
 GROUP_COMMIT_S = 0.005  # records wait at most this long for their commit (and ack)
 GROUP_COMMIT_RECORDS = 256  # or until this many records are in the group
-
-
-@dataclass(slots=True)
-class Settings:
-    hang_k: float = 10.0
-    hang_floor_s: float = 60.0
-    tick_s: float = 0.5
-    evidence_timeout_s: float = 20.0
-    evidence_dir: str = "/var/lib/gpuhealth/evidence"
-    heartbeat_interval_s: float = 10.0
-    max_inflight: int = 256
-    retention_days: float = 30.0
-    step_retention_hours: float = 24.0
-    warm_start_s: float = 600.0  # step batches replayed into job state after a restart
-    forget_job_after_s: float = 3600.0  # a finished job leaves memory after this long without records
 
 
 @dataclass(eq=False)
@@ -113,14 +99,14 @@ class Coordinator:
     def __init__(
         self,
         store: Store,
-        settings: Settings | None = None,
+        settings: CoordinatorConfig | None = None,
         *,
         detector_factory: Callable[[str], OnlineStragglerDetector] | None = None,
         clock: Callable[[], float] = time.time,
         monotonic: Callable[[], float] = time.monotonic,
     ) -> None:
         self.store = store
-        self.settings = settings or Settings()
+        self.settings = settings or CoordinatorConfig()
         self.clock = clock
         self.mono = monotonic
         self.jobs = JobTable(detector_factory)
@@ -419,7 +405,7 @@ class Coordinator:
                          keep_steps_hours=self.settings.step_retention_hours)
         cutoff = now - self.settings.retention_days * 86_400.0
         removed = 0
-        root = Path(self.settings.evidence_dir)
+        root = Path(self.settings.resolved_evidence_dir())
         for folder in root.glob("*/*") if root.is_dir() else ():
             with contextlib.suppress(OSError):
                 if folder.is_dir() and not folder.is_symlink() and folder.stat().st_mtime < cutoff:
@@ -509,7 +495,7 @@ class Coordinator:
 
     @property
     def evidence_dir(self) -> str:
-        return self.settings.evidence_dir
+        return self.settings.resolved_evidence_dir()
 
     async def _investigate_hang(self, job: JobState, check: Any) -> None:
         try:
@@ -640,5 +626,5 @@ def json_reply(doc: dict[str, Any]) -> pb.JsonReply:
     return pb.JsonReply(json=json.dumps(doc, default=str, sort_keys=True))
 
 
-def evidence_root(settings: Settings) -> Path:
-    return Path(settings.evidence_dir)
+def evidence_root(settings: CoordinatorConfig) -> Path:
+    return Path(settings.resolved_evidence_dir())

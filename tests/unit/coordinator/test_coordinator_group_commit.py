@@ -8,7 +8,8 @@ from pathlib import Path
 
 from simagent import step_batch_message
 
-from gpuhealth.coordinator.service import GROUP_COMMIT_RECORDS, Coordinator, Settings
+from gpuhealth.config import CoordinatorConfig
+from gpuhealth.coordinator.service import GROUP_COMMIT_RECORDS, Coordinator
 from gpuhealth.coordinator.store import Store
 from gpuhealth.proto import gpuhealth_v1_pb2 as pb
 
@@ -20,7 +21,7 @@ def _feed(coord: Coordinator, session: object, seq: int) -> None:
 
 def test_ack_follows_the_commit(tmp_path: Path) -> None:
     async def main() -> None:
-        coord = Coordinator(Store(tmp_path / "c.db"), Settings())
+        coord = Coordinator(Store(tmp_path / "c.db"), CoordinatorConfig())
         resp = coord.register(pb.RegisterRequest(node_name="n1", incarnation="i1"))
         session = coord.sessions[resp.session_id]
         for seq in (1, 2, 3):
@@ -46,7 +47,7 @@ def test_ack_follows_the_commit(tmp_path: Path) -> None:
 
 def test_finished_jobs_leave_memory_but_not_the_store(tmp_path: Path) -> None:
     now = [1000.0]
-    coord = Coordinator(Store(tmp_path / "c.db"), Settings(forget_job_after_s=60), monotonic=lambda: now[0])
+    coord = Coordinator(Store(tmp_path / "c.db"), CoordinatorConfig(forget_job_after_s=60), monotonic=lambda: now[0])
     resp = coord.register(pb.RegisterRequest(node_name="n1", incarnation="i1"))
     session = coord.sessions[resp.session_id]
     _feed(coord, session, 1)
@@ -68,7 +69,7 @@ def test_retention_removes_old_evidence_folders(tmp_path: Path) -> None:
         (d / "fr").mkdir(parents=True)
         (d / "fr" / "rank_0.json").write_text("{}")
     os.utime(old, (0, 0))
-    coord = Coordinator(Store(tmp_path / "c.db"), Settings(evidence_dir=str(ev), retention_days=1),
+    coord = Coordinator(Store(tmp_path / "c.db"), CoordinatorConfig(evidence_dir=str(ev), retention_days=1),
                         clock=lambda: 10 * 86_400.0)
     os.utime(new, (10 * 86_400.0, 10 * 86_400.0))
     assert coord.prune(10 * 86_400.0) == 1

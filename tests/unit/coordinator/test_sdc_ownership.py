@@ -4,13 +4,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from gpuhealth.config import CoordinatorConfig
 from gpuhealth.coordinator.fleet import NodeView
-from gpuhealth.coordinator.service import Coordinator, Settings
+from gpuhealth.coordinator.service import Coordinator
 from gpuhealth.coordinator.store import Store
 
 
 def test_a_node_cannot_vote_for_gpus_it_does_not_have(tmp_path: Path) -> None:
-    coord = Coordinator(Store(tmp_path / "c.db"), Settings())
+    coord = Coordinator(Store(tmp_path / "c.db"), CoordinatorConfig())
     for i, name in enumerate(["n1", "n2", "n3", "n4"]):
         coord.nodes[name] = NodeView(name, gpus=[{"index": 0, "uuid": f"GPU-{i}"}])
         coord.store.add_sdc_digest(name, f"GPU-{i}", "k", "good", 1.0)

@@ -7,7 +7,8 @@ from pathlib import Path
 
 from simagent import step_batch_message
 
-from gpuhealth.coordinator.service import Coordinator, Settings
+from gpuhealth.config import CoordinatorConfig
+from gpuhealth.coordinator.service import Coordinator
 from gpuhealth.coordinator.store import Store
 from gpuhealth.coordinator.straggler_feed import BudgetedStragglerFeed
 from gpuhealth.model import Action, Entity, Finding, Severity
@@ -38,7 +39,8 @@ class _Agent:
 
 
 def _coordinator(tmp_path: Path) -> Coordinator:
-    return Coordinator(Store(tmp_path / "coord.db"), Settings(evidence_dir=str(tmp_path / "ev"), hang_floor_s=3600),
+    return Coordinator(Store(tmp_path / "coord.db"),
+                       CoordinatorConfig(evidence_dir=str(tmp_path / "ev"), hang_floor_s=3600),
                        detector_factory=lambda job: BudgetedStragglerFeed(job))
 
 
