@@ -92,6 +92,8 @@ def test_real_nccl_dumps_with_their_enqueue_times_give_the_true_slowdown() -> No
         found = detect_from_durations(_real(case, "created_ns"))
         assert [f.evidence["rank"] for f in found] == [rank]
         assert abs(found[0].evidence["ratio_to_median"] - factor) < 0.05 * factor
+        # its steps end where the ranks compute: after the world all_reduce, not the TP pair's
+        assert str(found[0].evidence["since_collective"]).startswith("group 0 collective #")
         assert found[0].evidence["cost_share"] > 0.3
         # The watchdog's started_ns ticks in 100 ms: refused, judged by lateness instead.
         assert [f.evidence["rank"] for f in detect_from_durations(_real(case, "started_ns"))] == [rank]
@@ -122,11 +124,13 @@ def test_unreadable_items_are_skipped() -> None:
 
 def _grid(tp: int, dp: int, steps: int, *, slow: int | None = None, factor: float = 1.5, noise: float = 0.05,
           buckets: int = 1, world_op: bool = False, timed: bool = True, seed: int = 0,
+          spikes: dict[tuple[int, int], float] | None = None,
           ) -> dict[int, list[tuple[str, int, float] | tuple[str, int, float, int]]]:
     """Ranks d·tp + t. Per step: compute, a TP all_reduce, ``buckets`` DP all_reduces back to back (the
     first waits for the DP group's slowest TP group), optionally a world all_reduce. Groups are named in
     creation order as torch names them: world "0", TP groups "1".."dp" (if tp > 1), DP groups after them. Compute
-    jitter is uniform ±``noise``; a collective lasts from a rank's arrival until the last member arrived."""
+    jitter is uniform ±``noise``; ``spikes``: (rank, step) -> compute × that once. A collective lasts from a
+    rank's arrival until the last member arrived."""
     rng = np.random.default_rng(seed)
     world = tp * dp
     tp_name = {r: str(1 + r // tp) for r in range(world)}
@@ -142,10 +146,12 @@ def _grid(tp: int, dp: int, steps: int, *, slow: int | None = None, factor: floa
             out[r].append((name, seqs[name], (done - arrive[r]) * 1000, int(1.7e18 + arrive[r] * 1e9)))
             arrive[r] = done
 
-    for _ in range(steps):
+    for step in range(steps):
         clock += 0.05 * (1 + rng.uniform(-noise, noise, world))
         if slow is not None:
             clock[slow] += 0.05 * (factor - 1)
+        for (r, at), times in (spikes or {}).items():
+            clock[r] += 0.05 * (times - 1) if at == step else 0.0
         for d in range(dp if tp > 1 else 0):
             collective(list(range(d * tp, d * tp + tp)), tp_name[d * tp], clock)
         for _ in range(buckets):
@@ -175,6 +181,18 @@ def test_a_straggler_is_named_without_a_group_that_spans_the_job(tp: int, dp: in
 def test_a_healthy_tp_dp_job_with_jitter_is_quiet(tp: int, dp: int, buckets: int, timed: bool) -> None:
     for seed in range(3):
         assert detect_from_durations(_grid(tp, dp, 40, noise=0.15, buckets=buckets, timed=timed, seed=seed)) == []
+
+
+@pytest.mark.parametrize("timed", [True, False])
+def test_one_slow_step_is_not_split_between_two_steps(timed: bool) -> None:
+    # Ranks 3 and 12 (TP groups 1 and 2) compute 4x once, two steps apart. Every rank waits for each — its
+    # TP peers in the TP all_reduce, everyone else in the DP all_reduce after it — in one step, because
+    # every rank's step is cut where it computes (after the DP all_reduce). Cut after the TP all_reduce,
+    # its TP peers would wait in one step and the others in the next: each half of the job slower than
+    # the other by a whole step of compute in four of eight steps.
+    for noise in (0.0, 0.05):
+        spikes = {(3, 20): 4.0, (12, 22): 4.0}
+        assert detect_from_durations(_grid(8, 2, 40, noise=noise, spikes=spikes, timed=timed)) == []
 
 
 def test_a_step_is_every_bucket_of_the_step_not_each_collective() -> None:

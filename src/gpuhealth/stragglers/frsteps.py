@@ -4,18 +4,21 @@ collectives per step, without assuming one group that every rank is in.
 Each rank's collectives repeat once per training step. Every rank gets a *mark*: one group it is in
 and which of that group's collectives ends a step (a DP group with three gradient buckets has three
 per step; the third ends it). A rank's wait in a step is the sum of its durations over one whole
-cycle ending at its mark, so every group it waited in counts, wherever the cycle is cut. Marks are
-chosen so that the groups used cover the ranks without overlap — the world group when there is
-one, else one family of same-sized groups (all TP groups, or all DP groups) — and steps line up
-across ranks through the sequence ids: a group's ids are the same on all its members, and the
-groups of one family run the same program."""
+cycle ending at its mark, so every group it waited in counts — a TP peer of a straggler waits for it
+in the TP group, the others in their DP groups. The cycle is cut where the ranks compute: after the
+collective followed by the most time outside collectives (from start times), else after the one
+where each group's sequence ids say the step moves on; so one rank's slow step lands in one step
+for every rank that waited for it. All ranks are cut at the same point of the program (one family
+of groups: the world group, or all DP groups, …), and steps line up across ranks through the
+sequence ids: a group's ids are the same on all its members, and the groups of one family run the
+same program."""
 
 from __future__ import annotations
 
 import math
 import statistics
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -149,10 +152,12 @@ def _number(x: object) -> float | None:
 
 
 def _marks(ops: Mapping[int, _Ops]) -> dict[int, Mark]:
-    """Each rank's mark. Groups whose collectives repeat in a pattern are tried first, largest first
-    (the world, else the widest family), then fewest collectives per step; a group is used only if
-    none of its members has a mark yet, so the groups used are disjoint and, in a TP × DP layout,
-    all of one family. Steps line up across groups by their sequence ids (the same program)."""
+    """Each rank's mark: the collective after which it computes (see :func:`_step_end`), one family
+    and residue for the whole job (the majority's), so that every rank's step is cut at the same
+    point of the program and one rank's slow compute lands in the same step for every rank that
+    waited for it. Ranks without a step end of their own take their group of that family; where no
+    step end is found at all, groups are tried largest first (the world, else the widest family)
+    and used only if none of their members has a mark yet, so that the groups used are disjoint."""
     members: dict[str, list[int]] = {}
     counts: dict[int, Counter[str]] = {}
     for rank in sorted(ops):
@@ -167,11 +172,25 @@ def _marks(ops: Mapping[int, _Ops]) -> dict[int, Mark]:
             cadence[g] = _cadence(ops[best], g)
         return cadence[g]
 
+    def family(g: str) -> tuple[int, int]:
+        return len(members[g]), cadence_of(g)[0]
+
+    timed = _times_usable(ops.values())
+    ends = {rank: end for rank in sorted(ops) if (end := _step_end(ops[rank], cadence_of, timed)) is not None}
+    marks: dict[int, Mark] = {}
+    if ends:
+        (chosen, _), = Counter(family(g) for g, _ in ends.values()).most_common(1)
+        (residue, _), = Counter(r for g, r in ends.values() if family(g) == chosen).most_common(1)
+        for rank in sorted(ops):
+            own = ends[rank][0] if rank in ends and family(ends[rank][0]) == chosen else \
+                min((h for h in counts[rank] if family(h) == chosen), key=_name_key, default=None)
+            if own is not None:
+                marks[rank] = Mark(own, chosen[1], residue)
+
     def key(g: str) -> tuple[bool, int, int, tuple[int, int, str]]:
         per_step, _, regular = cadence_of(g)
         return not regular, -len(members[g]), per_step, _name_key(g)
 
-    marks: dict[int, Mark] = {}
     for disjoint in (True, False):  # then a rank every one of whose groups overlaps a used one
         for rank in sorted(ops):
             if rank in marks:
@@ -184,6 +203,59 @@ def _marks(ops: Mapping[int, _Ops]) -> dict[int, Mark]:
                     marks[m] = Mark(g, per_step, residue)
                 break
     return marks
+
+
+def _times_usable(ranks: Iterable[_Ops]) -> bool:
+    """Start times can place compute when most collectives have one and they increase from one
+    collective to the next (a clock ticking in coarse quanta, like the watchdog's, does not)."""
+    pairs = flat = 0
+    for ops in ranks:
+        t = ops.starts
+        known = np.isfinite(t[1:]) & np.isfinite(t[:-1]) & (ops.seqs[1:] != ops.seqs[:-1])
+        pairs += int(known.sum())
+        flat += int((t[1:][known] <= t[:-1][known]).sum())
+    return pairs > 0 and flat <= 0.1 * pairs
+
+
+def _step_end(ops: _Ops, cadence_of: Callable[[str], tuple[int, int, bool]], timed: bool,
+              ) -> tuple[str, int] | None:
+    """(group, residue) of the collective that ends the rank's step: the one followed by the most
+    time outside collectives (the step's compute; median over the steps) when start times can tell;
+    otherwise the one after which the step number counted by sequence ids moves on (each group
+    counting from the job's start), among each group's last collective of a step."""
+    n = len(ops.names)
+    if n < 4:
+        return None
+    index: dict[str, int] = {}
+    codes = np.fromiter((index.setdefault(g, len(index)) for g in ops.names), np.int64, n)
+    groups = list(index)
+    per_step = np.array([cadence_of(g)[0] for g in groups], np.int64)[codes]
+    residue = ops.seqs % per_step
+    # of entries repeating one collective (a coalesced block), only the last is followed by the next
+    last = np.append((codes[1:] != codes[:-1]) | (ops.seqs[1:] != ops.seqs[:-1]), False)
+    if timed:
+        after = np.maximum(ops.starts[1:] - ops.starts[:-1] - ops.secs[:-1] * 1e9, 0.0)
+        use = last[:-1] & np.isfinite(after)
+        score = np.where(use, after, 0.0)
+    else:
+        step = (ops.seqs - 1) // per_step
+        use = last[:-1] & (residue[:-1] == 0)
+        score = (step[1:] > step[:-1]).astype(np.float64)
+    if not use.any():
+        return None
+    width = int(per_step.max())
+    key = (codes[:-1] * width + residue[:-1])[use]
+    score = score[use]
+    # the median over the steps (the first steps of a job wait for NCCL's setup)
+    order = np.lexsort((score, key))
+    keys, first, seen = np.unique(key[order], return_index=True, return_counts=True)
+    ranked = score[order]
+    median = (ranked[first + (seen - 1) // 2] + ranked[first + seen // 2]) / 2
+    median[seen < 2] = -1.0
+    best = int(np.argmax(median))
+    if median[best] <= 0 or (not timed and median[best] < 1):
+        return None
+    return groups[int(keys[best]) // width], int(keys[best]) % width
 
 
 def _name_key(name: str) -> tuple[int, int, str]:
