@@ -66,7 +66,11 @@ class JobState:
     records: int = 0
     # mean wall step time of each recent batch: cheap to keep, enough for "typical step time"
     wall_means: deque[float] = field(default_factory=lambda: deque(maxlen=256))
-    step_samples: deque[float] = field(default_factory=lambda: deque(maxlen=4096))
+    step_samples: deque[float] = field(default_factory=lambda: deque(maxlen=4096))  # quantiles only
+    # Every step record ever ingested (across restarts): the summary's _count/_sum must be cumulative
+    # counters for rate(), which a bounded sample is not.
+    step_count: int = 0
+    step_sum: float = 0.0
     live_ranks: dict[str, set[int]] = field(default_factory=dict)  # node → live ranks of this job
     hang_open: bool = False  # a hang verdict was issued and no progress since
     hangs: int = 0
@@ -114,7 +118,10 @@ class JobState:
             self.progress_at = now
             self.hang_open = False
         if n:
-            self.wall_means.append(sum(cols.wall_s) / n)
+            total = sum(cols.wall_s)
+            self.step_count += n
+            self.step_sum += total
+            self.wall_means.append(total / n)
             # A bounded sample of step times for quantiles (strided, so big batches cost little).
             stride = max(1, n // 64)
             self.step_samples.extend(cols.wall_s[::stride])

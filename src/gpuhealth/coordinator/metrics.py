@@ -49,8 +49,8 @@ class CoordinatorCollector(Collector):
         # Per-job series carry ``job_id``, not ``job``: Prometheus reserves ``job`` for the scrape job and
         # would rename ours to ``exported_job``.
         records = CounterMetricFamily(p + "job_step_records", "Rank-step records ingested per job.", labels=["job_id"])
-        quant = Metric(p + "job_step_seconds", "Recent wall step time per job (a bounded sample of steps).",
-                       "summary")
+        quant = Metric(p + "job_step_seconds", "Wall step time per job: quantiles over a bounded recent sample; "
+                       "_count and _sum over every step record (counters).", "summary")
         scores = GaugeMetricFamily(p + "straggler_score",
                                    "Rank slowness score (compute time / job median; top ranks only).",
                                    labels=["job_id", "rank"])
