@@ -195,6 +195,24 @@ def test_one_slow_step_is_not_split_between_two_steps(timed: bool) -> None:
         assert detect_from_durations(_grid(8, 2, 40, noise=noise, spikes=spikes, timed=timed)) == []
 
 
+@pytest.mark.parametrize("before", [0, 1, 3])
+def test_without_start_times_the_cut_does_not_trust_sequence_ids_to_count_steps(before: int) -> None:
+    # DDP broadcasts the parameters in the DP group before the first step: its sequence ids run ahead of the
+    # TP groups'. Counting steps by them would cut after the TP all_reduce; the cut where the waits for a
+    # slow step fall in one step for every rank is after the DP all_reduce, whatever the ids say.
+    def shifted(dumps: dict[int, list[tuple[str, int, float] | tuple[str, int, float, int]]],
+                ) -> dict[int, list[tuple[str, int, float]]]:
+        dp_groups = {str(3 + t) for t in range(8)}
+        return {r: [(g, seq + (before if g in dp_groups else 0), ms) for g, seq, ms, *_ in items]
+                for r, items in dumps.items()}
+
+    for seed in range(3):
+        healthy = _grid(8, 2, 40, spikes={(3, 20): 4.0, (12, 22): 4.0}, timed=False, seed=seed)
+        assert detect_from_durations(shifted(healthy)) == []
+        slow = _grid(8, 2, 40, slow=9, factor=1.3, timed=False, seed=seed)
+        assert [f.evidence["rank"] for f in detect_from_durations(shifted(slow))] == [9]
+
+
 def test_a_step_is_every_bucket_of_the_step_not_each_collective() -> None:
     # Three DP buckets per step: the step is the three of them (after the TP all_reduce), so a 1.2x rank is
     # judged against whole steps — each bucket on its own would read as three noisy steps.

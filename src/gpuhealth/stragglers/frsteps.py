@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 import statistics
+import warnings
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -26,10 +27,13 @@ import numpy as np
 MAX_RANK = 1 << 21  # a rank id beyond this is bad input, not a job (it would size the matrices)
 MAX_PER_STEP = 256  # collectives of one group per step looked for (gradient buckets, layers × microbatches)
 _PATTERN_SHARE = 0.9  # share of a cycle's repetitions that must agree to call it the cycle
+_MAX_CUTS = 8  # every residue tried up to this many collectives per step, when no start times place the compute
 
 # (group, seq, duration_ms) as triage passes them, optionally with the collective's start time in ns
 # (``created_ns``): with it, lateness is judged relative to the step.
 DurationItem = tuple[str, int, float] | tuple[str, int, float, int | float | None]
+# groups of one size, cadence (collectives per step) and disjoint set of them: all TP groups, all DP groups
+Family = tuple[int, int, int]
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,7 +72,16 @@ def fr_steps(durations: Mapping[int, Sequence[DurationItem]]) -> FrSteps | None:
     if not ops:
         return None
     marks = _marks(ops)
-    rows: list[tuple[int, np.ndarray, np.ndarray, np.ndarray]] = []  # (rank, step ids, waits, mark starts)
+    got = _matrix(ops, marks)
+    if got is None:
+        return None
+    step_ids, waits, starts = got
+    return FrSteps(step_ids, waits, _periods(step_ids, starts, waits), marks)
+
+
+def _matrix(ops: Mapping[int, _Ops], marks: Mapping[int, Mark]) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+    """(step ids, waits, start times of the marks), steps × ranks."""
+    rows: list[tuple[int, np.ndarray, np.ndarray, np.ndarray]] = []
     for rank, mark in marks.items():
         got = _rank_steps(ops[rank], mark)
         if got is not None:
@@ -83,7 +96,7 @@ def fr_steps(durations: Mapping[int, Sequence[DurationItem]]) -> FrSteps | None:
         at = np.searchsorted(step_ids, ids)
         waits[at, rank] = wait
         starts[at, rank] = start
-    return FrSteps(step_ids, waits, _periods(step_ids, starts, waits), marks)
+    return step_ids, waits, starts
 
 
 # ------------------------------------------------------------------------------------------ input
@@ -152,12 +165,14 @@ def _number(x: object) -> float | None:
 
 
 def _marks(ops: Mapping[int, _Ops]) -> dict[int, Mark]:
-    """Each rank's mark: the collective after which it computes (see :func:`_step_end`), one family
-    and residue for the whole job (the majority's), so that every rank's step is cut at the same
-    point of the program and one rank's slow compute lands in the same step for every rank that
-    waited for it. Ranks without a step end of their own take their group of that family; where no
-    step end is found at all, groups are tried largest first (the world, else the widest family)
-    and used only if none of their members has a mark yet, so that the groups used are disjoint."""
+    """Each rank's mark: the collective after which the ranks compute, at the same point of the
+    program on every rank (one *family* of groups — same size, same collectives per step, one group
+    per rank — and one residue), so that one rank's slow compute lands in the same step for every
+    rank that waited for it. With start times: the majority of the ranks' own step ends (see
+    :func:`_step_end`). Without: of every family and residue, the cut whose steps' waits differ
+    least between ranks — cut anywhere else, the ranks that waited for one slow step in one group
+    and those that waited in the next group fall in two different steps. Where no family covers the
+    ranks, groups are tried largest first and used only if none of their members has a mark yet."""
     members: dict[str, list[int]] = {}
     counts: dict[int, Counter[str]] = {}
     for rank in sorted(ops):
@@ -172,25 +187,85 @@ def _marks(ops: Mapping[int, _Ops]) -> dict[int, Mark]:
             cadence[g] = _cadence(ops[best], g)
         return cadence[g]
 
-    def family(g: str) -> tuple[int, int]:
-        return len(members[g]), cadence_of(g)[0]
+    family = _families(members, cadence_of)
+    groups_of: dict[Family, dict[int, str]] = {}  # family -> rank -> its group in it
+    for g in sorted(members, key=_name_key):
+        for rank in members[g]:
+            groups_of.setdefault(family[g], {}).setdefault(rank, g)
+    regular = {family[g] for g in members if cadence_of(g)[2]}
+    covering = sorted((f for f in groups_of if len(groups_of[f]) >= 0.9 * len(ops)),
+                      key=lambda f: (f not in regular, -f[0], f[1], f[2]))
+    if covering:
+        cut = _cut_by_time(ops, cadence_of, family) if _times_usable(ops.values()) else None
+        if cut is None or cut[0] not in covering:
+            candidates = [f for f in covering if f in regular] or covering[:1]
+            cut = _cut_by_spread(ops, groups_of, candidates, cadence_of)
+        chosen, residue = cut
+        return {rank: Mark(g, chosen[1], residue) for rank, g in groups_of[chosen].items()}
+    return _disjoint_marks(ops, members, counts, cadence_of)
 
-    timed = _times_usable(ops.values())
-    ends = {rank: end for rank in sorted(ops) if (end := _step_end(ops[rank], cadence_of, timed)) is not None}
-    marks: dict[int, Mark] = {}
-    if ends:
-        (chosen, _), = Counter(family(g) for g, _ in ends.values()).most_common(1)
-        (residue, _), = Counter(r for g, r in ends.values() if family(g) == chosen).most_common(1)
-        for rank in sorted(ops):
-            own = ends[rank][0] if rank in ends and family(ends[rank][0]) == chosen else \
-                min((h for h in counts[rank] if family(h) == chosen), key=_name_key, default=None)
-            if own is not None:
-                marks[rank] = Mark(own, chosen[1], residue)
 
+def _families(members: Mapping[str, list[int]], cadence_of: Callable[[str], tuple[int, int, bool]],
+              ) -> dict[str, Family]:
+    """Each group's family: groups of one size and cadence, split into sets of disjoint groups (TP
+    pairs and DP pairs of a 2 × 2 job are two families), in creation order."""
+    out: dict[str, Family] = {}
+    taken: dict[tuple[int, int], list[set[int]]] = {}  # (size, cadence) -> ranks covered by each family
+    for g in sorted(members, key=_name_key):
+        kind = (len(members[g]), cadence_of(g)[0])
+        sets = taken.setdefault(kind, [])
+        ranks = set(members[g])
+        i = next((i for i, covered in enumerate(sets) if not covered & ranks), len(sets))
+        if i == len(sets):
+            sets.append(set())
+        sets[i] |= ranks
+        out[g] = (*kind, i)
+    return out
+
+
+def _cut_by_time(ops: Mapping[int, _Ops], cadence_of: Callable[[str], tuple[int, int, bool]],
+                 family: Mapping[str, Family]) -> tuple[Family, int] | None:
+    """(family, residue) of the majority of the ranks' step ends found from start times."""
+    ends = Counter((family[g], r) for rank in sorted(ops)
+                   if (end := _step_end(ops[rank], cadence_of)) is not None for g, r in [end])
+    return ends.most_common(1)[0][0] if ends else None
+
+
+def _cut_by_spread(ops: Mapping[int, _Ops], groups_of: Mapping[Family, Mapping[int, str]],
+                   families: Sequence[Family], cadence_of: Callable[[str], tuple[int, int, bool]],
+                   ) -> tuple[Family, int]:
+    """Of the families' cuts, the one whose steps' waits differ least between ranks (mean over steps
+    of the interquartile range): cut where the ranks compute, a rank waits in a step for everything
+    computed before it; cut between two groups, part of the job waits for one slow step in one step
+    and the rest in the next. Ties keep the order given (larger groups first)."""
+    best: tuple[float, int, tuple[Family, int]] | None = None
+    for order, f in enumerate(families):
+        some = next(iter(groups_of[f].values()))
+        residues = range(f[1]) if f[1] <= _MAX_CUTS else sorted({0, f[1] - 1, cadence_of(some)[1]})
+        for residue in residues:
+            got = _matrix(ops, {r: Mark(g, f[1], residue) for r, g in groups_of[f].items()})
+            if got is None:
+                continue
+            waits = got[1]
+            waits = waits[np.isfinite(waits).sum(axis=1) >= 2]
+            if not len(waits):
+                continue
+            with np.errstate(invalid="ignore"), warnings.catch_warnings():
+                warnings.simplefilter("ignore", RuntimeWarning)
+                q1, q3 = np.nanpercentile(waits, [25, 75], axis=1)
+            score = float(np.mean(q3 - q1))
+            if best is None or (score, order) < best[:2]:
+                best = (score, order, (f, residue))
+    return best[2] if best is not None else (families[0], 0)
+
+
+def _disjoint_marks(ops: Mapping[int, _Ops], members: Mapping[str, list[int]], counts: Mapping[int, Counter[str]],
+                    cadence_of: Callable[[str], tuple[int, int, bool]]) -> dict[int, Mark]:
     def key(g: str) -> tuple[bool, int, int, tuple[int, int, str]]:
         per_step, _, regular = cadence_of(g)
         return not regular, -len(members[g]), per_step, _name_key(g)
 
+    marks: dict[int, Mark] = {}
     for disjoint in (True, False):  # then a rank every one of whose groups overlaps a used one
         for rank in sorted(ops):
             if rank in marks:
@@ -217,12 +292,10 @@ def _times_usable(ranks: Iterable[_Ops]) -> bool:
     return pairs > 0 and flat <= 0.1 * pairs
 
 
-def _step_end(ops: _Ops, cadence_of: Callable[[str], tuple[int, int, bool]], timed: bool,
-              ) -> tuple[str, int] | None:
+def _step_end(ops: _Ops, cadence_of: Callable[[str], tuple[int, int, bool]]) -> tuple[str, int] | None:
     """(group, residue) of the collective that ends the rank's step: the one followed by the most
-    time outside collectives (the step's compute; median over the steps) when start times can tell;
-    otherwise the one after which the step number counted by sequence ids moves on (each group
-    counting from the job's start), among each group's last collective of a step."""
+    time outside collectives (the step's compute; median over the steps, the first ones of a job
+    wait for NCCL's setup). None when the rank never leaves time between its collectives."""
     n = len(ops.names)
     if n < 4:
         return None
@@ -232,28 +305,21 @@ def _step_end(ops: _Ops, cadence_of: Callable[[str], tuple[int, int, bool]], tim
     per_step = np.array([cadence_of(g)[0] for g in groups], np.int64)[codes]
     residue = ops.seqs % per_step
     # of entries repeating one collective (a coalesced block), only the last is followed by the next
-    last = np.append((codes[1:] != codes[:-1]) | (ops.seqs[1:] != ops.seqs[:-1]), False)
-    if timed:
-        after = np.maximum(ops.starts[1:] - ops.starts[:-1] - ops.secs[:-1] * 1e9, 0.0)
-        use = last[:-1] & np.isfinite(after)
-        score = np.where(use, after, 0.0)
-    else:
-        step = (ops.seqs - 1) // per_step
-        use = last[:-1] & (residue[:-1] == 0)
-        score = (step[1:] > step[:-1]).astype(np.float64)
+    last = (codes[1:] != codes[:-1]) | (ops.seqs[1:] != ops.seqs[:-1])
+    after = np.maximum(ops.starts[1:] - ops.starts[:-1] - ops.secs[:-1] * 1e9, 0.0)
+    use = last & np.isfinite(after)
     if not use.any():
         return None
     width = int(per_step.max())
     key = (codes[:-1] * width + residue[:-1])[use]
-    score = score[use]
-    # the median over the steps (the first steps of a job wait for NCCL's setup)
+    score = after[use]
     order = np.lexsort((score, key))
     keys, first, seen = np.unique(key[order], return_index=True, return_counts=True)
     ranked = score[order]
     median = (ranked[first + (seen - 1) // 2] + ranked[first + seen // 2]) / 2
     median[seen < 2] = -1.0
     best = int(np.argmax(median))
-    if median[best] <= 0 or (not timed and median[best] < 1):
+    if median[best] <= 0:
         return None
     return groups[int(keys[best]) // width], int(keys[best]) % width
 
