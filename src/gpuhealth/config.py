@@ -7,6 +7,7 @@ Each subsystem owns one section. Add fields to your section only; every field ne
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import socket
 from collections.abc import Mapping
@@ -75,7 +76,26 @@ class CoordinatorConfig:
     hang_k: float = 10.0  # hang when no rank progressed for max(k × typical step, floor)
     hang_floor_s: float = 60.0
     retention_days: float = 30.0
+    # Node identity (docs/security.md). Agent side: the bearer token this node presents — its node
+    # token (``gpuhealth token``), or a Kubernetes ServiceAccount token — from ``token`` (the
+    # environment: GPUHEALTH_COORDINATOR_TOKEN) or ``token_file`` (read again at every connect:
+    # projected tokens rotate). Coordinator side: ``node_secret_file`` verifies node tokens (HMAC of
+    # the node name); an agent given it derives its own token (every node then holds the secret).
     token: str | None = None
+    token_file: str | None = None
+    node_secret_file: str | None = None
+    # Compatibility: ``token`` on the coordinator as ONE token every agent shares — any holder can
+    # report as any node. Off: a coordinator with ``token`` and without this refuses to start.
+    shared_token: bool = False
+    # Kubernetes: agents present their ServiceAccount token (audience ``token_review_audience``); the
+    # coordinator asks the API server (TokenReview) and binds the node to the pod's node. "" = off,
+    # "in-cluster", or the API server's https URL (then ``token_review_ca`` and the coordinator's own
+    # credential ``token_review_credential_file``; in-cluster defaults otherwise).
+    token_review: str = ""
+    token_review_ca: str | None = None
+    token_review_credential_file: str | None = None
+    token_review_audience: str = "gpuhealth"
+    agent_service_accounts: str = "system:serviceaccount:gpuhealth:gpuhealth-agent"
     # Actions on nodes (LiveTriage: dumps and py-spy; RunDiagnostic) need an operator: this token, or
     # a client certificate whose CN/SAN is one of operator_names (comma-separated). Agent credentials
     # only report and read. Without either (and with auth on), those RPCs are refused.
@@ -97,6 +117,9 @@ class CoordinatorConfig:
     # Agent side: step records are packed into one message per job this often. Larger batches cost the
     # coordinator less per record (benchmarks/coordinator_load.py); detection waits up to this long.
     link_batch_interval_s: float = 1.0
+    # Agent side: step records received from ranks reach the disk within this long (one group commit),
+    # so an agent killed with SIGKILL loses at most this much of them (benchmarks/hardening.py).
+    spool_commit_s: float = 0.05
     max_inflight: int = 256  # records an agent may send before waiting for an ack
     warm_start_s: float = 600.0  # step batches replayed into job state after a restart
     forget_job_after_s: float = 3600.0  # a finished job leaves memory after this long without records
@@ -118,51 +141,181 @@ class Config:
         return self.agent.node_name or socket.gethostname()
 
 
-def _coerce(value: Any, hint: Any, where: str) -> Any:
-    text = str(hint)
+# Every numeric key's allowed range, inclusive: (low, high), low excluded where the key names a time
+# that must pass (``_ABOVE``). A numeric key missing here is a bug the tests catch.
+_RANGES: dict[str, tuple[float, float]] = {
+    "collectors.fast_interval_s": (0.0, 86_400.0),
+    "collectors.slow_interval_s": (0.0, 86_400.0),
+    "collectors.timeout_s": (0.0, 3_600.0),
+    "collectors.history_len": (1, 1_000_000),
+    "collectors.expected_gpus": (0, 4_096),
+    "collectors.expected_nvlinks": (0, 1_024),
+    "diag.interval_s": (0.0, 366 * 86_400.0),
+    "diag.gpu_seconds_per_hour": (0.0, 3_600.0),
+    "diag.timeout_s": (0.0, 86_400.0),
+    "diag.busbw_min_fraction": (0.0, 1.0),
+    "diag.busbw_judge_min_bytes": (0, 1 << 40),
+    "diag.bandwidth_hbm_fraction": (0.0, 1.0),
+    "diag.bandwidth_pcie_fraction": (0.0, 1.0),
+    "coordinator.hang_k": (0.0, 1e6),
+    "coordinator.hang_floor_s": (0.0, 366 * 86_400.0),
+    "coordinator.retention_days": (0.0, 36_600.0),
+    "coordinator.evidence_timeout_s": (0.0, 86_400.0),
+    "coordinator.tick_s": (0.0, 3_600.0),
+    "coordinator.heartbeat_interval_s": (0.0, 86_400.0),
+    "coordinator.step_retention_hours": (0.0, 876_000.0),
+    "coordinator.straggler_budget_records_s": (0.0, 1e12),
+    "coordinator.spool_max_records": (1, 1 << 40),
+    "coordinator.link_batch_interval_s": (0.0, 3_600.0),
+    "coordinator.spool_commit_s": (0.0, 60.0),
+    "coordinator.max_inflight": (1, 1 << 20),
+    "coordinator.warm_start_s": (0.0, 366 * 86_400.0),
+    "coordinator.forget_job_after_s": (0.0, 366 * 86_400.0),
+}
+# Keys whose low end is excluded: an interval, timeout or factor of zero would spin or never fire.
+_ABOVE = frozenset({
+    "collectors.fast_interval_s", "collectors.slow_interval_s", "collectors.timeout_s", "diag.interval_s",
+    "diag.timeout_s", "coordinator.hang_k", "coordinator.retention_days", "coordinator.evidence_timeout_s",
+    "coordinator.tick_s", "coordinator.heartbeat_interval_s", "coordinator.step_retention_hours",
+    "coordinator.straggler_budget_records_s", "coordinator.link_batch_interval_s", "coordinator.spool_commit_s",
+    "coordinator.forget_job_after_s",
+})
+_MAX_TEXT = 4_096  # a path, an address, a name: never a document
+_MAX_LIST = 1_024
+_MAX_FILE_BYTES = 1 << 20  # a config file is a page of YAML
+
+
+def _scalar_text(value: Any, where: str) -> str:
+    """A text key's value: a string or number (never a container — ``str()`` of a YAML alias tree
+    grows exponentially — nor a YAML boolean, which is a value someone forgot to quote), printable,
+    at most ``_MAX_TEXT`` characters."""
+    if isinstance(value, bool):
+        raise ConfigError(f"{where}: expected text, got {str(value).lower()} (quote it if it is meant as text)")
+    if not isinstance(value, (str, int, float)):
+        raise ConfigError(f"{where}: expected text, got a {type(value).__name__}")
+    text = value if isinstance(value, str) else str(value)
+    if len(text) > _MAX_TEXT:
+        raise ConfigError(f"{where}: text of {len(text)} characters is over {_MAX_TEXT}")
+    if any(ord(c) < 0x20 and c != "\t" for c in text):
+        raise ConfigError(f"{where}: control character in {text[:40]!r}")
+    return text
+
+
+def _number(value: Any, where: str, *, integer: bool) -> int | float:
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        raise ConfigError(f"{where}: expected {'an integer' if integer else 'a number'}, got {value!r:.60}")
     try:
-        if value is None:
-            if "None" in text:
-                return None
-            raise ConfigError(f"{where}: may not be empty")
-        if hint is bool or text == "bool":
-            if isinstance(value, bool):
-                return value
-            low = str(value).strip().lower()
-            if low in ("1", "true", "yes", "on"):
-                return True
-            if low in ("0", "false", "no", "off"):
-                return False
-            raise ConfigError(f"{where}: expected true/false, got {value!r}")
-        if hint is float or text.startswith("float"):
-            return float(value)
-        if hint is int or text.startswith("int"):
-            if isinstance(value, float) and not value.is_integer():
-                raise ConfigError(f"{where}: expected an integer, got {value!r}")
-            return int(value)
-        if text.startswith("list"):
-            if isinstance(value, str):
-                return [v.strip() for v in value.split(",") if v.strip()]
-            if not isinstance(value, list):
-                raise ConfigError(f"{where}: expected a list, got {value!r}")
-            return [str(v) for v in value]
-        return str(value)
-    except (TypeError, ValueError) as exc:
-        raise ConfigError(f"{where}: {exc}") from exc
+        number = float(value) if not isinstance(value, int) else value
+    except ValueError:
+        raise ConfigError(f"{where}: expected {'an integer' if integer else 'a number'}, got {value!r:.60}") from None
+    if isinstance(number, float) and not math.isfinite(number):
+        raise ConfigError(f"{where}: must be a finite number, got {value!r:.60}")
+    if integer:
+        if isinstance(number, float):
+            if not number.is_integer():
+                raise ConfigError(f"{where}: expected an integer, got {value!r:.60}")
+            number = int(number)
+        return int(number)
+    return float(number)
 
 
-def _apply(cfg: Config, data: Mapping[str, Any], source: str) -> None:
+def _in_range(number: float, name: str, where: str) -> None:
+    bounds = _RANGES.get(name)
+    if bounds is None:
+        return
+    low, high = bounds
+    above = name in _ABOVE
+    if number > high or number < low or (above and number == low):
+        side = f"> {_shown(low)}" if above else f">= {_shown(low)}"
+        raise ConfigError(f"{where}: must be {side} and <= {_shown(high)}, got {_shown(number)}")
+
+
+def _shown(x: float) -> str:
+    return str(int(x)) if float(x).is_integer() and abs(x) < 1e15 else f"{x:g}"
+
+
+def _coerce(value: Any, hint: Any, where: str, name: str = "") -> Any:
+    """``value`` as the type ``hint`` names, checked: one ConfigError line naming ``where`` otherwise."""
+    text = str(hint)
+    if value is None:
+        if "None" in text:
+            return None
+        raise ConfigError(f"{where}: may not be empty")
+    if hint is bool or text == "bool":
+        if isinstance(value, bool):
+            return value
+        low = str(value).strip().lower() if isinstance(value, (str, int)) else ""
+        if low in ("1", "true", "yes", "on"):
+            return True
+        if low in ("0", "false", "no", "off"):
+            return False
+        raise ConfigError(f"{where}: expected true/false, got {value!r:.60}")
+    if hint is float or text.startswith("float"):
+        number = _number(value, where, integer=False)
+        _in_range(number, name, where)
+        return number
+    if hint is int or text.startswith("int"):
+        number = _number(value, where, integer=True)
+        _in_range(number, name, where)
+        return number
+    if text.startswith("list"):
+        if isinstance(value, str):
+            items: list[Any] = [v.strip() for v in value.split(",") if v.strip()]
+        elif isinstance(value, list):
+            items = value
+        else:
+            raise ConfigError(f"{where}: expected a list, got {value!r:.60}")
+        if len(items) > _MAX_LIST:
+            raise ConfigError(f"{where}: {len(items)} items is over {_MAX_LIST}")
+        return [_scalar_text(v, f"{where}[{i}]") for i, v in enumerate(items)]
+    return _scalar_text(value, where)
+
+
+def _apply(cfg: Config, data: Mapping[str, Any], source: str, *, env: bool = False) -> None:
+    """Set each key of ``data`` (``{section: {key: value}}``) on ``cfg``; ``env``: the values came
+    from ``GPUHEALTH_<SECTION>_<KEY>`` variables, and errors name the variable."""
     for section_name, values in data.items():
-        section = getattr(cfg, section_name, None)
+        section = getattr(cfg, str(section_name), None) if isinstance(section_name, str) else None
         if section is None or not dataclasses.is_dataclass(section):
-            raise ConfigError(f"{source}: unknown section '{section_name}'")
+            raise ConfigError(f"{source}: unknown section {str(section_name)[:60]!r}")
         if not isinstance(values, Mapping):
             raise ConfigError(f"{source}: section '{section_name}' must be a mapping")
         hints = get_type_hints(type(section))
         for key, value in values.items():
-            if key not in hints:
-                raise ConfigError(f"{source}: unknown key '{section_name}.{key}'")
-            setattr(section, key, _coerce(value, hints[key], f"{source}: {section_name}.{key}"))
+            if not isinstance(key, str) or key not in hints:
+                raise ConfigError(f"{source}: unknown key '{section_name}.{str(key)[:60]}'")
+            name = f"{section_name}.{key}"
+            where = f"{source} {_env_var(section_name, key)} ({name})" if env else f"{source}: {name}"
+            setattr(section, key, _coerce(value, hints[key], where, name))
+
+
+def _env_var(section: str, key: str) -> str:
+    return f"GPUHEALTH_{section.upper()}_{key.upper()}"
+
+
+def _read_file(p: Path) -> Any:
+    """The YAML document in ``p``: one ConfigError line for a file that cannot be read, is not
+    UTF-8, is too large or is not YAML."""
+    try:
+        with p.open("rb") as fh:
+            raw = fh.read(_MAX_FILE_BYTES + 1)
+    except OSError as exc:
+        raise ConfigError(f"{p}: cannot read: {exc.strerror or exc}") from exc
+    if len(raw) > _MAX_FILE_BYTES:
+        raise ConfigError(f"{p}: over {_MAX_FILE_BYTES} bytes; a config file is a page of YAML")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{p}: not UTF-8 text (byte 0x{raw[exc.start]:02x} at offset {exc.start})") from None
+    try:
+        return yaml.safe_load(text) or {}
+    except yaml.YAMLError as exc:
+        where = getattr(exc, "problem_mark", None)
+        at = f" (line {where.line + 1}, column {where.column + 1})" if where is not None else ""
+        problem = getattr(exc, "problem", None) or type(exc).__name__
+        raise ConfigError(f"{p}: not valid YAML{at}: {problem}") from None
+    except RecursionError:
+        raise ConfigError(f"{p}: not valid YAML: nested too deeply") from None
 
 
 def load_config(
@@ -175,25 +328,19 @@ def load_config(
     cfg = Config()
     if path is not None:
         p = Path(path)
-        try:
-            data = yaml.safe_load(p.read_text()) or {}
-        except OSError as exc:
-            raise ConfigError(f"{p}: cannot read: {exc.strerror or exc}") from exc
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"{p}: not valid YAML: {exc}") from exc
+        data = _read_file(p)
         if not isinstance(data, Mapping):
             raise ConfigError(f"{p}: top level must be a mapping of sections")
         _apply(cfg, data, str(p))
     env = os.environ if env is None else env
     from_env: dict[str, dict[str, Any]] = {}
     for f in dataclasses.fields(cfg):
-        prefix = f"GPUHEALTH_{f.name.upper()}_"
         section = getattr(cfg, f.name)
         for key in get_type_hints(type(section)):
-            var = prefix + key.upper()
+            var = _env_var(f.name, key)
             if var in env:
                 from_env.setdefault(f.name, {})[key] = env[var]
-    _apply(cfg, from_env, "environment")
+    _apply(cfg, from_env, "environment", env=True)
     if overrides:
         _apply(cfg, {k: {kk: vv for kk, vv in v.items() if vv is not None} for k, v in overrides.items()}, "flags")
     return cfg
