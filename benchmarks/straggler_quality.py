@@ -14,6 +14,10 @@ Student-t (3 dof) with CV 0–30 %, plus rare heavy-tail spikes (1.5–5×). Fam
     fr          flight-recorder durations only (one world all_reduce, or a TP pair + world per step), as
                 triage passes them today: (group, seq, ms)
     fr_timed    the same with each collective's start time: (group, seq, ms, start_ns)
+    fr_grid     flight-recorder durations of a TP × DP job with no collective that spans it (4–64 ranks:
+                per step a TP all_reduce, then 1–3 DP gradient buckets back to back; groups named "1",
+                "2", … in creation order as torch names them), with or without start times; 1.1–2×
+    fr_grid_healthy  the same layouts without a straggler (noise 0–30 %): false alarms
     healthy     no straggler, noise 0–30 %, 2–1,024 ranks, some with data-dependent step times
     spikes      no straggler, heavy-tail spikes on random (rank, step)s
     checkpoint  no straggler, every 50th step slow on every rank (or on rank 0 alone: it saves)
@@ -83,7 +87,7 @@ class Case:
     split: str = "compute"
     spike_p: float = 0.002
     job: str = ""  # "", "checkpoint", "checkpoint_rank0", "sustained", "gradual", "data"
-    fr: str = ""  # "", "world", "tp" (flight-recorder durations instead of step records)
+    fr: str = ""  # "", "world", "tp", "grid" (flight-recorder durations instead of step records)
     steps: int = STEPS
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -163,6 +167,41 @@ def build_corpus(seed: int) -> list[Case]:
         for job in ("sustained", "gradual"):
             cases.append(Case(f"job slowdown {job} n={world}", "job_slow", world, pick(BASES), pick((0.05, 0.15)),
                               seed, noise_kind=pick(NOISE_KINDS), split=pick(SPLITS), job=job))
+    return cases + grid_corpus(seed)
+
+
+def grid_corpus(seed: int) -> list[Case]:
+    """TP × DP jobs seen through flight-recorder durations alone, with no collective that spans the job.
+    Drawn from a generator of their own, so the families above are the same cases as before they existed."""
+    rng = np.random.default_rng([seed, 0x67726964])
+    cases: list[Case] = []
+
+    def mid() -> int:
+        return int(rng.integers(60, 141))
+
+    def layout() -> dict[str, Any]:
+        while True:
+            tp, dp = int(rng.choice((2, 4, 8))), int(rng.choice((2, 3, 4, 8)))
+            if tp * dp <= 64:
+                return {"tp": tp, "dp": dp, "buckets": int(rng.integers(1, 4)), "timed": bool(rng.integers(2))}
+
+    for factor in (1.1, 1.2, 1.5, 2.0):
+        for noise in (0.05, 0.15):
+            for _ in range(2):
+                g = layout()
+                world = g["tp"] * g["dp"]
+                cases.append(Case(f"fr_grid f={factor} cv={noise} tp={g['tp']} dp={g['dp']} b={g['buckets']} "
+                                  f"timed={g['timed']} #{len(cases)}", "fr_grid", world,
+                                  float(rng.choice(BASES)), noise, seed,
+                                  (Slow(int(rng.integers(world)), factor, int(rng.choice((0, mid())))),),
+                                  str(rng.choice(NOISE_KINDS)), fr="grid", extra=g))
+    for noise in (0.0, 0.05, 0.15, 0.30):
+        for _ in range(2):
+            g = layout()
+            cases.append(Case(f"fr_grid_healthy cv={noise} tp={g['tp']} dp={g['dp']} b={g['buckets']} "
+                              f"timed={g['timed']} #{len(cases)}", "fr_grid_healthy", g["tp"] * g["dp"],
+                              float(rng.choice(BASES)), noise, seed, noise_kind=str(rng.choice(NOISE_KINDS)),
+                              fr="grid", extra=g))
     return cases
 
 
@@ -226,6 +265,8 @@ def step_records(case: Case, compute: np.ndarray, wall: np.ndarray) -> list[Step
 
 def durations(case: Case, compute: np.ndarray, wall: np.ndarray) -> dict[int, list[tuple[Any, ...]]]:
     """{rank: [(group, seq, ms[, start_ns]), …]}: each rank's collectives in its own order."""
+    if case.fr == "grid":
+        return grid_durations(case, compute, wall)
     n, s = compute.shape
     rng = np.random.default_rng([case.seed, 7])
     coll = wall - compute.max(axis=0)
@@ -252,6 +293,36 @@ def durations(case: Case, compute: np.ndarray, wall: np.ndarray) -> dict[int, li
     return out
 
 
+def grid_durations(case: Case, compute: np.ndarray, wall: np.ndarray) -> dict[int, list[tuple[Any, ...]]]:
+    """TP × DP, rank = d·tp + t: per step a TP all_reduce (the TP group leaves when its slowest member
+    arrived), then the DP buckets back to back (the first waits for the slowest TP group: every DP group
+    meets every TP group, so the step ends together). No collective spans the job."""
+    n, s = compute.shape
+    tp, dp, buckets = case.extra["tp"], case.extra["dp"], case.extra["buckets"]
+    timed = case.extra["timed"]
+    rng = np.random.default_rng([case.seed, 11])
+    coll = wall - compute.max(axis=0)
+    begin = np.concatenate(([0.0], np.cumsum(wall)[:-1]))
+    out: dict[int, list[tuple[Any, ...]]] = {r: [] for r in range(n)}
+    ranks = np.arange(n)
+    tp_of, dp_of = ranks // tp, ranks % tp  # group index in each family
+    for step in range(s):
+        c = compute[:, step]
+        tp_done = np.array([c[tp_of == k].max() for k in range(dp)])[tp_of] + 0.3 * coll[step]
+        bucket = 0.7 * coll[step] / buckets
+        for r in range(n):
+            ops = [(str(1 + tp_of[r]), step + 1, c[r], tp_done[r])]  # (group, seq, arrival, end)
+            arrive = tp_done[r]
+            for b in range(buckets):
+                end = tp_done.max() + (b + 1) * bucket
+                ops.append((str(1 + dp + dp_of[r]), step * buckets + b + 1, arrive, end))
+                arrive = end
+            for group, seq, start, end in ops:
+                item = (group, seq, float(max((end - start) * 1000 * (1 + 0.02 * rng.normal()), 0.001)))
+                out[r].append((*item, int((1.7e9 + begin[step] + start) * 1e9)) if timed else item)
+    return out
+
+
 # ---------------------------------------------------------------------------------------- running
 
 
@@ -268,8 +339,8 @@ def _run(case: Case, compute: np.ndarray, wall: np.ndarray) -> tuple[list[Findin
         elapsed = time.perf_counter() - t0
 
         def prefix_fr(p: int) -> set[int]:
-            # Collectives are numbered by step (seq = step + 1): the first p steps' worth.
-            return set(_flagged(detect_from_durations({r: [x for x in v if x[1] <= p] for r, v in dur.items()})))
+            # Every rank runs the same collectives each step: the first p steps' worth.
+            return set(_flagged(detect_from_durations({r: v[: p * len(v) // case.steps] for r, v in dur.items()})))
 
         return found, elapsed, prefix_fr
     recs = step_records(case, compute, wall)
@@ -339,6 +410,8 @@ def triage_cli(case: Case, tmp: Path) -> dict[str, Any]:
 
 
 def report(outcomes: Sequence[Outcome], cli: list[tuple[Case, dict[str, Any], set[int]]]) -> dict[str, Any]:
+    grid = [o for o in outcomes if o.case.fr == "grid"]
+    outcomes = [o for o in outcomes if o.case.fr != "grid"]  # the figures below as before the grid families
     pos_by: dict[tuple[float, float], list[bool]] = defaultdict(list)
     fam_hits: dict[str, list[bool]] = defaultdict(list)
     onset_err: list[int] = []
@@ -404,8 +477,46 @@ def report(outcomes: Sequence[Outcome], cli: list[tuple[Case, dict[str, Any], se
         "seconds_1024x200_median": round(statistics.median(large_time), 3) if large_time else None,
         "seconds_1024x200_max": round(max(large_time), 3) if large_time else None,
         "seconds_total_detection": round(sum(o.seconds for o in outcomes), 2),
+        "fr_grid": grid_report(grid),
         "cli_agrees": f"{sum(1 for c, d, lib in cli if set(d.get('culprits') or []) == lib)}/{len(cli)}",
         "cli_verdicts": [(c.name, d.get("verdict"), d.get("culprits")) for c, d, _ in cli],
+    }
+
+
+def grid_report(outcomes: Sequence[Outcome]) -> dict[str, Any]:
+    """TP × DP without a spanning collective: recall by factor and by start times, false alarms, delays."""
+    by_factor: dict[str, list[bool]] = defaultdict(list)
+    by_timed: dict[str, list[bool]] = defaultdict(list)
+    healthy = flagged = wrong = exact = 0
+    delays: list[int] = []
+    missed: list[str] = []
+    for o in outcomes:
+        c = o.case
+        expected = {sl.rank for sl in c.slow}
+        got = set(o.flagged)
+        exact += got == expected
+        wrong += len(got - expected)
+        delays += list(o.delays.values())
+        if not c.slow:
+            healthy += 1
+            if got:
+                flagged += 1
+                missed.append(f"{c.name} seed={c.seed}: flagged {sorted(got)}")
+            continue
+        for sl in c.slow:
+            by_factor[f"{sl.factor}"].append(sl.rank in got)
+            by_timed["start times" if c.extra["timed"] else "durations only"].append(sl.rank in got)
+            if sl.rank not in got:
+                missed.append(f"{c.name} seed={c.seed}: rank {sl.rank} missed")
+    return {
+        "recall_by_factor": {k: f"{sum(v)}/{len(v)}" for k, v in sorted(by_factor.items())},
+        "recall_by_input": {k: f"{sum(v)}/{len(v)}" for k, v in sorted(by_timed.items())},
+        "healthy_flagged": f"{flagged}/{healthy}",
+        "wrong_ranks_flagged_total": wrong,
+        "headline_correct": f"{exact}/{len(outcomes)}",
+        "delay_steps_median": statistics.median(delays) if delays else None,
+        "delay_steps_p90": sorted(delays)[int(0.9 * (len(delays) - 1))] if delays else None,
+        "not_right": missed,
     }
 
 
