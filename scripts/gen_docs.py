@@ -138,8 +138,11 @@ dcgm-exporter's `etc/default-counters.csv` (its defaults, plus the commented-out
 pages, violation and NVLink rows, which we fill in because they are what health alerting needs).
 
 Labels on every `DCGM_*` series, as dcgm-exporter writes them: `gpu`, `UUID`, `pci_bus_id`,
-`device` (`nvidia<minor>`), `modelName`, `Hostname` (the agent's `node_name`, default the host
-name), `DCGM_FI_DRIVER_VERSION`, plus `pod`, `namespace`, `container` on Kubernetes.
+`device` (`nvidia<minor>`), `modelName`, `hostname` (the agent's `node_name`, default the host
+name; dcgm-exporter renamed it from `Hostname`), `DCGM_FI_DRIVER_VERSION`, plus `pod`, `namespace`,
+`container` on Kubernetes. `DCGM_FI_DEV_XID_ERRORS` (the last XID's code, 0 when none) also carries
+`err_code` (the code) and `err_msg` (its name in the XID catalog), as dcgm-exporter's does; a count
+of XIDs by code is `gpuhealth_gpu_xid_errors_total{xid}`.
 
 Two deliberate differences: dcgm-exporter declares some fields `counter` without a `_total`
 suffix; prometheus-client (and OpenMetrics) would force `_total` on a counter, so these are exposed
@@ -149,11 +152,21 @@ suffix; prometheus-client (and OpenMetrics) would force `_total` on a counter, s
 `gpuhealth_*` series are lint-clean.
 """
 
-DCGM_AFTER = """Not provided (they need DCGM's profiling module, not NVML): `DCGM_FI_PROF_*` (the dashboard's
-"Tensor Core Utilization" panel stays empty), `DCGM_FI_DEV_NVLINK_BANDWIDTH_TOTAL`,
-`DCGM_FI_DEV_PCIE_TX/RX_THROUGHPUT`, `DCGM_FI_DEV_ENC_UTIL`/`DEC_UTIL`, `DCGM_FI_DEV_VGPU_LICENSE_STATUS`.
-Violation counters are in nanoseconds, as NVML reports them and as the current dcgm-exporter CSV
-says (older CSVs said microseconds).
+DCGM_AFTER = """The profiling fields (`DCGM_FI_PROF_*`: the dashboard's "Tensor Core Utilization" panel) come
+from NVML's GPU Performance Monitoring (`nvmlGpmMetricsGet`), without DCGM, on GPUs that have it
+(Hopper and later); a GPU without GPM has no such series rather than a zero. Averaged over the
+fast lane's interval (5 s), where DCGM averages over its own sampling period.
+Violation counters are in nanoseconds, as NVML counts them and as the current dcgm-exporter CSV
+says (older CSVs said microseconds; gpuhealth before 0.1.0 exported them 1000× too low).
+Not provided: `DCGM_FI_PROF_PCIE_TX/RX_BYTES` (per-second rates NVML answers only by sampling for
+20 ms a call), `DCGM_FI_PROF_PIPE_FP*_ACTIVE`, `DCGM_FI_DEV_VGPU_LICENSE_STATUS`, and dcgm-exporter's
+own `DCGM_EXP_*` series (its clock-event and XID windows, health and P2P status).
+
+NVLink series: by default per GPU (`gpuhealth_gpu_nvlink_errors_total{counter}` summed over links,
+`gpuhealth_gpu_nvlink_links{which}`; a link that is down is named by its `nvlink.link_down` finding),
+which keeps an 8-GPU Hopper node at about half the series. Per-link series (`link` label, and
+`gpuhealth_gpu_nvlink_state`) are there on demand (`MetricsEndpoint(nvlink_per_link=True)`).
+The dcgm-exporter NVLink totals are the same either way.
 """
 
 ENDPOINTS = """## Other endpoints

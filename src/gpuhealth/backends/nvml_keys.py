@@ -7,7 +7,8 @@ is what the live backend can read, so a collector sees the same keys from both.
 - ``ARGUMENT_KEYS``: getters that take NVML constants; key = getter name plus argument suffixes
   (``ClockInfo_SM`` = ``nvmlDeviceGetClockInfo(handle, NVML_CLOCK_SM)``). An argument is the name
   of a constant of the bindings, or a plain int.
-- ``GpuFabricInfo`` fills a struct passed by reference: each side calls it itself.
+- ``GpuFabricInfo`` fills a struct passed by reference, ``GpmMetrics`` compares two GPM samples
+  (``backends/gpm.py``): each side calls them itself.
 
 Bindings differ between nvidia-ml-py versions: a getter or constant a version lacks is "absent in
 these bindings" for that key, never an error for the others.
@@ -53,13 +54,14 @@ def _argument_keys() -> dict[str, tuple[str, tuple[Argument, ...]]]:
         keys[f"ViolationStatus_{policy}"] = ("ViolationStatus", (f"NVML_PERF_POLICY_{policy}",))
     keys["CpuAffinity_64x4"] = ("CpuAffinity", (4,))  # 4 × 64-bit words: 256 CPUs
     keys["MemoryAffinity_64x4"] = ("MemoryAffinity", (4, "NVML_AFFINITY_SCOPE_NODE"))
+    keys["MemoryInfo_v2"] = ("MemoryInfo", ("nvmlMemory_v2",))  # adds "reserved"
     for direction in ("TX", "RX"):
         keys[f"PcieThroughput_{direction}"] = ("PcieThroughput", (f"NVML_PCIE_UTIL_{direction}_BYTES",))
     return keys
 
 
 ARGUMENT_KEYS: dict[str, tuple[str, tuple[Argument, ...]]] = _argument_keys()
-STRUCT_KEYS: tuple[str, ...] = ("GpuFabricInfo",)
+STRUCT_KEYS: tuple[str, ...] = ("GpuFabricInfo", "GpmMetrics")  # GpmMetrics: backends/gpm.py
 SLOW_KEYS = frozenset({"PcieThroughput_TX", "PcieThroughput_RX"})  # ~20 ms a call: sampled, never swept
 ALL_KEYS: tuple[str, ...] = (*SIMPLE_KEYS, *ARGUMENT_KEYS, *STRUCT_KEYS)
 

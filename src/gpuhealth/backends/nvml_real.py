@@ -17,6 +17,7 @@ from typing import Any
 from gpuhealth.backends import errors
 from gpuhealth.backends.base import FieldResult, XidEvent
 from gpuhealth.backends.errors import BackendUnavailable, NvmlError
+from gpuhealth.backends.gpm import read_gpm
 from gpuhealth.backends.nvml_keys import ARGUMENT_KEYS, SIMPLE_KEYS, resolve_arguments
 
 
@@ -63,6 +64,7 @@ class RealNvml:
         self._event_wait_lock = threading.Lock()
         self._bus_to_index: dict[str, int] = {}
         self._handle_to_index: dict[int, int] = {}
+        self._gpm_samples: dict[int, Any] = {}  # GPU handle id → last GPM sample (backends/gpm.py)
 
     @property
     def simulated(self) -> bool:
@@ -160,6 +162,8 @@ class RealNvml:
             return info
 
         d["GpuFabricInfo"] = fabric
+        self._gpm_samples = {}  # samples of a previous init are void
+        d["GpmMetrics"] = lambda h: read_gpm(n, h, self._gpm_samples)
         return d
 
     # ------------------------------------------------------------------ protocol

@@ -20,7 +20,8 @@ from pathlib import Path
 from typing import Any
 
 from gpuhealth import __version__
-from gpuhealth.backends.errors import BackendUnavailable
+from gpuhealth.backends.errors import BackendUnavailable, NvmlError
+from gpuhealth.backends.gpm import read_gpm
 from gpuhealth.backends.nvml_keys import ARGUMENT_KEYS, SIMPLE_KEYS, SLOW_KEYS, nvml_const, resolve_arguments
 from gpuhealth.backends.nvml_real import plain
 
@@ -87,6 +88,7 @@ class Recorder:
         for key in SIMPLE_KEYS:
             d[key] = self.call(getattr(N, "nvmlDeviceGet" + key, None), h)
         d["GpuFabricInfo"] = self._fabric(h)
+        d["GpmMetrics"] = self._gpm(h)
         for key, (getter, arguments) in ARGUMENT_KEYS.items():
             args = resolve_arguments(N, arguments)
             fn = getattr(N, "nvmlDeviceGet" + getter, None) if args is not None else None
@@ -105,6 +107,19 @@ class Recorder:
             t0 = time.perf_counter_ns()
             N.nvmlDeviceGetGpuFabricInfo(h, ctypes.byref(info))
             return {"value": plain(info), "median_us": (time.perf_counter_ns() - t0) / 1000}
+        except N.NVMLError as exc:
+            return {"error": str(exc), "code": getattr(exc, "value", None)}
+        except Exception as exc:
+            return {"error": f"{type(exc).__name__}: {exc}"}
+
+    def _gpm(self, h: Any) -> dict[str, Any]:
+        N = self.N
+        try:
+            t0 = time.perf_counter_ns()
+            value = read_gpm(N, h, {})
+            return {"value": value, "median_us": (time.perf_counter_ns() - t0) / 1000}
+        except NvmlError as exc:
+            return {"error": exc.message, "code": exc.code}
         except N.NVMLError as exc:
             return {"error": str(exc), "code": getattr(exc, "value", None)}
         except Exception as exc:

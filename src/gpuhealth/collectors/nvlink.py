@@ -55,6 +55,11 @@ COUNTER_FIELDS = {
     "recovery": "NVML_FI_DEV_NVLINK_ERROR_DL_RECOVERY",
 }
 
+# NVLink traffic since the driver loaded, in KiB (header + payload), summed over links: scope
+# ALL_LINKS asks NVML for the sum (nvml.h: "a scopeId of UINT_MAX returns aggregate value").
+THROUGHPUT_FIELDS = {"tx": "NVML_FI_DEV_NVLINK_THROUGHPUT_RAW_TX", "rx": "NVML_FI_DEV_NVLINK_THROUGHPUT_RAW_RX"}
+ALL_LINKS = 0xFFFFFFFF
+
 # Reading one link's error counters costs ~0.9-1.3 ms on H200 whatever the number of counters
 # (measured: 18 links × 3 counters in one batch 16 ms, 18 links × 1 counter 15.8 ms; 6 links 4-8 ms
 # on two hosts). Four links per sweep keep the slow lane under 10 ms per GPU; every link is read
@@ -128,6 +133,8 @@ class NvlinkCollector:
             requests: list[tuple[str, int]] = [(STATE_FIELD, link) for link in range(n)]
             for link in chunk:
                 requests.extend((f, link) for f in COUNTER_FIELDS.values())
+            if n:
+                requests.extend((f, ALL_LINKS) for f in THROUGHPUT_FIELDS.values())
             values = read_fields(ctx, obs, i, requests)
             if any(e.gpu == i and e.key == "field_values" for e in obs.errors):
                 # The whole batch failed (GPU lost, driver gone): the runner/presence report that;
@@ -150,6 +157,9 @@ class NvlinkCollector:
                 rec[f"link{link}.read_at"] = read_at
                 for label, v in got.items():
                     rec[f"link{link}.{label}"] = v
+            for direction, f in THROUGHPUT_FIELDS.items():
+                if is_number(v := values.get((f, ALL_LINKS))):
+                    rec[f"traffic_kib.{direction}"] = v
             rec["links_queried"] = n
             rec["counter_links_read"] = chunk
             rec["link_states"] = states
@@ -281,6 +291,11 @@ class NvlinkCollector:
                             "NVLink data-link errors by counter (crc=flit CRC, replay, recovery).",
                             MetricKind.COUNTER, i, (("link", str(link)), ("counter", label)),
                         ))
+            for direction in THROUGHPUT_FIELDS:
+                if is_number(v := rec.get(f"traffic_kib.{direction}")):
+                    out.append(Sample("gpu_nvlink_traffic_bytes", float(v) * 1024.0,
+                                      "NVLink traffic (header and payload) over all links since the driver loaded.",
+                                      MetricKind.COUNTER, i, (("direction", direction),)))
             wanted = expected_links(rec, ctx)
             if wanted is not None:
                 out.append(Sample("gpu_nvlink_links", float(wanted),

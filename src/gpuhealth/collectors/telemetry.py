@@ -11,6 +11,12 @@ Static limits (temperature thresholds, max clocks) cost 0.2–1.8 ms per call on
 (MEASUREMENTS.md); they are read once per GPU (keyed by UUID) and cached in the collector. The
 energy counter costs ~3 ms per read on H200 (measured): it is refreshed every 60 s and the last
 value carried between (Prometheus rates over minutes do not notice).
+
+Also read: encoder/decoder utilization, reserved framebuffer (``MemoryInfo_v2``), and on GPUs with
+NVML's GPU Performance Monitoring (Hopper and later, ``GpmMetrics``) the profiling ratios DCGM calls
+``DCGM_FI_PROF_*`` (SM active, SM occupancy, tensor active, DRAM active, graphics engine active),
+averaged over the time since the previous sweep. A GPU that answers "not supported" once is not
+asked again (the answer does not change while the driver is loaded).
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
+from gpuhealth.backends.errors import NvmlError
 from gpuhealth.catalog.thresholds import thresholds_from
 from gpuhealth.collectors._shared import Periodic, fetch, gpu_entity, is_number, read_fields
 from gpuhealth.collectors.base import CollectContext, Collector, History, Lane, Observations
@@ -38,6 +45,10 @@ _CLOCKS = {"sm": "ClockInfo_SM", "memory": "ClockInfo_MEM", "graphics": "ClockIn
 MEMORY_TEMP_FIELD = "NVML_FI_DEV_MEMORY_TEMP"  # ~7 µs
 ENERGY_FIELD = "NVML_FI_DEV_TOTAL_ENERGY_CONSUMPTION"  # ~3 ms on H200: refreshed every ENERGY_REFRESH_S
 ENERGY_REFRESH_S = 60.0  # not in step with throttle's 30 s refresh: the costly reads rarely coincide
+# GPM metrics read (recording key ``GpmMetrics``, percent); exported as ratios in ``samples``.
+GPM_METRICS = ("SM_UTIL", "SM_OCCUPANCY", "ANY_TENSOR_UTIL", "DRAM_BW_UTIL", "GRAPHICS_UTIL")
+# Reads a GPU may answer "not supported" to for good: asked once per GPU, then skipped.
+_OPTIONAL_KEYS = ("EncoderUtilization", "DecoderUtilization", "MemoryInfo_v2", "GpmMetrics")
 
 
 class TelemetryCollector:
@@ -47,6 +58,7 @@ class TelemetryCollector:
     def __init__(self) -> None:
         self._static: dict[str, dict[str, Any]] = {}  # GPU UUID → static limits
         self._energy = Periodic(ENERGY_REFRESH_S)
+        self._unsupported: set[tuple[str, str]] = set()  # (GPU UUID, key) that answered "not supported"
 
     def supported(self, ctx: CollectContext) -> bool:
         return True
@@ -88,6 +100,7 @@ class TelemetryCollector:
                 for k in ("total", "used", "free"):
                     if is_number(mem.get(k)):
                         rec[f"mem_bytes.{k}"] = mem[k]
+            self._optional(ctx, obs, i, g.uuid)
             temp_mem = read_fields(ctx, obs, i, [(MEMORY_TEMP_FIELD, 0)]).get((MEMORY_TEMP_FIELD, 0))
             if is_number(temp_mem):
                 rec["temp_memory"] = temp_mem
@@ -103,6 +116,31 @@ class TelemetryCollector:
                 rec.update(energy)
                 rec["energy_read_at"] = read_at
         return obs
+
+    def _optional(self, ctx: CollectContext, obs: Observations, index: int, uuid: str) -> None:
+        rec = obs.gpu(index)
+        for key in _OPTIONAL_KEYS:
+            if (uuid, key) in self._unsupported:
+                continue
+            try:
+                value = ctx.backend.query(index, key)
+            except NvmlError as exc:
+                if exc.not_supported:
+                    self._unsupported.add((uuid, key))
+                obs.note_error(index, key, exc)
+                continue
+            if key in ("EncoderUtilization", "DecoderUtilization"):
+                # [utilization %, sampling period µs]
+                util = value[0] if isinstance(value, (list, tuple)) and value else value
+                if is_number(util):
+                    rec["enc_pct" if key.startswith("Enc") else "dec_pct"] = util
+            elif key == "MemoryInfo_v2":
+                if isinstance(value, dict) and is_number(value.get("reserved")):
+                    rec["mem_bytes.reserved"] = value["reserved"]
+            elif isinstance(value, dict):
+                for metric, pct in value.items():
+                    if metric in GPM_METRICS and is_number(pct):
+                        rec[f"gpm_pct.{metric}"] = pct
 
     def evaluate(self, obs: Observations, history: History, ctx: CollectContext) -> list[Finding]:
         th = thresholds_from(ctx).thermal
@@ -181,6 +219,22 @@ class TelemetryCollector:
             add("gpu_memory_used_bytes", rec.get("mem_bytes.used"), "Device memory in use.", i)
             add("gpu_memory_total_bytes", rec.get("mem_bytes.total"), "Device memory in total.", i)
             add("gpu_memory_free_bytes", rec.get("mem_bytes.free"), "Device memory free.", i)
+            add("gpu_memory_reserved_bytes", rec.get("mem_bytes.reserved"),
+                "Device memory the driver reserves (neither free nor usable).", i)
+            add("gpu_encoder_utilization_ratio", rec.get("enc_pct"), "Video encoder utilization (0..1).", i,
+                scale=0.01)
+            add("gpu_decoder_utilization_ratio", rec.get("dec_pct"), "Video decoder utilization (0..1).", i,
+                scale=0.01)
+            add("gpu_sm_active_ratio", rec.get("gpm_pct.SM_UTIL"),
+                "Share of time at least one warp was resident on an SM (GPM; DCGM SM_ACTIVE).", i, scale=0.01)
+            add("gpu_sm_occupancy_ratio", rec.get("gpm_pct.SM_OCCUPANCY"),
+                "Resident warps over the SMs' maximum (GPM; DCGM SM_OCCUPANCY).", i, scale=0.01)
+            add("gpu_tensor_active_ratio", rec.get("gpm_pct.ANY_TENSOR_UTIL"),
+                "Share of cycles a tensor pipe was active (GPM).", i, scale=0.01)
+            add("gpu_dram_active_ratio", rec.get("gpm_pct.DRAM_BW_UTIL"),
+                "Share of cycles the memory interface was busy (GPM; DCGM DRAM_ACTIVE).", i, scale=0.01)
+            add("gpu_graphics_active_ratio", rec.get("gpm_pct.GRAPHICS_UTIL"),
+                "Share of time the graphics engine was active (GPM).", i, scale=0.01)
         return out
 
 

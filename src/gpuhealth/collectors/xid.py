@@ -596,6 +596,11 @@ def _boot_id() -> str:
         return ""
 
 
+def xid_message(code: int) -> str:
+    """The catalog's name of an XID, for labels (dcgm-exporter's ``err_msg``); 0 means none."""
+    return "No Error" if code == 0 else xid_info(code).name
+
+
 def create() -> XidCollector:
     return XidCollector()
 

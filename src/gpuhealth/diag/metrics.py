@@ -7,8 +7,8 @@ these are the measured numbers behind them, for trends per node and GPU in Grafa
   while a run is skipped, e.g. every GPU busy with a job);
 - ``gpuhealth_diag_last_run_timestamp_seconds{diag}``;
 - ``gpuhealth_diag_gpu_seconds{diag}`` per GPU: GPU time the last run used (what the budget charges);
-- ``gpuhealth_diag_busbw_gbps{collective, size_bytes, ranks}``: bus bandwidth per collective and size;
-- ``gpuhealth_diag_memory_bandwidth_gbps{direction}`` per GPU: device copy, pinned host↔device.
+- ``gpuhealth_diag_busbw_bytes_per_second{collective, size_bytes, ranks}``: bus bandwidth per collective and size;
+- ``gpuhealth_diag_memory_bandwidth_bytes_per_second{direction}`` per GPU: device copy, pinned host↔device.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from typing import Any
 
 from gpuhealth.model import Sample
 
+GB = 1e9  # the probes report GB/s (10^9 bytes, as nccl-tests); /metrics speaks base units
 _BANDWIDTH_DIRECTIONS = (("d2d_gbps", "device_to_device"), ("h2d_gbps", "host_to_device"),
                          ("d2h_gbps", "device_to_host"))
 
@@ -55,7 +56,7 @@ def _busbw(result: Mapping[str, Any]) -> list[Sample]:
         try:
             labels = (("collective", str(p["collective"])), ("size_bytes", str(int(p["size_bytes"]))),
                       ("ranks", str(int(p["world"]))))
-            out.append(Sample("diag_busbw_gbps", float(p["busbw_gbps"]),
+            out.append(Sample("diag_busbw_bytes_per_second", float(p["busbw_gbps"]) * GB,
                               "Bus bandwidth (nccl-tests formula) the last periodic probe measured", labels=labels))
         except (KeyError, TypeError, ValueError):
             continue  # a malformed point is not exported; the others are
@@ -71,7 +72,7 @@ def _bandwidth(result: Mapping[str, Any], gpu_index: Mapping[str, int]) -> list[
         for key, direction in _BANDWIDTH_DIRECTIONS:
             value = g.get(key)
             if isinstance(value, int | float):
-                out.append(Sample("diag_memory_bandwidth_gbps", float(value),
+                out.append(Sample("diag_memory_bandwidth_bytes_per_second", float(value) * GB,
                                   "Memory bandwidth the last periodic probe measured on this GPU", gpu=index,
                                   labels=(("direction", direction),)))
     return out

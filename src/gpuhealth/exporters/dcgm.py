@@ -2,10 +2,12 @@
 standard dcgm-exporter Grafana dashboard (grafana.com 12239) and alerts written for it keep working.
 
 Names, units and types follow dcgm-exporter's ``etc/default-counters.csv`` (the defaults plus the
-commented-out ECC, retired-page, violation and NVLink rows, which we fill in). Labels are
-dcgm-exporter's: ``gpu``, ``UUID``, ``pci_bus_id``, ``device`` (``nvidia<minor>``), ``modelName``,
-``Hostname``, ``DCGM_FI_DRIVER_VERSION``, plus ``pod``/``namespace``/``container`` from the agent's
-label provider. dcgm-exporter's counters keep their names without ``_total``; prometheus-client
+commented-out ECC, retired-page, violation and NVLink rows, which we fill in, and the profiling
+fields NVML's GPM gives without DCGM). Labels are dcgm-exporter's: ``gpu``, ``UUID``,
+``pci_bus_id``, ``device`` (``nvidia<minor>``), ``modelName``, ``hostname``,
+``DCGM_FI_DRIVER_VERSION``, plus ``pod``/``namespace``/``container`` from the agent's label
+provider; ``DCGM_FI_DEV_XID_ERRORS`` also carries ``err_code`` and ``err_msg`` as dcgm-exporter's
+does. dcgm-exporter's counters keep their names without ``_total``; prometheus-client
 would append it to a counter, so they are exposed untyped (``unknown``) under the exact name —
 PromQL treats both alike. The mapping table in ``docs/metrics.md`` is generated from ``FIELDS``.
 """
@@ -14,11 +16,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from gpuhealth.collectors.xid import xid_message
 from gpuhealth.exporters import ExportSnapshot
 from gpuhealth.exporters.families import FamilySet, Labels, clean_extra_labels
 
 MIB = float(1 << 20)
-DCGM_LABELS = ("gpu", "UUID", "pci_bus_id", "device", "modelName", "Hostname", "DCGM_FI_DRIVER_VERSION")
+DCGM_LABELS = ("gpu", "UUID", "pci_bus_id", "device", "modelName", "hostname", "DCGM_FI_DRIVER_VERSION")
+NS_PER_S = 1e9
 
 # NVML clock-event reason bits (nvml.h nvmlClocksEventReason*), keyed by the throttle collector's
 # ``reason`` label; DCGM_FI_DEV_CLOCKS_EVENT_REASONS is this bitmask.
@@ -68,14 +72,18 @@ FIELDS: tuple[DcgmField, ...] = (
               unit="%"),
     DcgmField("DCGM_FI_DEV_MEM_COPY_UTIL", "gauge", "Memory utilization (in %).", "gpu_memory_utilization_ratio",
               scale=100.0, unit="%"),
+    DcgmField("DCGM_FI_DEV_ENC_UTIL", "gauge", "Encoder utilization (in %).", "gpu_encoder_utilization_ratio",
+              scale=100.0, unit="%"),
+    DcgmField("DCGM_FI_DEV_DEC_UTIL", "gauge", "Decoder utilization (in %).", "gpu_decoder_utilization_ratio",
+              scale=100.0, unit="%"),
     DcgmField("DCGM_FI_DEV_XID_ERRORS", "gauge", "Value of the last XID error encountered.", "gpu_xid_last",
-              unit="XID code", note="value of the last active XID, 0 when none"),
-    DcgmField("DCGM_EXP_XID_ERRORS_TOTAL", "counter", "Total XID errors observed since exporter start.",
-              "gpu_xid_errors", keep_labels=("xid",), unit="errors"),
+              unit="XID code", note="value of the last active XID, 0 when none; labels `err_code`, `err_msg`"),
     DcgmField("DCGM_FI_DEV_FB_FREE", "gauge", "Framebuffer memory free (in MiB).", "gpu_memory_free_bytes",
               scale=1 / MIB, unit="MiB"),
     DcgmField("DCGM_FI_DEV_FB_USED", "gauge", "Framebuffer memory used (in MiB).", "gpu_memory_used_bytes",
               scale=1 / MIB, unit="MiB"),
+    DcgmField("DCGM_FI_DEV_FB_RESERVED", "gauge", "Framebuffer memory reserved (in MiB).",
+              "gpu_memory_reserved_bytes", scale=1 / MIB, unit="MiB"),
     DcgmField("DCGM_FI_DEV_FB_TOTAL", "gauge", "Framebuffer memory total (in MiB).", "gpu_memory_total_bytes",
               scale=1 / MIB, unit="MiB"),
     DcgmField("DCGM_FI_DEV_ECC_SBE_VOL_TOTAL", "counter", "Total number of single-bit volatile ECC errors.",
@@ -101,22 +109,22 @@ FIELDS: tuple[DcgmField, ...] = (
               "gpu_row_remap_failed", unit="0/1"),
     DcgmField("DCGM_FI_DEV_ROW_REMAP_PENDING", "gauge", "Whether remapping of rows is pending",
               "gpu_row_remap_pending", unit="0/1"),
-    DcgmField("DCGM_FI_DEV_POWER_VIOLATION", "counter", "Throttling duration due to power constraints (in us).",
-              "gpu_throttle_violation_seconds", (("reason", "power"),), 1e6, unit="µs"),
+    DcgmField("DCGM_FI_DEV_POWER_VIOLATION", "counter", "Throttling duration due to power constraints (in ns).",
+              "gpu_throttle_violation_seconds", (("reason", "power"),), NS_PER_S, unit="ns"),
     DcgmField("DCGM_FI_DEV_THERMAL_VIOLATION", "counter",
-              "Throttling duration due to thermal constraints (in us).", "gpu_throttle_violation_seconds",
-              (("reason", "thermal"),), 1e6, unit="µs"),
+              "Throttling duration due to thermal constraints (in ns).", "gpu_throttle_violation_seconds",
+              (("reason", "thermal"),), NS_PER_S, unit="ns"),
     DcgmField("DCGM_FI_DEV_SYNC_BOOST_VIOLATION", "counter",
-              "Throttling duration due to sync-boost constraints (in us).", "gpu_throttle_violation_seconds",
-              (("reason", "sync_boost"),), 1e6, unit="µs"),
+              "Throttling duration due to sync-boost constraints (in ns).", "gpu_throttle_violation_seconds",
+              (("reason", "sync_boost"),), NS_PER_S, unit="ns"),
     DcgmField("DCGM_FI_DEV_BOARD_LIMIT_VIOLATION", "counter",
-              "Throttling duration due to board limit constraints (in us).", "gpu_throttle_violation_seconds",
-              (("reason", "board_limit"),), 1e6, unit="µs"),
-    DcgmField("DCGM_FI_DEV_LOW_UTIL_VIOLATION", "counter", "Throttling duration due to low utilization (in us).",
-              "gpu_throttle_violation_seconds", (("reason", "low_utilization"),), 1e6, unit="µs"),
+              "Throttling duration due to board limit constraints (in ns).", "gpu_throttle_violation_seconds",
+              (("reason", "board_limit"),), NS_PER_S, unit="ns"),
+    DcgmField("DCGM_FI_DEV_LOW_UTIL_VIOLATION", "counter", "Throttling duration due to low utilization (in ns).",
+              "gpu_throttle_violation_seconds", (("reason", "low_utilization"),), NS_PER_S, unit="ns"),
     DcgmField("DCGM_FI_DEV_RELIABILITY_VIOLATION", "counter",
-              "Throttling duration due to reliability constraints (in us).", "gpu_throttle_violation_seconds",
-              (("reason", "reliability"),), 1e6, unit="µs"),
+              "Throttling duration due to reliability constraints (in ns).", "gpu_throttle_violation_seconds",
+              (("reason", "reliability"),), NS_PER_S, unit="ns"),
     DcgmField("DCGM_FI_DEV_NVLINK_CRC_FLIT_ERROR_COUNT_TOTAL", "counter",
               "Total number of NVLink flow-control CRC errors.", "gpu_nvlink_errors", (("counter", "crc"),),
               sum_over="link", unit="errors"),
@@ -124,6 +132,21 @@ FIELDS: tuple[DcgmField, ...] = (
               "gpu_nvlink_errors", (("counter", "replay"),), sum_over="link", unit="errors"),
     DcgmField("DCGM_FI_DEV_NVLINK_RECOVERY_ERROR_COUNT_TOTAL", "counter", "Total number of NVLink recovery errors.",
               "gpu_nvlink_errors", (("counter", "recovery"),), sum_over="link", unit="errors"),
+    DcgmField("DCGM_FI_DEV_NVLINK_BANDWIDTH_TOTAL", "counter",
+              "Total number of NVLink bandwidth counters for all lanes.", "gpu_nvlink_traffic_bytes",
+              sum_over="direction", unit="bytes", note="header and payload, both directions"),
+    # Profiling fields: DCGM's profiling module, or NVML's GPM (Hopper and later) without DCGM.
+    DcgmField("DCGM_FI_PROF_GR_ENGINE_ACTIVE", "gauge", "Ratio of time the graphics engine is active.",
+              "gpu_graphics_active_ratio", unit="ratio", note="NVML GPM GRAPHICS_UTIL"),
+    DcgmField("DCGM_FI_PROF_SM_ACTIVE", "gauge", "The ratio of cycles an SM has at least 1 warp assigned.",
+              "gpu_sm_active_ratio", unit="ratio", note="NVML GPM SM_UTIL"),
+    DcgmField("DCGM_FI_PROF_SM_OCCUPANCY", "gauge", "The ratio of number of warps resident on an SM.",
+              "gpu_sm_occupancy_ratio", unit="ratio", note="NVML GPM SM_OCCUPANCY"),
+    DcgmField("DCGM_FI_PROF_PIPE_TENSOR_ACTIVE", "gauge", "Ratio of cycles the tensor (HMMA) pipe is active.",
+              "gpu_tensor_active_ratio", unit="ratio", note="NVML GPM ANY_TENSOR_UTIL"),
+    DcgmField("DCGM_FI_PROF_DRAM_ACTIVE", "gauge",
+              "Ratio of cycles the device memory interface is active sending or receiving data.",
+              "gpu_dram_active_ratio", unit="ratio", note="NVML GPM DRAM_BW_UTIL"),
 )
 
 # The throttle reasons as one bitmask, under today's name and the older one dashboards still use.
@@ -141,7 +164,7 @@ def dcgm_label_sets(snap: ExportSnapshot) -> dict[int, Labels]:
         minor = g.minor if g.minor is not None else g.index
         labels: Labels = (
             ("gpu", str(g.index)), ("UUID", g.uuid), ("pci_bus_id", g.pci_bus_id), ("device", f"nvidia{minor}"),
-            ("modelName", g.name), ("Hostname", snap.node_name), ("DCGM_FI_DRIVER_VERSION", snap.driver_version),
+            ("modelName", g.name), ("hostname", snap.node_name), ("DCGM_FI_DRIVER_VERSION", snap.driver_version),
         )
         out[g.index] = labels + tuple(sorted(extra.get(g.uuid, {}).items()))
     return out
@@ -182,6 +205,9 @@ def add_dcgm_families(fams: FamilySet, snap: ExportSnapshot) -> None:
         # dcgm-exporter's counters have no _total: exposed untyped under the exact name
         fam = fams.get(field.name, field.help, "unknown" if field.type == "counter" else "gauge")
         for (gpu, kept), value in series.items():
+            if field.name == "DCGM_FI_DEV_XID_ERRORS":  # dcgm-exporter names the code on the series
+                code = int(value)
+                kept = (("err_code", str(code)), ("err_msg", xid_message(code)))
             fam.add(value, kept, label_sets[gpu])
     if clock_masks:
         for name in CLOCK_REASON_FAMILIES:

@@ -11,7 +11,8 @@ from dataclasses import dataclass, field
 
 GPU_LABELS = ("gpu", "uuid", "pci_bus_id", "model_name")
 # Extension labels may not shadow ours (nor dcgm-exporter's, in compat mode).
-RESERVED_LABELS = frozenset(GPU_LABELS) | {"UUID", "device", "modelName", "Hostname", "DCGM_FI_DRIVER_VERSION"}
+RESERVED_LABELS = frozenset(GPU_LABELS) | {"UUID", "device", "modelName", "hostname", "Hostname",
+                                           "DCGM_FI_DRIVER_VERSION", "err_code", "err_msg"}
 _LABEL_NAME = re.compile(r"^[a-zA-Z_][a-zA-Z0-9_]*$")
 
 Labels = tuple[tuple[str, str], ...]

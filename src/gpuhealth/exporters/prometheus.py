@@ -12,6 +12,11 @@ Conventions: base units (seconds, bytes, watts, joules, celsius, hertz, ratios),
 ``_total``, metadata in ``_info`` series of value 1, GPU series carry ``gpu``, ``uuid``,
 ``pci_bus_id``, ``model_name`` (plus extension labels such as ``pod``), no hostname label (the
 scrape target names the node). Every metric is listed in ``docs/metrics.md``.
+
+NVLink: per-link series (18 links × state and three error counters per Hopper GPU) were almost half
+of an 8-GPU scrape. By default they are summed per GPU (errors by ``counter``; the state per link
+is left to ``gpuhealth_gpu_nvlink_links{which}`` and the ``nvlink.link_down`` finding, which names
+the link); ``nvlink_per_link=True`` exports every link.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from __future__ import annotations
 import math
 import platform
 from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Any
 
 from prometheus_client.core import CollectorRegistry, Metric
 from prometheus_client.exposition import choose_encoder
@@ -27,7 +33,7 @@ from prometheus_client.samples import Sample as PromSample
 
 from gpuhealth.exporters import ExportSnapshot
 from gpuhealth.exporters.families import Family, FamilySet, Labels, clean_extra_labels
-from gpuhealth.model import EntityKind, MetricKind
+from gpuhealth.model import EntityKind, MetricKind, Sample
 
 PREFIX = "gpuhealth_"
 SnapshotSource = Callable[[], ExportSnapshot]
@@ -57,14 +63,41 @@ def _family_name(sample_name: str, kind: MetricKind) -> str:
     return name
 
 
-def build_families(snap: ExportSnapshot, *, dcgm_compat: bool = False) -> FamilySet:
+# Per-link samples and what the per-GPU view does with them: summed over links, or left out.
+PER_LINK_SAMPLES: dict[str, str] = {"gpu_nvlink_errors": "sum", "gpu_nvlink_state": "drop"}
+
+
+def _per_gpu_links(samples: Iterable[Sample]) -> list[Sample]:
+    """The samples with per-link NVLink series summed per GPU (``link`` label dropped)."""
+    out: list[Sample] = []
+    sums: dict[tuple[str, MetricKind, int | None, Labels], list[Any]] = {}
+    for s in samples:
+        how = PER_LINK_SAMPLES.get(s.name)
+        if how is None or not any(k == "link" for k, _ in s.labels):
+            out.append(s)
+            continue
+        if how == "drop":
+            continue
+        rest = tuple((k, v) for k, v in s.labels if k != "link")
+        key = (s.name, s.kind, s.gpu, rest)
+        acc = sums.get(key)
+        if acc is None:
+            sums[key] = [s.value, s.help]
+        else:
+            acc[0] += s.value
+    for (name, kind, gpu, rest), (value, help_text) in sums.items():
+        out.append(Sample(name, value, help_text, kind, gpu, rest))
+    return out
+
+
+def build_families(snap: ExportSnapshot, *, dcgm_compat: bool = False, nvlink_per_link: bool = False) -> FamilySet:
     fams = FamilySet()
     gpu_labels = gpu_label_sets(snap)
     unknown_gpu: dict[int, Labels] = {}
 
     # --- readings the collectors produced
     by_sample_name: dict[tuple[str, MetricKind], Family] = {}
-    for s in snap.samples:
+    for s in snap.samples if nvlink_per_link else _per_gpu_links(snap.samples):
         fam = by_sample_name.get((s.name, s.kind))
         if fam is None:
             fam = by_sample_name[(s.name, s.kind)] = fams.get(_family_name(s.name, s.kind), s.help, _KIND[s.kind])
@@ -235,15 +268,16 @@ def to_metric(fam: Family) -> Metric:
 class SnapshotCollector:
     """prometheus-client custom collector: ``collect()`` renders the newest snapshot from ``source``."""
 
-    def __init__(self, source: SnapshotSource, *, dcgm_compat: bool = False) -> None:
+    def __init__(self, source: SnapshotSource, *, dcgm_compat: bool = False, nvlink_per_link: bool = False) -> None:
         self.source = source
         self.dcgm_compat = dcgm_compat
+        self.nvlink_per_link = nvlink_per_link
 
     def describe(self) -> list[Metric]:
         return []  # dynamic families: registering must not trigger a collect
 
     def families(self) -> FamilySet:
-        return build_families(self.source(), dcgm_compat=self.dcgm_compat)
+        return build_families(self.source(), dcgm_compat=self.dcgm_compat, nvlink_per_link=self.nvlink_per_link)
 
     def collect(self) -> Iterator[Metric]:
         for fam in self.families():
@@ -257,11 +291,12 @@ class MetricsEndpoint:
     ``choose_encoder`` does) and writes it with ``encode_text``; ``registry`` gives the same metrics
     to prometheus-client tooling (``generate_latest(endpoint.registry)``)."""
 
-    def __init__(self, source: SnapshotSource, *, dcgm_compat: bool = False, process_metrics: bool = True) -> None:
+    def __init__(self, source: SnapshotSource, *, dcgm_compat: bool = False, process_metrics: bool = True,
+                 nvlink_per_link: bool = False) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
-        self.collector = SnapshotCollector(source, dcgm_compat=dcgm_compat)
+        self.collector = SnapshotCollector(source, dcgm_compat=dcgm_compat, nvlink_per_link=nvlink_per_link)
         self.registry.register(self.collector)
-        self._cached: tuple[ExportSnapshot, tuple[int, bool, bool], bytes] | None = None
+        self._cached: tuple[ExportSnapshot, tuple[int, bool, bool, bool], bytes] | None = None
         self._process: ProcessCollector | None = None
         if process_metrics:
             self._process = ProcessCollector(registry=self.registry)
@@ -274,6 +309,14 @@ class MetricsEndpoint:
     def dcgm_compat(self, enabled: bool) -> None:
         self.collector.dcgm_compat = enabled
 
+    @property
+    def nvlink_per_link(self) -> bool:
+        return self.collector.nvlink_per_link
+
+    @nvlink_per_link.setter
+    def nvlink_per_link(self, enabled: bool) -> None:
+        self.collector.nvlink_per_link = enabled
+
     def render(self, accept_header: str | None = None) -> tuple[bytes, str]:
         """Text format 0.0.4 by default; OpenMetrics when ``Accept`` asks for it. The snapshot part
         is cached per snapshot, so scrapes between two collector runs (a second Prometheus, a
@@ -281,12 +324,13 @@ class MetricsEndpoint:
         _, content_type = choose_encoder(accept_header or "")
         openmetrics = content_type.startswith("application/openmetrics-text")
         snap = self.collector.source()
-        key = (id(snap), self.collector.dcgm_compat, openmetrics)
+        key = (id(snap), self.collector.dcgm_compat, openmetrics, self.collector.nvlink_per_link)
         cached = self._cached
         if cached is not None and cached[0] is snap and cached[1] == key:
             body = cached[2]
         else:
-            body = encode_text(build_families(snap, dcgm_compat=self.collector.dcgm_compat),
+            body = encode_text(build_families(snap, dcgm_compat=self.collector.dcgm_compat,
+                                              nvlink_per_link=self.collector.nvlink_per_link),
                                openmetrics=openmetrics, end=False)
             self._cached = (snap, key, body)
         tail = b"# EOF\n" if openmetrics else b""

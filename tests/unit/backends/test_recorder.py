@@ -62,6 +62,7 @@ class RecordedDriver:
     NVML_P2P_CAPS_INDEX_READ = 1
     NVML_FI_DEV_MEMORY_TEMP = 82
     NVML_FI_DEV_ECC_DBE_VOL_TOTAL = 4
+    nvmlMemory_v2 = "v2"
     nvmlEventTypeXidCriticalError = 8
     nvmlEventTypeDoubleBitEccError = 2
     nvmlEventTypeSingleBitEccError = 1
@@ -115,6 +116,9 @@ class RecordedDriver:
 
     def nvmlDeviceGetGpuFabricInfo(self, h: int, ref: Any) -> None:
         raise self.NVMLError(errors.NOT_SUPPORTED, "Not Supported")
+
+    def nvmlDeviceGetMemoryInfo(self, h: int, version: Any = None) -> Any:
+        return self._q(self.fake.query, h, "MemoryInfo_v2" if version else "MemoryInfo")
 
     def nvmlDeviceGetTemperature(self, h: int, c: str) -> Any:
         return self._q(self.fake.query, h, "Temperature_" + c)

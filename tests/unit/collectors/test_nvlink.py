@@ -76,11 +76,17 @@ def test_one_batch_per_gpu_with_rotating_counter_links(clock):
         read.append(obs.per_gpu[0]["counter_links_read"])
         assert len(obs.per_gpu[0]["link_states"]) == 18  # every link's state, every sweep
     assert singles == []  # never the ~1 ms-per-call per-link getters
-    # First look: link count (cached after), then 18 states + every link's 3 counters, per GPU;
-    # afterwards 18 states + 6 links × 3 counters.
-    assert batches == [2, 72, 2, 72] + [36, 36] * 3
+    # First look: link count (cached after), then 18 states + every link's 3 counters + the two
+    # all-link traffic counters, per GPU; afterwards 18 states + 6 links × 3 counters + traffic.
+    assert batches == [2, 74, 2, 74] + [38, 38] * 3
     assert read == [list(range(18)), list(range(0, 6)), list(range(6, 12)), list(range(12, 18))]
     assert all(f"link{n}.crc" in obs.per_gpu[1] for n in range(18))
+    # the recorded NVLink traffic counters (KiB) become bytes, per direction
+    traffic = {dict(s.labels)["direction"]: s.value for s in c.samples(obs, context(b, clock))
+               if s.name == "gpu_nvlink_traffic_bytes" and s.gpu == 0}
+    fields = b.field_values(0, [("NVML_FI_DEV_NVLINK_THROUGHPUT_RAW_TX", 0),
+                                ("NVML_FI_DEV_NVLINK_THROUGHPUT_RAW_RX", 0)])
+    assert traffic == {"tx": fields[0] * 1024.0, "rx": fields[1] * 1024.0}
 
 
 def test_default_rotation_reads_every_link_within_five_sweeps(clock):

@@ -12,6 +12,9 @@ from gpuhealth.diag.runner import DiagOutcome
 DOC = json.loads((Path(__file__).parents[2] / "fixtures" / "diag" / "diag_outcomes_4xh200.json").read_text())
 
 
+BUSBW, BW = "diag_busbw_bytes_per_second", "diag_memory_bandwidth_bytes_per_second"
+
+
 def _outcomes() -> dict[str, DiagOutcome]:
     return {d["diag"]: DiagOutcome(d["diag"], d["status"], d["reason"], [], d["result"], d["gpu_seconds"],
                                    d["skipped_gpus"], d["gpus"], d["wall_s"]) for d in DOC["diagnostics"]}
@@ -23,11 +26,12 @@ def test_measured_bandwidths_and_gpu_time_are_exported_per_gpu_and_collective() 
     by = {(s.name, s.gpu, s.labels): s.value for s in samples}
     assert by[("diag_success", None, (("diag", "busbw"),))] == 1.0
     assert by[("diag_last_run_timestamp_seconds", None, (("diag", "busbw"),))] == 1_800_000_000.0
-    ar = by[("diag_busbw_gbps", None, (("collective", "all_reduce"), ("size_bytes", str(1 << 30)), ("ranks", "4")))]
-    assert 340 < ar < 370  # 4 x H200 all_reduce at 1 GiB
+    ar = by[(BUSBW, None,
+             (("collective", "all_reduce"), ("size_bytes", str(1 << 30)), ("ranks", "4")))]
+    assert 340e9 < ar < 370e9  # 4 x H200 all_reduce at 1 GiB, in bytes per second (base units)
     copies = {s.gpu: s.value for s in samples
-              if s.name == "diag_memory_bandwidth_gbps" and s.labels == (("direction", "device_to_device"),)}
-    assert sorted(copies) == [0, 1, 2, 3] and all(v > 4000 for v in copies.values())
+              if s.name == BW and s.labels == (("direction", "device_to_device"),)}
+    assert sorted(copies) == [0, 1, 2, 3] and all(v > 4000e9 for v in copies.values())
     sdc = {s.gpu: s.value for s in samples if s.name == "diag_gpu_seconds" and s.labels == (("diag", "sdc"),)}
     assert sorted(sdc) == [0, 1, 2, 3] and all(0 < v < 1 for v in sdc.values())
 
@@ -39,7 +43,7 @@ def test_failed_skipped_and_unknown_gpus_export_only_what_is_true() -> None:
     names = {(s.name, s.labels) for s in samples}
     assert ("diag_success", (("diag", "busbw"),)) in names
     assert not any(s.name == "diag_success" and s.labels == (("diag", "bandwidth"),) for s in samples)
-    assert not any(s.name in ("diag_busbw_gbps", "diag_memory_bandwidth_gbps", "diag_gpu_seconds") for s in samples)
+    assert not any(s.name in (BUSBW, BW, "diag_gpu_seconds") for s in samples)
     assert next(s.value for s in samples if s.name == "diag_success" and s.labels == (("diag", "busbw"),)) == 0.0
 
 
@@ -53,7 +57,7 @@ def test_the_agents_diagnostics_extension_exports_them() -> None:
     ext.periodic = SimpleNamespace(measured=_outcomes, finished_at=lambda: {"sdc": 1.0})
     ext.agent = SimpleNamespace(gpus=[SimpleNamespace(uuid=g["uuid"], index=g["index"]) for g in DOC["gpus"]])
     names = {s.name for s in ext.samples()}
-    assert {"diag_success", "diag_busbw_gbps", "diag_memory_bandwidth_gbps", "diag_gpu_seconds"} <= names
+    assert {"diag_success", BUSBW, BW, "diag_gpu_seconds"} <= names
 
 
 def test_a_skipped_cycle_keeps_the_last_measurement_and_its_time() -> None:

@@ -59,7 +59,8 @@ def test_units_are_converted_to_dcgm_exporters() -> None:
     assert _one(s, "DCGM_FI_DEV_SM_CLOCK", "0") == 1980.0  # MHz
     assert _one(s, "DCGM_FI_DEV_MEM_CLOCK", "0") == 2619.0
     assert abs(_one(s, "DCGM_FI_DEV_GPU_UTIL", "0") - 87.0) < 1e-9  # %
-    assert _one(s, "DCGM_FI_DEV_POWER_VIOLATION", "0") == 1.5e6  # µs, as dcgm-exporter documents it
+    # ns, as NVML counts and today's dcgm-exporter CSV says (1000x more than the µs we once wrote)
+    assert _one(s, "DCGM_FI_DEV_POWER_VIOLATION", "0") == 1.5e9
 
 
 def test_labels_are_dcgm_exporters_plus_pod_labels() -> None:
@@ -68,13 +69,14 @@ def test_labels_are_dcgm_exporters_plus_pod_labels() -> None:
     [(labels, value)] = s["DCGM_FI_DEV_GPU_TEMP"]
     assert value == 40.0
     assert labels == {"gpu": "1", "UUID": "GPU-bbbb", "pci_bus_id": "00000000:2A:00.0", "device": "nvidia1",
-                      "modelName": "NVIDIA H100 80GB HBM3", "Hostname": "node-a",
+                      "modelName": "NVIDIA H100 80GB HBM3", "hostname": "node-a",
                       "DCGM_FI_DRIVER_VERSION": "580.159.04", "pod": "p", "namespace": "n", "container": "c"}
 
 
 def test_xids_nvlink_sums_and_clock_event_bitmask() -> None:
     s = _dcgm(_snap((
         Sample("gpu_xid_last", 79.0, "", gpu=1),
+        Sample("gpu_xid_last", 0.0, "", gpu=0),
         Sample("gpu_xid_errors", 2.0, "", MetricKind.COUNTER, gpu=1, labels=(("xid", "79"),)),
         Sample("gpu_xid_errors", 1.0, "", MetricKind.COUNTER, gpu=1, labels=(("xid", "48"),)),
         *(Sample("gpu_nvlink_errors", float(link), "", MetricKind.COUNTER, gpu=0,
@@ -83,9 +85,12 @@ def test_xids_nvlink_sums_and_clock_event_bitmask() -> None:
         Sample("gpu_throttle_reason_active", 1.0, "", gpu=0, labels=(("reason", "gpu_idle"),)),
         Sample("gpu_throttle_reason_active", 0.0, "", gpu=0, labels=(("reason", "hw_thermal"),)),
     )))
-    assert _one(s, "DCGM_FI_DEV_XID_ERRORS", "1") == 79.0
-    assert _one(s, "DCGM_EXP_XID_ERRORS_TOTAL", "1", xid="79") == 2.0
-    assert _one(s, "DCGM_EXP_XID_ERRORS_TOTAL", "1", xid="48") == 1.0
+    # dcgm-exporter's own XID series: the last code, named by err_code/err_msg; no invented counter
+    assert _one(s, "DCGM_FI_DEV_XID_ERRORS", "1", err_code="79") == 79.0
+    [(labels, _)] = [x for x in s["DCGM_FI_DEV_XID_ERRORS"] if x[0]["gpu"] == "1"]
+    assert labels["err_msg"] == "GPU has fallen off the bus"
+    assert _one(s, "DCGM_FI_DEV_XID_ERRORS", "0", err_code="0", err_msg="No Error") == 0.0
+    assert not [n for n in s if n.startswith("DCGM_EXP_")]
     assert _one(s, "DCGM_FI_DEV_NVLINK_CRC_FLIT_ERROR_COUNT_TOTAL", "0") == float(sum(range(18)))
     assert _one(s, "DCGM_FI_DEV_CLOCKS_EVENT_REASONS", "0") == float(0x8 | 0x1)
     assert _one(s, "DCGM_FI_DEV_CLOCK_THROTTLE_REASONS", "0") == float(0x8 | 0x1)
@@ -117,8 +122,8 @@ def test_real_recording_gives_the_dashboards_series_with_raw_nvml_values(h200_re
     for name, series in s.items():
         for labels, _ in series:
             extra = set(labels) - set(DCGM_LABELS)
-            assert extra <= {"xid"}, (name, extra)
-            assert labels["Hostname"] == "gpu-node-7" and labels["DCGM_FI_DRIVER_VERSION"] == "580.159.04"
+            assert extra <= ({"err_code", "err_msg"} if name == "DCGM_FI_DEV_XID_ERRORS" else set()), (name, extra)
+            assert labels["hostname"] == "gpu-node-7" and labels["DCGM_FI_DRIVER_VERSION"] == "580.159.04"
             assert labels["device"] == f"nvidia{labels['gpu']}"
 
 
