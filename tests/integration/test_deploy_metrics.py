@@ -34,6 +34,8 @@ pytestmark = pytest.mark.integration
 REPO = Path(__file__).resolve().parents[2]
 DASHBOARD = REPO / "deploy" / "grafana" / "gpuhealth.json"
 RULES = REPO / "deploy" / "prometheus" / "alerts.yaml"
+SERVICE_MONITOR = REPO / "deploy" / "kubernetes" / "base" / "servicemonitor.yaml"
+DCGM_DASHBOARD = REPO / "tests" / "fixtures" / "dcgm_dashboard_12239_queries.json"
 GPUHEALTH = str(Path(sys.executable).parent / "gpuhealth")
 PROMETHEUS = shutil.which("prometheus") or "/usr/bin/prometheus"
 GPU0 = "GPU-00000000-1111-2222-3333-444444444440"
@@ -97,6 +99,40 @@ def start_fake_kubelet(sock: Path) -> Any:
     return server
 
 
+# ------------------------------------------------------------------------------------------ scrape config
+
+def _snake(key: str) -> str:
+    return re.sub(r"(?<!^)([A-Z])", r"_\1", key).lower()
+
+
+def service_monitor_job(target: str, *, node: str, agent_pod: str) -> dict[str, Any]:
+    """The scrape job prometheus-operator makes of the shipped agent ServiceMonitor, with a static
+    target standing in for Kubernetes discovery (the same __meta_ labels): the operator's own
+    relabelling first (it labels every target with the scraped pod's namespace/pod/container), then
+    the ServiceMonitor's ``relabelings``, and its ``honorLabels``."""
+    monitors = [d for d in yaml.safe_load_all(SERVICE_MONITOR.read_text()) if d]
+    [endpoint] = next(m for m in monitors if m["metadata"]["name"] == "gpuhealth-agent")["spec"]["endpoints"]
+    operator = [
+        {"source_labels": ["__meta_kubernetes_namespace"], "target_label": "namespace"},
+        {"source_labels": ["__meta_kubernetes_service_name"], "target_label": "service"},
+        {"source_labels": ["__meta_kubernetes_pod_name"], "target_label": "pod"},
+        {"source_labels": ["__meta_kubernetes_pod_container_name"], "target_label": "container"},
+        {"target_label": "endpoint", "replacement": endpoint["port"]},
+        {"source_labels": ["__meta_kubernetes_service_name"], "target_label": "job"},
+    ]
+    ours = [{_snake(k): v for k, v in r.items()} for r in endpoint.get("relabelings", [])]
+    return {
+        "job_name": "serviceMonitor/gpuhealth/gpuhealth-agent/0",
+        "honor_labels": bool(endpoint.get("honorLabels", False)),
+        "metrics_path": endpoint["path"],
+        "static_configs": [{"targets": [target], "labels": {
+            "__meta_kubernetes_namespace": "gpuhealth", "__meta_kubernetes_service_name": "gpuhealth-agent",
+            "__meta_kubernetes_pod_name": agent_pod, "__meta_kubernetes_pod_container_name": "agent",
+            "__meta_kubernetes_pod_node_name": node}}],
+        "relabel_configs": operator + ours,
+    }
+
+
 # ------------------------------------------------------------------------------------------ stack
 
 class Stack:
@@ -142,8 +178,12 @@ def stack() -> Iterator[Stack]:
     with tempfile.TemporaryDirectory(prefix="ghd") as d:  # short: unix socket paths
         root = Path(d)
         s = Stack(root)
+        # GPM answers (what an H200 under load reports) fill the DCGM dashboard's Tensor Core panel
+        gpm = {"GpmMetrics": {"SM_UTIL": 90.0, "SM_OCCUPANCY": 40.0, "ANY_TENSOR_UTIL": 55.0, "DRAM_BW_UTIL": 60.0,
+                              "GRAPHICS_UTIL": 95.0}}
         (root / "scenario.yaml").write_text(yaml.safe_dump({
             "recording": "nvml_h200x2.json",
+            "overrides": {"0": gpm, "1": gpm},
             "events": [{"at": 0, "type": "xid", "gpu": 0, "xid": 79}],
         }))
         jobs = root / "slurm-jobs"
@@ -168,7 +208,8 @@ def stack() -> Iterator[Stack]:
             "global": {"scrape_interval": "1s", "evaluation_interval": "1s", "scrape_timeout": "1s"},
             "rule_files": ["alerts.yaml"],
             "scrape_configs": [
-                {"job_name": "gpuhealth-agent", "static_configs": [{"targets": [f"127.0.0.1:{s.agent_port}"]}]},
+                # the agent as the shipped ServiceMonitor scrapes it (job label: its Service's name)
+                service_monitor_job(f"127.0.0.1:{s.agent_port}", node="node-a", agent_pod="gpuhealth-agent-x7k2p"),
                 {"job_name": "gpuhealth-coordinator",
                  "static_configs": [{"targets": [f"127.0.0.1:{s.coord_metrics_port}"]}]},
             ],
@@ -364,33 +405,50 @@ def test_gpu_series_carry_slurm_job_and_pod_attribution(stack: Stack) -> None:
     assert findings and all('slurm_job_id="4242"' in line for line in findings)
 
 
-# The queries of dcgm-exporter's standard Grafana dashboard (NVIDIA "DCGM Exporter Dashboard",
-# grafana.com 12239) whose fields NVML provides. Its two other panels use DCGM profiling fields
-# (DCGM_FI_PROF_GR_ENGINE_ACTIVE, DCGM_FI_PROF_PIPE_TENSOR_ACTIVE) that exist only with DCGM's
-# profiling module, so they stay empty with --dcgm-compat.
-DCGM_DASHBOARD_QUERIES = {
-    "GPU Temperature": 'max(DCGM_FI_DEV_GPU_TEMP{Hostname=~"$Hostname", gpu=~"$gpu"}) by (Hostname, gpu, uuid)',
-    "GPU Avg. Temp": 'avg(DCGM_FI_DEV_GPU_TEMP{Hostname=~"$Hostname", gpu=~"$gpu"})',
-    "GPU Power Usage": 'max(DCGM_FI_DEV_POWER_USAGE{Hostname=~"$Hostname", gpu=~"$gpu"}) by (Hostname, gpu, uuid)',
-    "GPU Power Total": 'sum(max(DCGM_FI_DEV_POWER_USAGE{Hostname=~"$Hostname", gpu=~"$gpu"}) by (gpu))',
-    "GPU SM Clocks": 'max(DCGM_FI_DEV_SM_CLOCK{Hostname=~"$Hostname", gpu=~"$gpu"} * 1000000) by (Hostname, UUID, gpu)',
-    "GPU Framebuffer Mem Used":
-        'max(DCGM_FI_DEV_FB_USED{Hostname=~"$Hostname", gpu=~"$gpu"}) by (Hostname, gpu, GPU_I_ID, GPU_I_PROFILE)',
-    "variable Hostname": "count by (Hostname) (DCGM_FI_DEV_FB_FREE)",
-    "variable gpu": 'count by (gpu) (DCGM_FI_DEV_FB_FREE{Hostname=~"$Hostname"})',
-}
+def dcgm_dashboard_exprs() -> list[tuple[str, str]]:
+    """dcgm-exporter's own dashboard (grafana.com 12239): its panels' queries and variables, as
+    shipped (tests/fixtures/dcgm_dashboard_12239_queries.json, taken from its JSON)."""
+    dash = json.loads(DCGM_DASHBOARD.read_text())
+    out = [(p["title"], p["expr"]) for p in dash["panels"]]
+    for var in dash["variables"]:
+        m = re.fullmatch(r"label_values\((.+),\s*(\w+)\)", var["query"])
+        assert m, var["query"]
+        out.append((f"variable {var['name']}", f"count by ({m.group(2)}) ({m.group(1)})"))
+    return out
 
 
-@pytest.mark.parametrize("panel", sorted(DCGM_DASHBOARD_QUERIES))
+@pytest.mark.parametrize("panel", [t for t, _ in dcgm_dashboard_exprs()])
 def test_dcgm_exporter_dashboard_works_with_dcgm_compat(stack: Stack, panel: str) -> None:
-    expr = DCGM_DASHBOARD_QUERIES[panel].replace("$Hostname", "node-a").replace("$gpu", ".+")
+    """Every panel of the real dashboard 12239 has data from one gpuhealth agent, the Tensor Core
+    panel included (NVML GPM), with the node named by instance as the ServiceMonitor sets it."""
+    expr = dict(dcgm_dashboard_exprs())[panel].replace("$instance", "node-a").replace("$gpu", ".+")
     result = wait_for(lambda: stack.promql(expr)["data"]["result"], f"DCGM panel {panel}", timeout=20)
-    per_gpu = panel not in ("GPU Avg. Temp", "GPU Power Total", "variable Hostname")
+    per_gpu = panel not in ("GPU Avg. Temp", "GPU Power Total", "variable instance")
     assert len(result) == (2 if per_gpu else 1), result
     for series in result:
-        assert float(series["value"][1]) > 0
-        if "by (Hostname" in expr:
-            assert series["metric"]["Hostname"] == "node-a"
+        # the recorded H200s were idle: utilization 0 is their true value, everything else is not 0
+        assert float(series["value"][1]) > 0 or panel == "GPU Utilization"
+        if "instance" in series["metric"]:
+            assert series["metric"]["instance"] == "node-a"
+    if panel == "Tensor Core Utilization":
+        assert {float(r["value"][1]) for r in result} == {0.55}
+
+
+def test_pod_attribution_survives_the_shipped_service_monitor(stack: Stack) -> None:
+    """The GPU holder's pod/namespace reach Prometheus (and alerts) as pod/namespace, not as
+    exported_pod; node-level series do not claim the agent's own pod; the agent pod is agent_pod."""
+    [gpu1] = stack.promql(f'gpuhealth_gpu_info{{uuid="{GPU1}"}}')["data"]["result"]
+    assert gpu1["metric"]["pod"] == "train-0" and gpu1["metric"]["namespace"] == "ml"
+    assert gpu1["metric"]["container"] == "trainer" and gpu1["metric"]["instance"] == "node-a"
+    assert gpu1["metric"]["agent_pod"] == "gpuhealth-agent-x7k2p" and gpu1["metric"]["job"] == "gpuhealth-agent"
+    assert stack.promql('count({__name__=~"gpuhealth_.+|DCGM_.+", exported_pod=~".+"})')["data"]["result"] == []
+    assert stack.promql('count({__name__=~"gpuhealth_.+|DCGM_.+", exported_namespace=~".+"})')["data"]["result"] == []
+    [gpu0] = stack.promql(f'gpuhealth_gpu_info{{uuid="{GPU0}"}}')["data"]["result"]
+    assert "pod" not in gpu0["metric"]  # a GPU nobody's pod holds
+    [node] = stack.promql("gpuhealth_node_health")["data"]["result"]
+    assert "pod" not in node["metric"] and "namespace" not in node["metric"]
+    [dcgm] = stack.promql(f'DCGM_FI_DEV_GPU_TEMP{{UUID="{GPU1}"}}')["data"]["result"]
+    assert dcgm["metric"]["pod"] == "train-0"
 
 
 def test_kubernetes_probe_targets_answer(stack: Stack) -> None:
