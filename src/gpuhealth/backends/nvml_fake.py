@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -41,8 +42,14 @@ import yaml
 from gpuhealth.backends import errors
 from gpuhealth.backends.base import NVLINK_MAX_LINKS, FieldResult, XidEvent
 from gpuhealth.backends.errors import NvmlError, RecordingError
+from gpuhealth.backends.plausible import check_field, check_nvlink, check_reading
 
 BUNDLED_RECORDINGS = ("nvml_h200x2.json", "nvml_h100x1.json")
+MAX_FILE_BYTES = 64 << 20  # a recording or scenario file, read whole
+MAX_GPUS = 256  # ``gpu_count`` of a scenario: more than any node has (a clone costs ~100 KiB)
+MAX_EVENTS = 100_000
+MAX_KMSG_LINES = 100_000
+MAX_RECORDED_LINKS = 64  # the recorder probes past NVML's link count (36 on a recording of an H200)
 DEFAULT_RECORDING = "nvml_h200x2.json"
 
 # Per-link field ids served from the recording's per-link counters (scope = link number).
@@ -70,14 +77,37 @@ def bundled_recording_path(name: str = DEFAULT_RECORDING) -> Path:
 
 def _load_structured(path: Path) -> Any:
     try:
-        text = path.read_text()
+        with path.open("rb") as fh:
+            raw = fh.read(MAX_FILE_BYTES + 1)
     except OSError as exc:
         raise RecordingError(f"{path}: cannot read: {exc.strerror or exc}") from exc
+    if len(raw) > MAX_FILE_BYTES:
+        raise RecordingError(f"{path}: over {MAX_FILE_BYTES >> 20} MiB; a recording of a node is a few hundred KiB")
     is_yaml = path.suffix in (".yaml", ".yml")
+    kind = "YAML" if is_yaml else "JSON"
     try:
+        text = raw.decode("utf-8")
         return yaml.safe_load(text) if is_yaml else json.loads(text)
-    except (json.JSONDecodeError, yaml.YAMLError) as exc:
-        raise RecordingError(f"{path}: not valid {'YAML' if is_yaml else 'JSON'}: {exc}") from exc
+    except UnicodeDecodeError as exc:
+        raise RecordingError(f"{path}: not UTF-8 text (byte 0x{raw[exc.start]:02x} at offset {exc.start})") from None
+    except json.JSONDecodeError as exc:
+        raise RecordingError(f"{path}: not valid JSON (line {exc.lineno}, column {exc.colno}): {exc.msg}") from None
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        at = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
+        raise RecordingError(f"{path}: not valid YAML{at}: {getattr(exc, 'problem', None) or exc}") from None
+    except RecursionError:
+        raise RecordingError(f"{path}: not valid {kind}: nested too deeply") from None
+
+
+def _error_code(entry: Mapping[str, Any], where: str) -> int | None:
+    """The NVML return code of an ``{"error": …, "code": N}`` entry (None: the recorder's own failure)."""
+    code = entry.get("code", entry.get("ret"))
+    if code is None:
+        return None
+    if isinstance(code, bool) or not isinstance(code, int) or not 0 <= code <= 0xFFFF:
+        raise RecordingError(f"{where}: 'code' must be an NVML return code (an integer), got {code!r:.40}")
+    return code
 
 
 def _answer(entry: Any, where: str) -> Any:
@@ -86,16 +116,84 @@ def _answer(entry: Any, where: str) -> Any:
         if "value" in entry:
             return entry["value"]
         if "error" in entry:
-            code = entry.get("code")
+            code = _error_code(entry, where)
             if code is None:  # the recorder's own failure (bindings), not NVML: treat as unsupported
                 raise NvmlError(errors.NOT_SUPPORTED, f"not recorded: {entry['error']}")
-            raise NvmlError(int(code), str(entry["error"]))
+            raise NvmlError(code, str(entry["error"])[:200])
     raise RecordingError(f"{where}: expected {{'value': …}} or {{'error': …, 'code': …}}, got {entry!r:.80}")
 
 
-def _normalise_override(value: Any) -> Any:
+def _check_entry(entry: Any, where: str) -> None:
+    """A recorded reading has the shape ``_answer`` needs (checked at load: a bad file fails at once)."""
+    if not isinstance(entry, Mapping) or not ({"value", "error"} & set(entry)):
+        raise RecordingError(f"{where}: expected {{'value': …}} or {{'error': …, 'code': …}}, got {entry!r:.80}")
+    if "value" not in entry:
+        _error_code(entry, where)
+
+
+def _check_device(dev: Any, where: str) -> None:
+    if not isinstance(dev, Mapping):
+        raise RecordingError(f"{where} must be an object")
+    for key, entry in dev.items():
+        at = f"{where}.{key}"
+        if not isinstance(key, str):
+            raise RecordingError(f"{where}: key {key!r:.40} is not text")
+        if key == "nvlink":
+            _check_links(entry, at)
+        elif key == "field_values":
+            fields = entry.get("fields") if isinstance(entry, Mapping) else None
+            if not isinstance(fields, Mapping):
+                raise RecordingError(f"{at}: expected {{'fields': {{NVML_FI_NAME: …}}}}")
+            for name, fv in fields.items():
+                if not isinstance(fv, Mapping) or not ({"value", "ret", "error"} & set(fv)):
+                    raise RecordingError(f"{at}.fields.{name}: expected {{'value': …}} or {{'ret': CODE}}")
+                if "value" not in fv:
+                    _error_code(fv, f"{at}.fields.{name}")
+        elif key == "sysfs":
+            _check_sysfs(entry, at)
+        elif isinstance(entry, Mapping) and ({"value", "error"} & set(entry)):
+            _check_entry(entry, at)
+        # else: recorder metadata (timings, notes) that no key reads
+
+
+def _check_links(links: Any, where: str) -> None:
+    if not isinstance(links, Mapping):
+        raise RecordingError(f"{where}: expected {{LINK: {{KEY: ENTRY}}}}")
+    for link, entries in links.items():
+        if not str(link).isdigit() or int(str(link)) >= MAX_RECORDED_LINKS:
+            raise RecordingError(f"{where}: link {link!r:.20} is not 0..{MAX_RECORDED_LINKS - 1}")
+        if not isinstance(entries, Mapping):
+            raise RecordingError(f"{where}.{link}: expected {{KEY: ENTRY}}")
+        if ({"value", "error"} & set(entries)) and not any(isinstance(v, Mapping) for v in entries.values()):
+            _check_entry(entries, f"{where}.{link}")  # one error stored for the whole link
+            continue
+        for key, entry in entries.items():
+            if isinstance(entry, Mapping):
+                _check_entry(entry, f"{where}.{link}.{key}")
+            elif key not in ("error", "code"):
+                raise RecordingError(f"{where}.{link}.{key}: expected {{'value': …}} or {{'error': …}}")
+
+
+def _check_sysfs(sysfs: Any, where: str) -> None:
+    if not isinstance(sysfs, Mapping):
+        raise RecordingError(f"{where}: expected {{FILE: TEXT}}")
+    for name, value in sysfs.items():
+        if isinstance(value, bool) or not isinstance(value, (str, int, float)) or len(str(value)) > 4096:
+            raise RecordingError(f"{where}.{name}: expected a line of text, got {value!r:.40}")
+
+
+def _normalise_override(value: Any, where: str = "override") -> dict[str, Any]:
+    """An override as a recorded entry: a bare value is ``{"value": v}``; a ramp's rate is a finite
+    number; an error has an NVML code."""
     if isinstance(value, Mapping) and ({"value", "error", "ramp"} & set(value)):
-        return dict(value)
+        entry = dict(value)
+        if "ramp" in entry:
+            rate = entry["ramp"]
+            if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not math.isfinite(rate):
+                raise RecordingError(f"{where}: 'ramp' must be a finite number per second, got {rate!r:.40}")
+        elif "value" not in entry:
+            _error_code(entry, where)
+        return entry
     return {"value": value}
 
 
@@ -108,6 +206,64 @@ class _Event:
 
 
 _EVENT_TYPES = frozenset({"xid", "set", "lost", "driver_unloaded", "restore"})
+
+
+def _index(value: Any, where: str) -> int:
+    """A GPU index or count: an integer (or its digits), never a bool or a float."""
+    if isinstance(value, bool):
+        raise RecordingError(f"{where}: expected an integer")
+    if isinstance(value, int):
+        return value
+    if isinstance(value, str) and value.strip().isdigit() and len(value) < 10:
+        return int(value)
+    raise RecordingError(f"{where}: expected an integer")
+
+
+def _check_override(key: Any, val: Any, where: str) -> None:
+    """One override (or ``set`` event): the forms ``_apply_override`` applies."""
+    if not isinstance(key, str) or not key:
+        raise RecordingError(f"{where}: the key must be a recording key (text)")
+    if key == "nvlink":
+        if not isinstance(val, Mapping) or not all(
+                str(link).isdigit() and int(str(link)) < MAX_RECORDED_LINKS and isinstance(kv, Mapping)
+                for link, kv in val.items()):
+            raise RecordingError(f"{where}: expected {{LINK (0..{MAX_RECORDED_LINKS - 1}): {{KEY: VALUE}}}}")
+        for link, kv in val.items():
+            for lk, lv in kv.items():
+                _normalise_override(lv, f"{where}.{link}.{lk}")
+    elif key == "field_values":
+        if not isinstance(val, Mapping):
+            raise RecordingError(f"{where}: expected {{NVML_FI_NAME: VALUE}}")
+        for name, fv in val.items():
+            _normalise_override(fv, f"{where}.{name}")
+    elif key == "sysfs":
+        _check_sysfs(val, where)
+    else:
+        _normalise_override(val, where)
+
+
+def _event(ev: Any, where: str) -> _Event:
+    if not isinstance(ev, Mapping) or ev.get("type") not in _EVENT_TYPES:
+        raise RecordingError(f"{where}: 'type' must be one of {sorted(_EVENT_TYPES)}")
+    at = ev.get("at", 0)
+    if isinstance(at, bool) or not isinstance(at, (int, float)) or not 0 <= at < math.inf:
+        raise RecordingError(f"{where}.at: expected seconds (a finite number >= 0), got {at!r:.40}")
+    gpu = ev.get("gpu")
+    index = None if gpu is None else _index(gpu, f"{where}.gpu {gpu!r:.40}")
+    kind = str(ev["type"])
+    if kind in ("set", "lost", "restore") and index is None:
+        raise RecordingError(f"{where}: a '{kind}' event needs 'gpu'")
+    if kind == "xid":
+        xid = ev.get("xid", 0)
+        if isinstance(xid, bool) or not isinstance(xid, int) or not 0 <= xid < 1 << 31:
+            raise RecordingError(f"{where}.xid: expected an XID number, got {xid!r:.40}")
+    if kind == "set":
+        _check_override(ev.get("key"), ev.get("value"), f"{where} (set {ev.get('key')!r:.40})")
+    if kind == "driver_unloaded" and ev.get("until") is not None:
+        until = ev["until"]
+        if isinstance(until, bool) or not isinstance(until, (int, float)) or not 0 <= until < math.inf:
+            raise RecordingError(f"{where}.until: expected seconds (a finite number), got {until!r:.40}")
+    return _Event(float(at), kind, index, dict(ev))
 
 
 class FakeNvml:
@@ -130,6 +286,8 @@ class FakeNvml:
         self._check_recording(recording, source)
         self._recording = recording
         devices = list(recording["devices"])
+        if gpu_count is not None and not 1 <= gpu_count <= MAX_GPUS:
+            raise RecordingError(f"{source}: gpu_count must be 1..{MAX_GPUS}, got {gpu_count}")
         if gpu_count is not None and gpu_count != len(devices):
             devices = [self._clone(devices[i % len(devices)], i) for i in range(gpu_count)]
         self._base_devices: list[dict[str, Any]] = devices
@@ -140,6 +298,13 @@ class FakeNvml:
                 raise RecordingError(f"{source}: overrides: GPU {idx} does not exist ({len(self._devices)} GPUs)")
             for key, val in keys.items():
                 self._apply_override(idx, key, val)
+        for ev in events:
+            if ev.gpu is not None and not 0 <= ev.gpu < len(self._devices):
+                raise RecordingError(f"{source}: a '{ev.type}' event at {ev.at:g} s names GPU {ev.gpu}, which does "
+                                     f"not exist ({len(self._devices)} GPUs)")
+            ramp = ev.data.get("value") if ev.type == "set" else None
+            if ev.gpu is not None and isinstance(ramp, Mapping) and "ramp" in ramp:
+                self._ramp_base(ev.gpu, str(ev.data.get("key")))  # fails now, not when the event fires
         self._events = sorted(events, key=lambda e: e.at)
         self._next_event = 0
         self._lost: set[int] = set()
@@ -177,8 +342,10 @@ class FakeNvml:
         source: str = "scenario",
         clock: Callable[[], float] = time.monotonic,
     ) -> FakeNvml:
+        """Every part of the scenario is checked here, so a bad one is one ``RecordingError`` naming
+        the file and the key — at load, not when a collector first reads the GPU."""
         rec_name = scenario.get("recording")
-        if not isinstance(rec_name, str):
+        if not isinstance(rec_name, str) or not rec_name or "\0" in rec_name:
             raise RecordingError(f"{source}: 'recording' must be a file name")
         rec_path = base_dir / rec_name
         if not rec_path.exists() and rec_name in BUNDLED_RECORDINGS:
@@ -191,34 +358,32 @@ class FakeNvml:
         if not isinstance(raw_over, Mapping):
             raise RecordingError(f"{source}: 'overrides' must map GPU index → keys")
         for k, v in raw_over.items():
-            try:
-                idx = int(k)
-            except (TypeError, ValueError) as exc:
-                raise RecordingError(f"{source}: overrides: key {k!r} is not a GPU index") from exc
+            idx = _index(k, f"{source}: overrides: key {k!r:.40}")
             if not isinstance(v, Mapping):
                 raise RecordingError(f"{source}: overrides.{k}: must map recording keys → values")
+            for key, val in v.items():
+                _check_override(key, val, f"{source}: overrides.{k}.{key}")
             overrides[idx] = v
-        events = []
-        for n, ev in enumerate(scenario.get("events") or []):
-            if not isinstance(ev, Mapping) or ev.get("type") not in _EVENT_TYPES:
-                raise RecordingError(f"{source}: events[{n}]: 'type' must be one of {sorted(_EVENT_TYPES)}")
-            try:
-                at = float(ev.get("at", 0))
-            except (TypeError, ValueError) as exc:
-                raise RecordingError(f"{source}: events[{n}].at: not a number") from exc
-            gpu = ev.get("gpu")
-            events.append(_Event(at, str(ev["type"]), None if gpu is None else int(gpu), dict(ev)))
+        raw_events = scenario.get("events") or []
+        if not isinstance(raw_events, list) or len(raw_events) > MAX_EVENTS:
+            raise RecordingError(f"{source}: 'events' must be a list of at most {MAX_EVENTS} events")
+        events = [_event(ev, f"{source}: events[{n}]") for n, ev in enumerate(raw_events)]
         count = scenario.get("gpu_count")
+        if count is not None:
+            count = _index(count, f"{source}: gpu_count {count!r:.40}")
+            if not 1 <= count <= MAX_GPUS:
+                raise RecordingError(f"{source}: gpu_count must be 1..{MAX_GPUS}, got {count}")
         kmsg = scenario.get("kmsg") or []
-        if not isinstance(kmsg, list):
-            raise RecordingError(f"{source}: 'kmsg' must be a list of lines")
+        if not isinstance(kmsg, list) or len(kmsg) > MAX_KMSG_LINES or not all(
+                isinstance(x, str) and len(x) <= 16_384 for x in kmsg):
+            raise RecordingError(f"{source}: 'kmsg' must be a list of at most {MAX_KMSG_LINES} lines of text")
         return cls(
             recording,
             source=source,
             overrides=overrides,
             events=events,
-            gpu_count=None if count is None else int(count),
-            kmsg_lines=[str(x) for x in kmsg],
+            gpu_count=count,
+            kmsg_lines=kmsg,
             clock=clock,
         )
 
@@ -227,6 +392,11 @@ class FakeNvml:
         devices = rec.get("devices")
         if not isinstance(devices, list) or not devices:
             raise RecordingError(f"{source}: 'devices' must be a non-empty list")
+        if len(devices) > MAX_GPUS:
+            raise RecordingError(f"{source}: {len(devices)} devices, more than {MAX_GPUS}")
+        for key in ("driver", "nvml_version", "cuda_driver", "count"):
+            if key in rec:
+                _check_entry(rec[key], f"{source}: {key}")
         for i, d in enumerate(devices):
             if not isinstance(d, Mapping):
                 raise RecordingError(f"{source}: devices[{i}] must be an object")
@@ -234,8 +404,9 @@ class FakeNvml:
                 if key not in d:
                     raise RecordingError(f"{source}: devices[{i}]: missing key '{key}'")
             uuid = d["UUID"]
-            if not isinstance(uuid, Mapping) or "value" not in uuid:
-                raise RecordingError(f"{source}: devices[{i}].UUID: expected {{'value': …}}")
+            if not isinstance(uuid, Mapping) or not isinstance(uuid.get("value"), str):
+                raise RecordingError(f"{source}: devices[{i}].UUID: expected {{'value': TEXT}}")
+            _check_device(d, f"{source}: devices[{i}]")
 
     @staticmethod
     def _clone(dev: Mapping[str, Any], index: int) -> dict[str, Any]:
@@ -282,10 +453,18 @@ class FakeNvml:
         else:
             entry = _normalise_override(val)
             if "ramp" in entry:
-                base = self._base_devices[idx].get(key, {}).get("value", 0)
-                self._ramps[(idx, key)] = (float(base or 0), float(entry["ramp"]))
+                base = self._ramp_base(idx, key)
+                self._ramps[(idx, key)] = (float(base), float(entry["ramp"]))
                 entry = {"value": base}
             dev[key] = entry
+
+    def _ramp_base(self, idx: int, key: str) -> int | float:
+        recorded = self._base_devices[idx].get(key)
+        base = recorded.get("value", 0) if isinstance(recorded, Mapping) else 0
+        if isinstance(base, bool) or not isinstance(base, (int, float)) or not math.isfinite(base):
+            raise RecordingError(f"{self._source}: a ramp on GPU {idx} {key}: its recorded value "
+                                 f"{base!r:.40} is not a number to ramp from")
+        return base
 
     # ---------------------------------------------------------------- time and events
     def elapsed(self) -> float:
@@ -385,8 +564,8 @@ class FakeNvml:
             value = _answer(entry, f"{self._source}: devices[{index}].{key}")
             ramp = self._ramps.get((index, key))
             if ramp is not None:
-                return int(ramp[0] + ramp[1] * self.elapsed())
-            return value
+                value = int(ramp[0] + ramp[1] * self.elapsed())
+            return check_reading(key, value)  # a recording can say anything: BadValue when no GPU could
 
     def nvlink(self, index: int, link: int, key: str) -> Any:
         with self._lock:
@@ -401,7 +580,7 @@ class FakeNvml:
                 return _answer(entry, f"{self._source}: devices[{index}].nvlink.{link}")
             if key not in entry:
                 raise NvmlError(errors.NOT_SUPPORTED, f"not recorded: nvlink.{link}.{key}")
-            return _answer(entry[key], f"{self._source}: devices[{index}].nvlink.{link}.{key}")
+            return check_nvlink(link, key, _answer(entry[key], f"{self._source}: devices[{index}].nvlink.{link}.{key}"))
 
     def field_values(self, index: int, requests: Sequence[tuple[str, int]]) -> list[FieldResult]:
         with self._lock:
@@ -430,14 +609,14 @@ class FakeNvml:
             if entry is None:
                 return NvmlError(errors.NOT_SUPPORTED, "Not Supported")
             if "value" in entry:
-                return entry["value"]
-            return NvmlError(int(entry.get("code", errors.NOT_SUPPORTED)), str(entry.get("error", "")))
+                return check_field(name, entry["value"])
+            return NvmlError(entry.get("code") or errors.NOT_SUPPORTED, str(entry.get("error", ""))[:200])
         entry = fields.get(name)
         if entry is None:
             return NvmlError(errors.NOT_SUPPORTED, "Not Supported")
         if "value" in entry:
-            return entry["value"]
-        return NvmlError(int(entry.get("ret", entry.get("code", errors.NOT_SUPPORTED))), "field error")
+            return check_field(name, entry["value"])
+        return NvmlError(entry.get("ret", entry.get("code")) or errors.NOT_SUPPORTED, "field error")
 
     def wait_xid_events(self, timeout_ms: int) -> list[XidEvent]:
         deadline = time.monotonic() + timeout_ms / 1000

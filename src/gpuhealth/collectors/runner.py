@@ -29,6 +29,7 @@ from typing import Any
 
 from gpuhealth.backends.base import NvmlBackend
 from gpuhealth.backends.errors import GPU_GONE_CODES, NvmlError
+from gpuhealth.backends.plausible import BAD_VALUE
 from gpuhealth.collectors.base import (
     CollectContext,
     CollectError,
@@ -41,6 +42,7 @@ from gpuhealth.collectors.base import (
 from gpuhealth.model import Action, Entity, Finding, Sample, Severity
 
 FAILED_CODE = "collector.failed"
+BAD_VALUE_CODE = "nvml.bad_value"  # a reading no GPU can give: never judged as healthy
 
 
 @dataclass(slots=True)
@@ -302,14 +304,16 @@ def _describe(exc: BaseException) -> str:
 
 
 def error_findings(collector: str, errors: Iterable[CollectError], ctx: CollectContext) -> list[Finding]:
-    """One ``collector.failed`` finding per GPU (or the node) with readings that really failed.
+    """One ``collector.failed`` finding per GPU (or the node) with readings that really failed, and
+    one ``nvml.bad_value`` per GPU whose readings cannot be real (``backends.plausible``).
     GPU-gone codes are skipped: the presence collector reports them once, as ``gpu.lost``."""
     by_gpu: dict[int | None, list[CollectError]] = {}
+    bad: dict[int | None, list[CollectError]] = {}
     for err in errors:
         if err.code in GPU_GONE_CODES:
             continue
-        by_gpu.setdefault(err.gpu, []).append(err)
-    out: list[Finding] = []
+        (bad if err.code == BAD_VALUE else by_gpu).setdefault(err.gpu, []).append(err)
+    out: list[Finding] = [_bad_value_finding(collector, gpu, errs, ctx) for gpu, errs in bad.items()]
     for gpu, errs in by_gpu.items():
         ident = ctx.gpu_by_index(gpu) if gpu is not None else None
         if gpu is None:
@@ -334,6 +338,25 @@ def error_findings(collector: str, errors: Iterable[CollectError], ctx: CollectC
             source=collector,
         ))
     return out
+
+
+def _bad_value_finding(collector: str, gpu: int | None, errs: Sequence[CollectError], ctx: CollectContext) -> Finding:
+    ident = ctx.gpu_by_index(gpu) if gpu is not None else None
+    entity = Entity.node(ctx.node_name) if gpu is None else Entity.gpu(ident.uuid if ident else f"unknown-gpu-{gpu}",
+                                                                      gpu)
+    where = "the node" if gpu is None else f"GPU {gpu}"
+    keys = ", ".join(f"{e.key} ({e.message})" for e in errs[:5])
+    more = f" and {len(errs) - 5} more" if len(errs) > 5 else ""
+    return Finding(
+        code=BAD_VALUE_CODE,
+        severity=Severity.WARNING,
+        entity=entity,
+        message=f"NVML gave {where} {len(errs)} reading(s) no GPU can give: {keys}{more}; what they measure "
+                "is not judged",
+        action=Action.MONITOR,
+        evidence={"collector": collector, "readings": [{"key": e.key, "message": e.message} for e in errs]},
+        source=collector,
+    )
 
 
 def _query(backend: NvmlBackend, index: int, key: str) -> Any:
