@@ -14,6 +14,7 @@ import contextlib
 import itertools
 import json
 import logging
+import re
 import secrets
 import shutil
 import time
@@ -527,8 +528,9 @@ class Coordinator:
 
     async def run_diagnostic(self, nodes: list[str], name: str, params: dict[str, str],
                              timeout_s: float) -> dict[str, Any]:
-        """Run ``gpuhealth diag NAME`` on agents; SDC digests in the results are stored as votes."""
-        check_name(name, "diagnostic", 64)
+        """Run ``gpuhealth diag NAME`` on agents; SDC digests in the results are stored as votes. A name
+        or parameter outside the known set is refused here (``WireError``), before any agent hears it."""
+        check_diagnostic(name, params)
         wanted = set(nodes) or {n for n, s in self.by_node.items() if s.connected}
         rid = next(self._request_ids)
         targets = {n for n in wanted if (s := self.by_node.get(n)) is not None and s.connected}
@@ -620,6 +622,25 @@ class Coordinator:
             "duplicates": c.duplicates, "rejected": c.rejected, "hangs": c.hangs, "verdicts": dict(c.verdicts),
             "triage": dict(c.triage),
         }
+
+
+# The diagnostics an agent can run (``diag/ondemand.DIAGNOSTICS``: the coordinator may not import
+# ``diag``; a test keeps the two equal) and the one parameter a request passes on, in the form the
+# agent accepts (``cpu``, ``cuda``, ``cuda:N[,cuda:M]``).
+KNOWN_DIAGNOSTICS = ("sdc", "busbw", "bandwidth")
+_DEVICE = re.compile(r"cpu|cuda(:\d{1,4}(,cuda:\d{1,4}){0,63})?")
+
+
+def check_diagnostic(name: str, params: dict[str, str]) -> None:
+    """``WireError`` unless ``name`` is a known diagnostic and ``params`` only a valid ``device``."""
+    if name not in KNOWN_DIAGNOSTICS:
+        raise WireError(f"diagnostic: unknown {name[:64]!r} (known: {', '.join(KNOWN_DIAGNOSTICS)})")
+    unknown = sorted(set(params) - {"device"})
+    if unknown:
+        raise WireError(f"diagnostic {name}: unknown parameter(s) {[k[:40] for k in unknown[:5]]} (known: device)")
+    device = params.get("device")
+    if device is not None and not _DEVICE.fullmatch(device):
+        raise WireError(f"diagnostic {name}: bad device {device[:64]!r} (cpu, cuda or cuda:N[,cuda:M])")
 
 
 def json_reply(doc: dict[str, Any]) -> pb.JsonReply:
