@@ -17,17 +17,34 @@ ranks on behalf of the coordinator link:
 Listener callbacks run on the hub's thread: keep them short (hand off to a queue). A listener that
 raises is counted in ``stats()["listener_errors"]`` and never stops the hub. Malformed lines are
 counted and skipped. One thread runs a selector over all connections.
+
+Any local process that may open the socket can talk to it, so what it can cost and claim is bounded
+(docs/security.md):
+
+- Memory: partial lines of all connections share one budget (``max_buffered_bytes``); a connection
+  that would go over it is not read until others' lines complete (the kernel holds the rest and the
+  sender waits). A line not finished within ``line_timeout_s``, or no hello within
+  ``hello_timeout_s``, closes the connection; at most ``max_connections`` are open at once. Freed
+  buffers are handed back to the OS (``malloc_trim``), so the agent shrinks when they go.
+- Identity: the kernel says who connected (``SO_PEERCRED``: pid, uid). A hello for a job whose ranks
+  here run as another user is refused unless the caller's environment (or Slurm cgroup) names that
+  job; a rank held by a live connection is not taken over (a restarted rank's old connection is
+  gone, or is the same process's). Step records count only for the connection's own job and rank.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import ctypes.util
 import dataclasses
 import hashlib
 import itertools
 import logging
 import os
 import queue
+import re
+import select
 import selectors
 import socket
 import stat
@@ -67,26 +84,103 @@ class RankNotConnectedError(LookupError):
     """The rank asked for is not connected, or went away before answering."""
 
 
-def _peer_pid(sock: socket.socket) -> int | None:
-    """The connecting process's pid from the kernel (Linux SO_PEERCRED), None where unavailable."""
+@dataclass(frozen=True, slots=True)
+class PeerCredentials:
+    """Who is at the other end of a connection, from the kernel (Linux ``SO_PEERCRED``), in the
+    agent's PID namespace. None where the platform does not say."""
+
+    pid: int | None = None
+    uid: int | None = None
+    gid: int | None = None
+
+
+def peer_credentials(sock: socket.socket) -> PeerCredentials:
     opt = getattr(socket, "SO_PEERCRED", None)
     if opt is None:
-        return None
+        return PeerCredentials()
     try:
-        pid, _uid, _gid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, opt, struct.calcsize("3i")))
+        pid, uid, gid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, opt, struct.calcsize("3i")))
     except OSError:
-        return None
-    return pid or None
+        return PeerCredentials()
+    return PeerCredentials(pid or None, uid, gid)  # pid 0: the peer lives in a namespace we cannot see
+
+
+# Where a rank's job id comes from (gpuhealth.instrument.identity.JOB_ID_VARS; a test keeps them equal).
+JOB_ENV_VARS = ("GPUHEALTH_JOB_ID", "SLURM_JOB_ID", "TORCHELASTIC_RUN_ID")
+_MAX_ENVIRON_BYTES = 1 << 20
+
+
+def process_names_job(pid: int, job_id: str, proc: Path = Path("/proc")) -> bool:
+    """Does process ``pid`` belong to ``job_id`` by its own environment (a job-id variable set to it) or
+    its Slurm cgroup (``…/job_<id>/…``)? False when unreadable (another user's process, and the agent
+    not root) — then the caller's uid decides."""
+    try:
+        with (proc / str(pid) / "environ").open("rb") as fh:
+            environ = fh.read(_MAX_ENVIRON_BYTES).split(b"\0")
+    except OSError:
+        environ = []
+    wanted = {f"{var}={job_id}".encode() for var in JOB_ENV_VARS}
+    if wanted & set(environ):
+        return True
+    try:
+        cgroups = (proc / str(pid) / "cgroup").read_text(errors="replace")[:65536]
+    except OSError:
+        return False
+    return re.search(rf"/job_{re.escape(job_id)}(/|$)", cgroups, re.MULTILINE) is not None
+
+
+class _Trimmer:
+    """Hands freed heap memory back to the OS (glibc ``malloc_trim``): without it, the megabytes a burst
+    of partial lines took stay in the agent's RSS after they are freed. A no-op elsewhere."""
+
+    def __init__(self, every_bytes: int = 8 << 20, min_interval_s: float = 1.0) -> None:
+        self._every = every_bytes
+        self._interval = min_interval_s
+        self._freed = 0
+        self._last = 0.0
+        self._trim: Any = None
+        with contextlib.suppress(OSError, AttributeError, TypeError):
+            self._trim = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+
+    def freed(self, nbytes: int) -> None:
+        self._freed += nbytes
+        now = time.monotonic()
+        if self._trim is not None and self._freed >= self._every and now - self._last >= self._interval:
+            self._freed, self._last = 0, now
+            with contextlib.suppress(Exception):
+                self._trim(0)
 
 
 @dataclass(eq=False)
 class _Conn:
     sock: socket.socket
-    buffer: protocol.LineBuffer = field(default_factory=protocol.LineBuffer)
+    peer: PeerCredentials = field(default_factory=PeerCredentials)
     identity: RankIdentity | None = None
+    job_verified: bool = False  # the peer's own environment/cgroup names the job of its hello
     send_lock: threading.Lock = field(default_factory=threading.Lock)
     connected_at: float = field(default_factory=time.time)
-    peer_pid: int | None = None
+    opened: float = field(default_factory=time.monotonic)
+    # The line being received (bytes read since the last newline), charged to the hub's budget.
+    partial: list[bytes] = field(default_factory=list)
+    partial_bytes: int = 0
+    partial_since: float | None = None  # monotonic time its first byte came
+    discarding: bool = False  # inside an over-long line: drop bytes up to its newline
+    paused: bool = False  # not read until the budget has room
+
+    @property
+    def peer_pid(self) -> int | None:
+        return self.peer.pid
+
+
+def _gone(conn: _Conn) -> bool:
+    """Has the peer of ``conn`` closed its end (its process died or let go)? Peeks; reads nothing."""
+    try:
+        readable, _, _ = select.select([conn.sock], [], [], 0)  # (a recv on a socket with a timeout would wait)
+        return bool(readable) and conn.sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+    except (BlockingIOError, InterruptedError, TimeoutError):
+        return False
+    except (OSError, ValueError):
+        return True
 
 
 @dataclass(eq=False)
@@ -114,8 +208,23 @@ class RankHub:
     name = "ranks"
 
     def __init__(self, socket_path: str | os.PathLike[str], *, mode: int = 0o660, send_timeout_s: float = 2.0,
-                 max_dump_bytes: int = 32 * 1024 * 1024, max_inflight_dump_bytes: int = 64 * 1024 * 1024) -> None:
+                 max_dump_bytes: int = 32 * 1024 * 1024, max_inflight_dump_bytes: int = 64 * 1024 * 1024,
+                 max_connections: int = 1024, max_buffered_bytes: int = 64 * 1024 * 1024,
+                 hello_timeout_s: float = 10.0, line_timeout_s: float = 30.0) -> None:
         self.socket_path = Path(socket_path)
+        # Whatever connects: open connections, bytes of unfinished lines over all of them, and how long a
+        # connection may stay silent about who it is, or keep a line unfinished (a rank's line is
+        # written in one go: milliseconds).
+        self.max_connections = max_connections
+        self.max_buffered_bytes = max_buffered_bytes
+        self.hello_timeout_s = hello_timeout_s
+        self.line_timeout_s = line_timeout_s
+        self._buffered = 0
+        self._paused: list[_Conn] = []
+        self._trimmer = _Trimmer()
+        self._next_sweep = 0.0
+        self._last_warning = 0.0
+        self._warnings_held = 0
         # One rank's dump, and all dumps being received at once: the agent's memory stays bounded however
         # many ranks answer (a 2000-entry NCCL dump is ~1 MB).
         self.max_dump_bytes = max_dump_bytes
@@ -138,7 +247,8 @@ class RankHub:
         self._inode: int | None = None
         self._stats = {"connections": 0, "disconnects": 0, "malformed": 0, "bad_records": 0, "records": 0,
                        "listener_errors": 0, "unknown_messages": 0, "late_replies": 0, "foreign_replies": 0,
-                       "dump_budget_refusals": 0}
+                       "dump_budget_refusals": 0, "refused_connections": 0, "refused_hellos": 0,
+                       "foreign_records": 0, "hello_timeouts": 0, "line_timeouts": 0, "budget_pauses": 0}
 
     # -- lifecycle ----------------------------------------------------------------------------------
 
@@ -268,7 +378,8 @@ class RankHub:
     def stats(self) -> dict[str, int]:
         with self._lock:
             return {**self._stats, "connected": len(self._conns), "ranks": len(self._by_rank),
-                    "dump_bytes_in_flight": self._inflight}
+                    "dump_bytes_in_flight": self._inflight, "buffered_bytes": self._buffered,
+                    "paused": len(self._paused)}
 
     def request_dump(
         self, job_id: str, rank: int | None, out_dir: str | None = None, timeout_s: float = 30.0
@@ -395,6 +506,8 @@ class RankHub:
         assert self._sel is not None
         while not self._stopping.is_set():
             try:
+                self._sweep()
+                self._resume()
                 events = self._sel.select(1.0)
             except (OSError, ValueError):
                 if self._stopping.is_set():
@@ -424,16 +537,34 @@ class RankHub:
                 sock, _ = self._listen.accept()
             except (BlockingIOError, InterruptedError):
                 return
+            except OSError as exc:  # out of file descriptors: the next select tries again
+                self._warn(f"rank socket: cannot accept: {exc}")
+                return
+            with self._lock:
+                full = len(self._conns) >= self.max_connections
+                if full:
+                    self._stats["refused_connections"] += 1
+            if full:
+                sock.close()
+                self._warn(f"rank socket: {self.max_connections} connections open; refusing more")
+                continue
             sock.settimeout(self._send_timeout)  # sends from request threads must not hang forever
-            conn = _Conn(sock, peer_pid=_peer_pid(sock))
+            conn = _Conn(sock, peer=peer_credentials(sock))
             with self._lock:
                 self._conns.add(conn)
                 self._stats["connections"] += 1
             self._sel.register(sock, selectors.EVENT_READ, conn)
 
+    # One read at most this large, and never more than the budget has room for.
+    _READ_BYTES = 256 * 1024
+
     def _read(self, conn: _Conn) -> None:
+        room = self.max_buffered_bytes - self._buffered
+        if room <= 0:
+            self._pause(conn)
+            return
         try:
-            data = conn.sock.recv(1 << 20)
+            data = conn.sock.recv(min(self._READ_BYTES, room))
         except (BlockingIOError, InterruptedError, TimeoutError):
             return
         except OSError:
@@ -441,13 +572,114 @@ class RankHub:
         if not data:
             self._drop(conn)
             return
-        before = conn.buffer.malformed
-        messages = list(conn.buffer.feed(data))
-        if conn.buffer.malformed != before:
-            with self._lock:
-                self._stats["malformed"] += conn.buffer.malformed - before
-        for message in messages:
+        for line in self._lines(conn, data):
+            try:
+                message = protocol.decode(line)
+            except protocol.ProtocolError:
+                with self._lock:
+                    self._stats["malformed"] += 1
+                continue
+            del line
             self._on_message(conn, message)
+            if conn not in self._conns:
+                break  # refused: nothing more from it
+        self._trimmer.freed(len(data))
+
+    def _lines(self, conn: _Conn, data: bytes) -> Iterator[bytes]:
+        """Complete lines of ``conn`` as ``data`` finishes them; the rest stays as its partial line,
+        charged to the budget. A line over ``protocol.MAX_LINE_BYTES`` is dropped whole."""
+        start = 0
+        while True:
+            nl = data.find(b"\n", start)
+            if nl < 0:
+                break
+            if conn.discarding:
+                conn.discarding = False
+            else:
+                parts = [*conn.partial, data[start:nl]]
+                size = conn.partial_bytes + nl - start
+                self._release(conn)
+                if size > protocol.MAX_LINE_BYTES:
+                    with self._lock:
+                        self._stats["malformed"] += 1
+                elif size and (line := b"".join(parts)).strip():
+                    del parts
+                    yield line
+            self._release(conn)
+            start = nl + 1
+        rest = len(data) - start
+        if rest and not conn.discarding:
+            if conn.partial_bytes + rest > protocol.MAX_LINE_BYTES:
+                self._release(conn)
+                conn.discarding = True
+                with self._lock:
+                    self._stats["malformed"] += 1
+            else:
+                conn.partial.append(data[start:] if start else data)
+                conn.partial_bytes += rest
+                conn.partial_since = conn.partial_since or time.monotonic()
+                with self._lock:
+                    self._buffered += rest
+
+    def _release(self, conn: _Conn) -> None:
+        """Forget ``conn``'s partial line (its bytes leave the budget)."""
+        if conn.partial_bytes:
+            with self._lock:
+                self._buffered -= conn.partial_bytes
+        conn.partial.clear()
+        conn.partial_bytes = 0
+        conn.partial_since = None
+
+    def _pause(self, conn: _Conn) -> None:
+        """Stop reading ``conn`` until the budget has room (its peer's writes wait in the kernel)."""
+        if conn.paused or self._sel is None:
+            return
+        with contextlib.suppress(KeyError, ValueError):
+            self._sel.unregister(conn.sock)
+        conn.paused = True
+        self._paused.append(conn)
+        with self._lock:
+            self._stats["budget_pauses"] += 1
+
+    def _resume(self) -> None:
+        if not self._paused or self._buffered >= self.max_buffered_bytes or self._sel is None:
+            return
+        paused, self._paused = self._paused, []
+        for conn in paused:
+            conn.paused = False
+            if conn in self._conns:
+                with contextlib.suppress(KeyError, ValueError):
+                    self._sel.register(conn.sock, selectors.EVENT_READ, conn)
+
+    def _sweep(self) -> None:
+        """Close connections that never said hello, or sit on an unfinished line (once a second)."""
+        now = time.monotonic()
+        if now < self._next_sweep:
+            return
+        self._next_sweep = now + min(1.0, self.hello_timeout_s / 2, self.line_timeout_s / 2)
+        with self._lock:
+            conns = list(self._conns)
+        for conn in conns:
+            if conn.identity is None and now - conn.opened > self.hello_timeout_s:
+                reason, stat_key = f"no hello within {self.hello_timeout_s:g} s", "hello_timeouts"
+            elif conn.partial_since is not None and now - conn.partial_since > self.line_timeout_s:
+                reason, stat_key = f"a line left unfinished for {self.line_timeout_s:g} s", "line_timeouts"
+            else:
+                continue
+            with self._lock:
+                self._stats[stat_key] += 1
+            self._warn(f"rank socket: closing a connection from pid {conn.peer.pid} uid {conn.peer.uid}: {reason}")
+            self._drop(conn)
+
+    def _warn(self, message: str) -> None:
+        """A warning at most once a second (a flood of bad connections must not flood the log)."""
+        now = time.monotonic()
+        if now - self._last_warning < 1.0:
+            self._warnings_held += 1
+            return
+        held, self._warnings_held = self._warnings_held, 0
+        self._last_warning = now
+        log.warning("%s%s", message, f" ({held} similar held back)" if held else "")
 
     def _on_message(self, conn: _Conn, msg: Mapping[str, Any]) -> None:
         kind = msg["type"]
@@ -456,11 +688,15 @@ class RankHub:
                 self._on_hello(conn, protocol.read_identity(msg))
             elif kind == protocol.STEPS:
                 records, bad = protocol.read_steps(msg)
+                # A rank speaks for itself: records of another job or rank (or before any hello) do not count.
+                ident = conn.identity
+                own = [r for r in records if ident is not None and (r.job_id, r.rank) == (ident.job_id, ident.rank)]
                 with self._lock:
-                    self._stats["records"] += len(records)
+                    self._stats["records"] += len(own)
                     self._stats["bad_records"] += bad
-                if records:
-                    self._notify(lambda li: li.on_steps and li.on_steps(conn.identity, records))
+                    self._stats["foreign_records"] += len(records) - len(own)
+                if own:
+                    self._notify(lambda li: li.on_steps and li.on_steps(ident, own))
             elif kind == protocol.DUMP_CHUNK:
                 self._on_chunk(conn, *protocol.read_dump_chunk(msg))
             elif kind == protocol.REPLY:
@@ -525,19 +761,55 @@ class RankHub:
         w.size = 0
 
     def _on_hello(self, conn: _Conn, ident: RankIdentity) -> None:
-        if conn.peer_pid and ident.pid != conn.peer_pid:
+        if conn.peer.pid and ident.pid != conn.peer.pid:
             # The kernel's word, not the hello's: the pid py-spy is pointed at must be the caller's own
             # (and SO_PEERCRED gives it in the agent's PID namespace, which is the one py-spy needs).
-            ident = dataclasses.replace(ident, pid=conn.peer_pid)
+            ident = dataclasses.replace(ident, pid=conn.peer.pid)
+        verified = bool(conn.peer.pid) and process_names_job(conn.peer.pid or 0, ident.job_id)
+        key = (ident.job_id, ident.rank)
+        with self._lock:
+            holder = self._by_rank.get(key)
+            owners = {c.peer.uid for (job, _), c in self._by_rank.items()
+                      if job == ident.job_id and c is not conn and c.peer.uid is not None}
+        evict = None
+        if holder is not None and holder is not conn:
+            if _gone(holder) or (holder.peer.pid is not None and holder.peer.pid == conn.peer.pid):
+                evict = holder  # a restarted rank's old connection, or the same process reconnecting
+            elif verified and not holder.job_verified and holder.peer.uid != conn.peer.uid:
+                evict = holder  # the job's own process takes its rank back from an impostor
+            else:
+                self._refuse(conn, ident, f"rank {ident.rank} of job {ident.job_id} is connected already (pid "
+                                          f"{holder.peer.pid}); a live rank is not taken over")
+                return
+        if owners and conn.peer.uid not in owners and conn.peer.uid != 0 and not verified and (
+                evict is None or evict.peer.uid in owners):
+            self._refuse(conn, ident, f"job {ident.job_id}'s ranks here run as uid {sorted(owners)}, and this "
+                                      f"process (uid {conn.peer.uid}) does not name the job in its environment")
+            return
+        if evict is not None:
+            log.warning("rank socket: rank %d of job %s moves from pid %s (uid %s) to pid %s (uid %s)", ident.rank,
+                        ident.job_id, evict.peer.pid, evict.peer.uid, conn.peer.pid, conn.peer.uid)
+            self._drop(evict)
         with self._lock:
             if conn.identity is not None and self._by_rank.get((conn.identity.job_id, conn.identity.rank)) is conn:
                 del self._by_rank[(conn.identity.job_id, conn.identity.rank)]
             conn.identity = ident
-            # A restarted rank replaces its old connection (the old one may linger half-closed).
-            self._by_rank[(ident.job_id, ident.rank)] = conn
+            conn.job_verified = verified
+            self._by_rank[key] = conn
         self._notify(lambda li: li.on_identity and li.on_identity(ident))
 
+    def _refuse(self, conn: _Conn, ident: RankIdentity, why: str) -> None:
+        with self._lock:
+            self._stats["refused_hellos"] += 1
+        self._warn(f"rank socket: refused a hello from pid {conn.peer.pid} uid {conn.peer.uid}: {why}")
+        with contextlib.suppress(OSError, protocol.ProtocolError):  # tell the caller why, if it listens
+            conn.sock.send(protocol.encode({"type": "refused", "error": why}), socket.MSG_DONTWAIT)
+        self._drop(conn)
+
     def _drop(self, conn: _Conn) -> None:
+        freed = conn.partial_bytes
+        self._release(conn)
+        self._trimmer.freed(freed)
         with self._lock:
             if conn not in self._conns:
                 return

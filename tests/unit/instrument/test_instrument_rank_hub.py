@@ -57,8 +57,11 @@ class ScriptedRank:
                 self.received.append(msg)
                 if self.answer is not None:
                     reply = self.answer(msg)
-                    for one in reply if isinstance(reply, list) else [] if reply is None else [reply]:
-                        self.send(one)
+                    try:
+                        for one in reply if isinstance(reply, list) else [] if reply is None else [reply]:
+                            self.send(one)
+                    except OSError:  # closed by the test (or the hub) meanwhile
+                        return
 
     def close(self) -> None:
         with contextlib.suppress(OSError):  # wakes our reader thread and sends the FIN
@@ -160,17 +163,21 @@ def test_garbage_is_counted_and_never_stops_the_hub(hub: RankHub, sock_path: Pat
     bad = ScriptedRank(sock_path)
     bad.send(b"this is not json\n[1,2,3]\n{\"type\": 7}\n")
     bad.send({"type": "hello", "identity": {"rank": "x"}})  # malformed identity
-    bad.send({"type": "steps", "records": [rec(0, 0).to_dict(), {"rank": 1}]})  # one good, one bad record
+    # one well-formed record, one not; the good one is not counted either: no hello, nobody to speak for
+    bad.send({"type": "steps", "records": [rec(0, 0).to_dict(), {"rank": 1}]})
     bad.send({"type": "some_future_message", "x": 1})
     bad.send({"type": "reply", "id": "nobody-asked", "ok": True})
     bad.send(b"\xff\xfe\x00garbage\n")
-    until(lambda: len(got) == 1 and hub.stats()["malformed"] == 5)
+    until(lambda: hub.stats()["malformed"] == 5 and hub.stats()["late_replies"] == 1)
     st = hub.stats()
     assert st["malformed"] == 5 and st["bad_records"] == 1 and st["unknown_messages"] == 1
-    assert st["late_replies"] == 1
+    assert st["foreign_records"] == 1 and st["records"] == 0 and got == []
     good = ScriptedRank(sock_path)
     good.send(protocol.hello(ident(2)))
     until(lambda: [i.rank for i in hub.ranks()] == [2])
+    good.send(protocol.steps([rec(2, 0), rec(3, 0), rec(2, 1, job="j2")]))  # only its own record counts
+    until(lambda: len(got) == 1)
+    assert got == [rec(2, 0)] and hub.stats()["foreign_records"] == 3
     bad.close()
     good.close()
 
