@@ -1,17 +1,20 @@
 #!/bin/bash
 # Slurm Prolog (slurm.conf: Prolog=/etc/slurm/gpuhealth-prolog.sh, PrologFlags=Alloc recommended).
 # Runs as root on each node of a job before it starts:
-#   1. a quick qualification (`gpuhealth qualify --exit-codes slurm`: 0 fit, 1 not fit);
+#   1. what the running agent knows (`gpuhealth status` asks it: rates over its history, XIDs),
+#      then a quick qualification (`gpuhealth qualify --exit-codes slurm`: 0 fit, 1 not fit);
 #      not fit -> drain the node with reason "gpuhealth: <finding codes>" and exit 1, so Slurm
 #      requeues the job elsewhere;
 #   2. fit -> record which GPUs belong to this job in $GPUHEALTH_SLURM_JOB_DIR, one file per GPU
 #      (named by GPU UUID when nvidia-smi can tell, else by index; content: the job id), so the
 #      agent labels GPU metrics with slurm_job_id.
-# Settings: see gpuhealth-slurm-lib.sh. GPUHEALTH_PROLOG_ARGS replaces the check's arguments.
+# Settings: see gpuhealth-slurm-lib.sh. GPUHEALTH_PROLOG_STATUS_ARGS and GPUHEALTH_PROLOG_ARGS replace
+# the two checks' arguments ("" skips one).
 set -u
 . "$(dirname "$(readlink -f "$0")")/gpuhealth-slurm-lib.sh"
 
-GPUHEALTH_PROLOG_ARGS=${GPUHEALTH_PROLOG_ARGS:-qualify --level quick --exit-codes slurm --json}
+GPUHEALTH_PROLOG_STATUS_ARGS=${GPUHEALTH_PROLOG_STATUS_ARGS-status --exit-codes slurm --json}
+GPUHEALTH_PROLOG_ARGS=${GPUHEALTH_PROLOG_ARGS-qualify --level quick --exit-codes slurm --json}
 NVIDIA_SMI=${NVIDIA_SMI:-nvidia-smi}
 
 # gh_gpu_uuid INDEX : the GPU's UUID, or nothing
@@ -43,17 +46,20 @@ write_job_map() {
 }
 
 main() {
-    local node job rc
+    local node job rc args
     node=$(gh_node_name)
     job=${SLURM_JOB_ID:-}
-    # shellcheck disable=SC2086  # the arguments are a word list on purpose
-    gh_run_check $GPUHEALTH_PROLOG_ARGS
-    gh_handle_result "$node" prolog
-    rc=$?
-    gh_cleanup
-    if [ "$rc" -eq 1 ]; then
-        return 1
-    fi
+    for args in "$GPUHEALTH_PROLOG_STATUS_ARGS" "$GPUHEALTH_PROLOG_ARGS"; do
+        [ -n "$args" ] || continue
+        # shellcheck disable=SC2086  # the arguments are a word list on purpose
+        gh_run_check $args
+        gh_handle_result "$node" prolog
+        rc=$?
+        gh_cleanup
+        if [ "$rc" -eq 1 ]; then
+            return 1
+        fi
+    done
     if [ -n "$job" ]; then
         write_job_map "$job" "${SLURM_JOB_GPUS:-${CUDA_VISIBLE_DEVICES:-}}"
     fi

@@ -7,6 +7,12 @@
 #   GPUHEALTH_SLURM_JOB_DIR  GPU -> job map for the agent    (default: /run/gpuhealth/slurm-jobs;
 #                            must equal agent.slurm_job_dir in /etc/gpuhealth/agent.yaml)
 #   GPUHEALTH_TIMEOUT_S      limit for one check             (default: 120)
+#   GPUHEALTH_AGENT_URL      the node's running agent        (default: http://127.0.0.1:9502; "" = never ask)
+#                            `gpuhealth status` asks it first: it has the history one sweep lacks
+#                            (NVLink/SBE/PCIe-replay rates, XIDs that came and went). Only when it
+#                            does not answer does status check once itself, and the drain reason
+#                            says "agent down, one-shot check".
+#   GPUHEALTH_AGENT_TIMEOUT_S  how long to wait for the agent (default: 5)
 #   GPUHEALTH_ON_ERROR       what a check that could not run (crash, timeout, missing binary)
 #                            does: "ignore" (log, node stays in service; default) or "drain"
 #
@@ -23,6 +29,14 @@ SCONTROL=${SCONTROL:-scontrol}
 GPUHEALTH_SLURM_JOB_DIR=${GPUHEALTH_SLURM_JOB_DIR:-/run/gpuhealth/slurm-jobs}
 GPUHEALTH_TIMEOUT_S=${GPUHEALTH_TIMEOUT_S:-120}
 GPUHEALTH_ON_ERROR=${GPUHEALTH_ON_ERROR:-ignore}
+GPUHEALTH_AGENT_URL=${GPUHEALTH_AGENT_URL-http://127.0.0.1:9502}
+GPUHEALTH_AGENT_TIMEOUT_S=${GPUHEALTH_AGENT_TIMEOUT_S:-5}
+# `gpuhealth status` reads these (an empty URL: never ask the agent)
+if [ -n "$GPUHEALTH_AGENT_URL" ]; then
+    export GPUHEALTH_AGENT_URL GPUHEALTH_AGENT_TIMEOUT_S
+else
+    unset GPUHEALTH_AGENT_URL
+fi
 GPUHEALTH_REASON_PREFIX="gpuhealth:"
 # Slurm keeps reasons short; ours name the finding codes.
 GPUHEALTH_REASON_MAX=120
@@ -65,13 +79,14 @@ gh_cleanup() {
     return 0
 }
 
-# gh_reason FILE RC : "gpuhealth: <codes of warning/critical findings>" from the JSON report, or a
-# generic reason when it cannot be read. Any JSON shape works: we collect every object that has a
-# "code" and a non-info "severity".
+# gh_reason FILE RC : "gpuhealth: <codes of warning/critical findings>" from the JSON report
+# ("gpuhealth: agent down, one-shot check: <codes>" when the agent did not answer), "gpuhealth: could
+# not check: <why>" from a report that says so, or a generic reason when it cannot be read. Any JSON
+# shape works: we collect every object that has a "code" and a non-info "severity".
 gh_reason() {
-    local file=$1 rc=$2 codes=""
+    local file=$1 rc=$2 reason=""
     if command -v python3 >/dev/null 2>&1; then
-        codes=$(python3 - "$file" <<'PY' 2>/dev/null
+        reason=$(python3 - "$file" <<'PY' 2>/dev/null
 import json, sys
 try:
     data = json.load(open(sys.argv[1]))
@@ -89,12 +104,17 @@ def walk(x):
         for v in x:
             walk(v)
 walk(data)
-print(",".join(seen))
+node = data.get("node") if isinstance(data, dict) else None
+prefix = "agent down, one-shot check: " if isinstance(data, dict) and data.get("source") == "one-shot" else ""
+if seen:
+    print(prefix + ",".join(seen))
+elif isinstance(node, dict) and node.get("error"):
+    print(prefix + "could not check: " + " ".join(str(node["error"]).split()))
 PY
         )
     fi
-    if [ -n "$codes" ]; then
-        printf '%s %s\n' "$GPUHEALTH_REASON_PREFIX" "$codes" | cut -c "1-$GPUHEALTH_REASON_MAX"
+    if [ -n "$reason" ]; then
+        printf '%s %s\n' "$GPUHEALTH_REASON_PREFIX" "$reason" | cut -c "1-$GPUHEALTH_REASON_MAX"
     else
         printf '%s not fit (check exited %s)\n' "$GPUHEALTH_REASON_PREFIX" "$rc"
     fi

@@ -8,7 +8,9 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -74,6 +76,8 @@ def run(script: str, env: dict[str, str], snapshot: str, **extra: str) -> subpro
     text = (SLURM / script).read_text()
     assert args in text, f"{script}'s default check changed; update this test"
     full = {**env, var: f"{args} --nvml-snapshot {env[snapshot]}", **extra}
+    if script == "gpuhealth-prolog.sh":  # its first check, what the agent knows, on the same recording
+        full["GPUHEALTH_PROLOG_STATUS_ARGS"] = f"status --exit-codes slurm --json --nvml-snapshot {env[snapshot]}"
     return subprocess.run(["bash", str(SLURM / script)], env=full, capture_output=True, text=True, timeout=120)
 
 
@@ -110,3 +114,91 @@ def test_epilog_cleans_the_map_and_drains_a_node_left_broken(env: dict[str, str]
     assert result.returncode == 0
     assert list(jobs.iterdir()) == []
     assert node(env)["reason"] == "gpuhealth: xid.79"
+
+
+# --- against a live agent: what only the agent knows reaches the scheduler ---------------------
+
+REPLAY_RAMP = {  # NVLink 7 of GPU 1 starts replaying 3 s in (DCGM: any replay is a failure)
+    "recording": "nvml_h200x2.json",
+    "events": [{"at": 3, "type": "set", "gpu": 1, "key": "nvlink", "value": {"7": {"err_DL_REPLAY": 5}}}],
+}
+NPD_PLUGIN = REPO / "deploy" / "npd" / "gpuhealth-monitor.json"
+
+
+@pytest.fixture
+def live_agent(tmp_path: Path) -> Any:
+    from agent_process import AgentProcess
+
+    scenario = tmp_path / "replay_ramp.yaml"
+    scenario.write_text(yaml.safe_dump(REPLAY_RAMP))
+    cfg = tmp_path / "agent.yaml"
+    cfg.write_text(yaml.safe_dump({
+        "collectors": {"fast_interval_s": 1.0, "slow_interval_s": 1.0},
+        "agent": {"node_name": NODE, "socket_path": str(tmp_path / "agent.sock"), "state_dir": str(tmp_path / "st"),
+                  "pod_resources_socket": str(tmp_path / "none.sock")}}))
+    work = tmp_path / "agent"
+    work.mkdir()
+    agent = AgentProcess(work, ["--config", str(cfg), "--scenario", str(scenario)])
+    try:
+        agent.wait_ready()
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:  # the slow lane needs its window of history after t = 3 s
+            if any(f["code"] == "nvlink.errors" and f["severity"] == "critical"
+                   for g in agent.health()["gpus"] for f in g["findings"]):
+                break
+            time.sleep(0.5)
+        else:
+            raise AssertionError(f"the agent never judged the replay ramp:\n{agent.log()[-3000:]}")
+        yield agent
+    finally:
+        agent.stop()
+
+
+def test_a_rate_fault_only_the_agent_sees_drains_through_health_check_and_prolog(
+        env: dict[str, str], live_agent: Any, tmp_path: Path) -> None:
+    # The same scenario checked once from its start is healthy: the errors come later, and a rate
+    # needs history. This is what the scripts used to run, and why they missed it.
+    once = subprocess.run([str(BIN / "gpuhealth"), "status", "--exit-codes", "slurm", "--json", "--nvml-snapshot",
+                           str(tmp_path / "replay_ramp.yaml")], capture_output=True, text=True, timeout=120, env=env)
+    assert once.returncode == 0 and json.loads(once.stdout)["node"]["health"] == "healthy"
+    asked = {**env, "GPUHEALTH_AGENT_URL": live_agent.url}
+    result = subprocess.run(["bash", str(SLURM / "gpuhealth-healthcheck.sh")], env=asked, capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert node(env) == {"state": "IDLE+DRAIN", "reason": "gpuhealth: nvlink.errors"}
+    # the prolog refuses the job on the agent's word, before spending time on diagnostics
+    Path(env["STUB_STATE"]).write_text(json.dumps({"state": "IDLE"}))
+    result = subprocess.run(["bash", str(SLURM / "gpuhealth-prolog.sh")], env={**asked, "SLURM_JOB_ID": "9"},
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1
+    assert node(env) == {"state": "IDLE+DRAIN", "reason": "gpuhealth: nvlink.errors"}
+    assert not Path(env["GPUHEALTH_SLURM_JOB_DIR"]).exists()
+
+
+def test_the_npd_plugin_asks_the_agent(env: dict[str, str], live_agent: Any) -> None:
+    rule = json.loads(NPD_PLUGIN.read_text())["rules"][0]
+    args = list(rule["args"])
+    args[args.index("--agent") + 1] = live_agent.url  # the plugin's own arguments, this agent's port
+    result = subprocess.run([str(BIN / "gpuhealth"), *args], capture_output=True, text=True, timeout=60, env=env)
+    assert result.returncode == 1  # npd: problem
+    assert result.stdout.startswith("gpuhealth: unhealthy: GPU 1 nvlink.errors (drain)")
+    assert len(result.stdout) <= json.loads(NPD_PLUGIN.read_text())["pluginConfig"]["max_output_length"]
+
+
+def test_when_the_agent_is_down_the_check_runs_once_and_the_reason_says_so(env: dict[str, str]) -> None:
+    # nothing listens on this port; the node is checked once (here: the XID 79 recording) and the
+    # drain reason tells the admin that the agent was not there to ask
+    down = {**env, "GPUHEALTH_AGENT_URL": "http://127.0.0.1:9", "GPUHEALTH_AGENT_TIMEOUT_S": "2",
+            "GPUHEALTH_AGENT_NVML_SNAPSHOT": env["FAULTY"]}
+    result = subprocess.run(["bash", str(SLURM / "gpuhealth-healthcheck.sh")], env=down, capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert node(env) == {"state": "IDLE+DRAIN", "reason": "gpuhealth: agent down, one-shot check: xid.79"}
+    assert "the agent did not answer" in result.stderr
+
+
+def test_without_nvml_the_reason_names_it(env: dict[str, str]) -> None:
+    down = {**env, "GPUHEALTH_AGENT_URL": ""}  # no agent asked, no driver on this machine
+    subprocess.run(["bash", str(SLURM / "gpuhealth-healthcheck.sh")], env=down, capture_output=True, text=True,
+                   timeout=120)
+    assert node(env) == {"state": "IDLE+DRAIN", "reason": "gpuhealth: nvml.unavailable"}

@@ -10,7 +10,12 @@ from gpuhealth.node import open_backend
 
 
 class NodeInputError(Exception):
-    """The node cannot be checked at all (exit code: the profile's "unknown")."""
+    """The node cannot be checked at all (exit code: the profile's "unknown"). ``driver``: because the
+    NVIDIA driver / NVML is not there or not answering (not a bad file or flag)."""
+
+    def __init__(self, message: str, *, driver: bool = False) -> None:
+        super().__init__(message)
+        self.driver = driver
 
 
 def open_node(config_path: str | None, snapshot: str | None, kmsg_path: str | None,
@@ -27,6 +32,7 @@ def open_node(config_path: str | None, snapshot: str | None, kmsg_path: str | No
     except RecordingError as exc:
         raise NodeInputError(f"bad recording: {exc}") from exc
     except BackendUnavailable as exc:
-        raise NodeInputError(f"{exc} — cannot check GPUs here (try --nvml-snapshot FILE for a recording)") from exc
+        raise NodeInputError(f"{exc} — cannot check GPUs here (try --nvml-snapshot FILE for a recording)",
+                             driver=True) from exc
     except NvmlError as exc:
-        raise NodeInputError(f"NVML failed to start: {exc.message} (code {exc.code})") from exc
+        raise NodeInputError(f"NVML failed to start: {exc.message} (code {exc.code})", driver=True) from exc

@@ -2,12 +2,20 @@
 
 Thin edge: parse flags, call ``node.collect_once``, render (rich table or ``--json``), exit with the
 chosen profile's code. Anything that stops the check (no driver, a malformed recording or config)
-is one line on stderr and the profile's "could not check" code — never a traceback.
+is one line on stderr and the profile's "could not check" code — never a traceback; with
+``--json`` a report still comes out (health ``unknown``, the reason, and ``nvml.unavailable`` when
+the driver is the cause), so a scheduler's drain reason can name it.
+
+``--agent URL`` asks the running agent (``/health``) first: it knows what one sweep cannot (rates
+over its history, XIDs that came and went). Only when it does not answer within
+``--agent-timeout`` does ``status`` sweep once itself, and the report says so (``"source":
+"one-shot"``, ``"agent_error"``).
 """
 
 from __future__ import annotations
 
 import json
+import socket
 import sys
 from typing import Any
 
@@ -19,10 +27,11 @@ from rich.text import Text
 from gpuhealth.backends.errors import NvmlError, RecordingError
 from gpuhealth.catalog.thresholds import ThresholdsError
 from gpuhealth.catalog.xid import CatalogError
+from gpuhealth.cli._agent_report import AgentUnreachable, fetch_agent_report, one_line_of
 from gpuhealth.cli._node_inputs import NodeInputError, open_node
 from gpuhealth.cli.exitcodes import PROFILE_NAMES, exit_code
 from gpuhealth.collectors.registry import UnknownCollector
-from gpuhealth.model import Finding, Health, Severity
+from gpuhealth.model import Action, Entity, Finding, Health, Severity
 from gpuhealth.node import NodeReport, collect_once
 
 _HEALTH_STYLE = {Health.HEALTHY: "bold green", Health.DEGRADED: "bold yellow", Health.UNHEALTHY: "bold red",
@@ -30,8 +39,19 @@ _HEALTH_STYLE = {Health.HEALTHY: "bold green", Health.DEGRADED: "bold yellow", H
 _SEVERITY_STYLE = {Severity.INFO: "cyan", Severity.WARNING: "yellow", Severity.CRITICAL: "red"}
 
 
-def _fail(message: str, profile: str) -> None:
+def _fail(message: str, profile: str, *, as_json: bool = False, driver: bool = False,
+          agent_error: str | None = None) -> None:
     click.echo(f"gpuhealth status: {message}", err=True)
+    if as_json:  # a report all the same: the caller's drain reason names why the node was not checked
+        findings = []
+        if driver:
+            findings.append(Finding("nvml.unavailable", Severity.CRITICAL, Entity.node(socket.gethostname()),
+                                    f"NVML is not answering: {message}", Action.REBOOT, {}, "cli/status.py"))
+        doc: dict[str, Any] = {"node": {"name": socket.gethostname(), "health": str(Health.UNKNOWN),
+                                        "error": message}, "gpus": [], "findings": [f.to_dict() for f in findings]}
+        if agent_error is not None:
+            doc.update(source="one-shot", agent_error=agent_error)
+        click.echo(json.dumps(doc, indent=2))
     sys.exit(exit_code(Health.UNKNOWN, profile))
 
 
@@ -46,32 +66,53 @@ def _fail(message: str, profile: str) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 @click.option("--exit-codes", "profile", type=click.Choice(PROFILE_NAMES), default="default", show_default=True,
               help="Exit-code dialect: default (0/1/2/3), slurm, npd, nagios.")
+@click.option("--agent", "agent_url", metavar="URL", envvar="GPUHEALTH_AGENT_URL", default=None,
+              help="Ask the running agent at URL (its /health: history, XID ledger) first; check once here only "
+                   "if it does not answer. Env: GPUHEALTH_AGENT_URL.")
+@click.option("--agent-timeout", type=click.FloatRange(min=0.1), default=5.0, show_default=True,
+              envvar="GPUHEALTH_AGENT_TIMEOUT_S",
+              help="Seconds to wait for the agent before checking once here.")
 def command(snapshot: str | None, kmsg_path: str | None, expected_gpus: int | None, config_path: str | None,
-            as_json: bool, profile: str) -> None:
-    """Node health per GPU, from NVML or a recording."""
+            as_json: bool, profile: str, agent_url: str | None, agent_timeout: float) -> None:
+    """Node health per GPU, from the running agent, NVML or a recording."""
+    agent_error: str | None = None
+    if agent_url and not snapshot:
+        try:
+            from_agent = fetch_agent_report(agent_url, agent_timeout)
+        except AgentUnreachable as exc:
+            agent_error = str(exc)
+            click.echo(f"gpuhealth status: the agent did not answer ({exc}); checking once here instead", err=True)
+        else:
+            _show_agent_report(from_agent.doc, from_agent.health, from_agent.findings(), as_json, profile,
+                               from_agent.url)
+            sys.exit(exit_code(from_agent.health, profile))
     try:
         config, backend = open_node(config_path, snapshot, kmsg_path, expected_gpus)
     except NodeInputError as exc:
-        _fail(str(exc), profile)
+        _fail(str(exc), profile, as_json=as_json, driver=exc.driver, agent_error=agent_error)
         return
     try:
         report = collect_once(backend, config)
     except NvmlError as exc:
-        _fail(f"NVML cannot list the GPUs: {exc.message} (code {exc.code})", profile)
+        _fail(f"NVML cannot list the GPUs: {exc.message} (code {exc.code})", profile, as_json=as_json, driver=True,
+              agent_error=agent_error)
         return
     except (ThresholdsError, CatalogError, UnknownCollector, RecordingError) as exc:
-        _fail(str(exc), profile)
+        _fail(str(exc), profile, as_json=as_json, agent_error=agent_error)
         return
     finally:
         backend.shutdown()
     broken = next((r for r in report.runs if r.error_type == "RecordingError"), None)
     if broken is not None:  # a value in the recording itself is malformed: not a GPU problem
-        _fail(f"bad recording: {broken.error}", profile)
+        _fail(f"bad recording: {broken.error}", profile, as_json=as_json, agent_error=agent_error)
         return
     if as_json:
-        click.echo(json.dumps(report.to_dict(), indent=2, sort_keys=False, default=str))
+        doc = report.to_dict()
+        if agent_error is not None:
+            doc.update(source="one-shot", agent_error=agent_error)
+        click.echo(json.dumps(doc, indent=2, sort_keys=False, default=str))
     elif profile == "npd":  # node-problem-detector keeps the first line(s) as the NodeCondition message
-        click.echo(one_line(report))
+        click.echo(one_line(report) + (" (agent down: one-shot check)" if agent_error is not None else ""))
     else:
         console = Console(highlight=False, soft_wrap=False)
         if not console.is_terminal:  # piped into a file or a log: do not squeeze into 80 columns
@@ -83,13 +124,28 @@ def command(snapshot: str | None, kmsg_path: str | None, expected_gpus: int | No
 def one_line(report: NodeReport) -> str:
     """"gpuhealth: unhealthy: GPU 3 pcie.link_degraded (drain); GPU 5 xid.79 (reboot)" — for monitors that
     keep one short message (node-problem-detector, nagios-style checks)."""
-    problems = [f for f in report.all_findings() if f.severity >= Severity.WARNING]
-    if not problems:
-        return f"gpuhealth: {report.health}: no GPU problem found"
-    problems.sort(key=lambda f: (-int(f.severity), f.entity.gpu_index if f.entity.gpu_index is not None else -1))
-    parts = [(f"GPU {f.entity.gpu_index} " if f.entity.gpu_index is not None else "") + f"{f.code} ({f.action})"
-             for f in problems]
-    return f"gpuhealth: {report.health}: " + "; ".join(parts)
+    return one_line_of(report.health, report.all_findings())
+
+
+def _show_agent_report(doc: dict[str, Any], health: Health, findings: list[Finding], as_json: bool, profile: str,
+                       url: str) -> None:
+    if as_json:
+        click.echo(json.dumps({**doc, "source": "agent", "agent_url": url}, indent=2, default=str))
+        return
+    if profile == "npd":
+        click.echo(one_line_of(health, findings))
+        return
+    console = Console(highlight=False, soft_wrap=False)
+    node = doc.get("node", {})
+    head = Text(f"Node {node.get('name', '?')}: ")
+    head.append(str(health).upper(), style=_HEALTH_STYLE[health])
+    head.append(f"  (from the agent at {url}; {len(doc.get('gpus', []))} GPUs)")
+    if node.get("simulated"):
+        head.append("  SIMULATED", style="bold black on yellow")
+    console.print(head)
+    for f in sorted(findings, key=lambda f: -int(f.severity)):
+        prefix = f"  GPU {f.entity.gpu_index}: " if f.entity.gpu_index is not None else "  node: "
+        console.print(Text(prefix).append_text(_finding_text(f)))
 
 
 def _finding_text(f: Finding) -> Text:

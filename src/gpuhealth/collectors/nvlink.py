@@ -215,9 +215,15 @@ class NvlinkCollector:
         grown: dict[str, Any] = {}
         severity = Severity.WARNING
         read_at = gpu_key(i, f"link{link}.read_at")
-        # Growth since the link's previous read (reads of one link are a rotation apart).
-        past = earlier_reading(history, obs, time_of=read_at, latest=True, has=lambda o: read_at(o) is not None)
-        if past is None or past[1] < th.min_window_s:
+        # Growth since the link's newest read at least min_window_s older (reads of one link are a
+        # rotation apart; with a fast lane the previous read can be too recent, and skipping it
+        # would compare the next read with one already past the growth: the growth is never seen).
+        t_now = read_at(obs)
+        if not is_number(t_now):
+            return None
+        past = earlier_reading(history, obs, time_of=read_at, latest=True,
+                               has=lambda o: is_number(t := read_at(o)) and t_now - t >= th.min_window_s)
+        if past is None:
             return None
         window = past[1]
         before = past[0].per_gpu.get(i, {})

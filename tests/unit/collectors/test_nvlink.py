@@ -166,3 +166,19 @@ def test_a_lost_gpu_is_not_reported_as_all_links_down(clock):
     assert s.last_obs.per_gpu[1] == {"link_count": 18, "nvswitch_links": 18, "unreadable": True}
     assert {e.gpu for e in s.last_obs.errors} == {1}
     assert len(s.last_obs.per_gpu[0]["link_states"]) == 18  # the other GPU is still read
+
+
+def test_growth_is_judged_with_a_fast_slow_lane(clock):
+    """With the slow lane at 1 s, a link's previous read (one rotation, ~5 s ago) is younger than
+    min_window_s: its growth must be judged against an older read, not skipped and then lost."""
+    b = inline(clock, events=[{"at": 3, "type": "set", "gpu": 1, "key": "nvlink",
+                               "value": {"7": {"err_DL_REPLAY": 5}}}])
+    s = Sweeper(nvlink.create(), b, clock)
+    s.sweep()
+    found, seconds = [], 0
+    while not found and seconds < 30:
+        seconds += 1
+        found = problems(s.after(1.0))
+    [f] = found
+    assert f.code == "nvlink.errors" and f.severity is Severity.CRITICAL and f.entity.id.endswith("/nvlink/7")
+    assert seconds <= 10 + 5  # min_window_s, then at most one rotation of the link reads

@@ -144,7 +144,9 @@ def _reason(update: list[str]) -> str:
 def test_prolog_fit_node_runs_quick_qualify_and_writes_the_gpu_job_map(slurm: Slurm) -> None:
     result = slurm.run("gpuhealth-prolog.sh", SLURM_JOB_ID="1234", SLURM_JOB_GPUS="0,2")
     assert result.returncode == 0, result.stderr
-    assert slurm.gpuhealth_calls() == [["qualify", "--level", "quick", "--exit-codes", "slurm", "--json"]]
+    # first what the running agent knows (status asks it), then the quick qualification
+    assert slurm.gpuhealth_calls() == [["status", "--exit-codes", "slurm", "--json"],
+                                       ["qualify", "--level", "quick", "--exit-codes", "slurm", "--json"]]
     assert slurm.scontrol_updates() == []
     jobs = slurm.root / "jobs"
     assert sorted(p.name for p in jobs.iterdir()) == ["0", "2"]
@@ -215,7 +217,8 @@ def test_settings_file_is_sourced(slurm: Slurm) -> None:
     env_file = slurm.root / "slurm.env"
     env_file.write_text('GPUHEALTH_PROLOG_ARGS="qualify --level full --exit-codes slurm"\n')
     slurm.run("gpuhealth-prolog.sh", SLURM_JOB_ID="1", GPUHEALTH_SLURM_ENV=str(env_file))
-    assert slurm.gpuhealth_calls() == [["qualify", "--level", "full", "--exit-codes", "slurm"]]
+    assert slurm.gpuhealth_calls() == [["status", "--exit-codes", "slurm", "--json"],
+                                       ["qualify", "--level", "full", "--exit-codes", "slurm"]]
 
 
 # --- epilog ------------------------------------------------------------------------------------
