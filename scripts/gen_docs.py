@@ -82,7 +82,8 @@ def render_findings(codes: Iterable[CodeInfo] | None = None) -> str:
 # ---------------------------------------------------------------------------------------- metrics
 METRICS_INTRO = """# Metrics
 
-What `gpuhealth agent` serves on `/metrics` (default `0.0.0.0:9400`), how it maps to
+What `gpuhealth agent` serves on `/metrics` (port 9502 in every shipped config, beside the
+coordinator's 9500/9501 and away from dcgm-exporter's 9400, so the two can run side by side), how it maps to
 dcgm-exporter's names under `--dcgm-compat`, and what `gpuhealth coordinator` serves on its own.
 
 ## How to read them

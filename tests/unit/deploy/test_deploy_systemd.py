@@ -42,6 +42,8 @@ def _verify(tmp_path: Path, unit_files: dict[str, str]) -> subprocess.CompletedP
     launcher = bin_dir / "gpuhealth"
     launcher.write_text(f"#!/bin/sh\nexec {GPUHEALTH} \"$@\"\n")
     launcher.chmod(0o755)
+    (root / "bin").mkdir()
+    shutil.copy2(shutil.which("kill") or "/bin/kill", root / "bin" / "kill")  # ExecReload's command
     etc = root / "etc/systemd/system"
     for rel, text in unit_files.items():
         target = etc / rel
@@ -109,6 +111,12 @@ def test_coordinator_gets_no_devices_and_its_own_state() -> None:
     assert s["StateDirectory"] == ["gpuhealth-coordinator"]
     env = dict(v.split("=", 1) for v in s["Environment"])
     assert env["GPUHEALTH_COORDINATOR_DB_PATH"].startswith("/var/lib/gpuhealth-coordinator/")
+
+
+def test_agent_reloads_its_config_on_systemctl_reload() -> None:
+    # the agent handles SIGHUP (re-reads its config); ExecReload is how `systemctl reload` sends it
+    service = _unit_settings(SYSTEMD / "gpuhealth-agent.service")
+    assert service["ExecReload"] == ["/bin/kill -HUP $MAINPID"]
 
 
 def test_py_spy_drop_in_adds_ptrace_only() -> None:
