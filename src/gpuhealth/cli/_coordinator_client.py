@@ -7,6 +7,7 @@ from typing import Any
 
 import click
 
+from gpuhealth.cli._secrets import pick_secret
 from gpuhealth.config import ConfigError, load_config
 
 
@@ -14,8 +15,12 @@ def coordinator_options(func: Callable[..., Any]) -> Callable[..., Any]:
     for opt in reversed([
         click.option("--coordinator", "address", help="host:port (default: agent.coordinator from config)."),
         click.option("--config", "config_path", type=click.Path(dir_okay=False), help="YAML config file."),
-        click.option("--token", help="Bearer token (default: coordinator.operator_token, else coordinator.token "
-                                     "from config; live triage needs the operator token)."),
+        click.option("--token", envvar="GPUHEALTH_TOKEN",
+                     help="Bearer token (default: coordinator.operator_token, else coordinator.token from config; "
+                          "live triage needs the operator token). Visible in ps: prefer --token-file or the "
+                          "GPUHEALTH_TOKEN variable."),
+        click.option("--token-file", type=click.Path(dir_okay=False), envvar="GPUHEALTH_TOKEN_FILE",
+                     help="Read the bearer token from this file (first line). Env: GPUHEALTH_TOKEN_FILE."),
         click.option("--tls-cert", help="Client certificate (mutual TLS)."),
         click.option("--tls-key", help="Client private key."),
         click.option("--tls-ca", help="CA of the coordinator's certificate."),
@@ -26,9 +31,10 @@ def coordinator_options(func: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def resolve(config_path: str | None, address: str | None, token: str | None, tls_cert: str | None,
-            tls_key: str | None, tls_ca: str | None) -> tuple[str, str | None, Any]:
+            tls_key: str | None, tls_ca: str | None, token_file: str | None = None) -> tuple[str, str | None, Any]:
     from gpuhealth.runtime.tls import SecurityConfigError, tls_files
 
+    token = pick_secret(token, token_file)
     try:
         cfg = load_config(config_path)
         c = cfg.coordinator

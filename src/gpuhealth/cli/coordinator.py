@@ -8,6 +8,7 @@ import sys
 
 import click
 
+from gpuhealth.cli._secrets import pick_secret
 from gpuhealth.config import ConfigError, load_config
 from gpuhealth.runtime.logs import setup_logging
 
@@ -20,8 +21,15 @@ from gpuhealth.runtime.logs import setup_logging
 @click.option("--tls-cert", help="Server certificate (PEM); with --tls-key and --tls-ca: mutual TLS.")
 @click.option("--tls-key", help="Server private key (PEM).")
 @click.option("--tls-ca", help="CA that signs agent certificates (PEM).")
-@click.option("--token", help="Shared bearer token agents must present (labs without a PKI).")
-@click.option("--operator-token", help="Token that may also act on nodes (live triage, remote diagnostics).")
+@click.option("--token", help="Shared bearer token agents must present (labs without a PKI). Visible in ps: prefer "
+                               "--token-file or GPUHEALTH_COORDINATOR_TOKEN.")
+@click.option("--token-file", type=click.Path(dir_okay=False), envvar="GPUHEALTH_COORDINATOR_TOKEN_FILE",
+              help="Read the shared token from this file (first line).")
+@click.option("--operator-token", help="Token that may also act on nodes (live triage, remote diagnostics). "
+                                        "Prefer --operator-token-file or GPUHEALTH_COORDINATOR_OPERATOR_TOKEN.")
+@click.option("--operator-token-file", type=click.Path(dir_okay=False),
+              envvar="GPUHEALTH_COORDINATOR_OPERATOR_TOKEN_FILE",
+              help="Read the operator token from this file (first line).")
 @click.option("--operator-names", help="Client-certificate names (CN/SAN, comma-separated) that are operators.")
 @click.option("--hang-k", type=float, help="Hang when no rank progressed for max(k x typical step, floor).")
 @click.option("--hang-floor", "hang_floor_s", type=float, help="Hang floor in seconds.")
@@ -32,11 +40,14 @@ from gpuhealth.runtime.logs import setup_logging
 @click.option("--json-logs/--text-logs", default=False, help="Log JSON lines instead of text.")
 def command(config_path: str | None, listen: str | None, metrics_listen: str | None, db_path: str | None,
             tls_cert: str | None, tls_key: str | None, tls_ca: str | None, token: str | None,
-            operator_token: str | None, operator_names: str | None, hang_k: float | None,
+            token_file: str | None, operator_token: str | None, operator_token_file: str | None,
+            operator_names: str | None, hang_k: float | None,
             hang_floor_s: float | None, evidence_dir: str | None, ready_file: str | None,
             log_level: str, json_logs: bool) -> None:
     """Run the cluster coordinator."""
     setup_logging(json_lines=json_logs, level=log_level)  # the agent's format: one line per record
+    token = pick_secret(token, token_file)
+    operator_token = pick_secret(operator_token, operator_token_file, "operator token")
     try:
         cfg = load_config(config_path, overrides={"coordinator": {
             "listen": listen, "metrics_listen": metrics_listen, "db_path": db_path, "tls_cert": tls_cert,

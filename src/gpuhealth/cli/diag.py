@@ -16,6 +16,7 @@ import click
 from rich.console import Console
 from rich.table import Table
 
+from gpuhealth.cli._console import output_console
 from gpuhealth.cli.exitcodes import PROFILE_NAMES, exit_code
 from gpuhealth.config import Config, ConfigError, load_config
 from gpuhealth.diag.golden import GoldenError, GoldenStore
@@ -48,7 +49,7 @@ def _run(kind: str, args: list[str], device: str, force: bool, config: Config, p
     if as_json:
         click.echo(json.dumps(outcome.to_dict(), indent=2, default=str))
     else:
-        render(outcome, Console(highlight=False))
+        render(outcome, output_console())
     sys.exit(exit_code(health, profile))
 
 

@@ -16,6 +16,10 @@ class Profile(enum.StrEnum):
 
 PROFILE_NAMES = [p.value for p in Profile]
 
+# A bad flag or argument is not a verdict: sysexits.h EX_USAGE, distinct from every profile's codes
+# (click's own 2 would read as "unhealthy" / Nagios CRITICAL).
+USAGE_ERROR = 64
+
 _TABLE: dict[Profile, dict[Health, int]] = {
     Profile.DEFAULT: {Health.HEALTHY: 0, Health.DEGRADED: 1, Health.UNHEALTHY: 2, Health.UNKNOWN: 3},
     # Slurm: a degraded node is still fit to run a job; unhealthy or unknown is not.

@@ -7,6 +7,7 @@ import sys
 
 import click
 
+from gpuhealth.cli._console import output_console
 from gpuhealth.cli._coordinator_client import coordinator_options, resolve
 
 
@@ -16,14 +17,15 @@ from gpuhealth.cli._coordinator_client import coordinator_options, resolve
 @click.option("--device", help="With --sdc: cpu, cuda or cuda:N (default: the agents' GPUs).")
 @click.option("--node", "nodes", multiple=True, help="With --sdc: only these nodes (repeatable).")
 @click.option("--timeout", "timeout_s", type=float, default=300.0, show_default=True, help="With --sdc: seconds.")
-def command(address: str | None, config_path: str | None, token: str | None, tls_cert: str | None,
+def command(address: str | None, config_path: str | None, token: str | None,
+            token_file: str | None, tls_cert: str | None,
             tls_key: str | None, tls_ca: str | None, as_json: bool, run_sdc: bool, device: str | None,
             nodes: tuple[str, ...], timeout_s: float) -> None:
     """Fleet view from the coordinator. Exit 0 when clean, 1 on drift/SDC/unhealthy GPUs, 3 when
     the coordinator could not be asked."""
     from gpuhealth.coordinator.query import CoordinatorQueryError, fleet, run_diagnostic
 
-    addr, tok, tls = resolve(config_path, address, token, tls_cert, tls_key, tls_ca)
+    addr, tok, tls = resolve(config_path, address, token, tls_cert, tls_key, tls_ca, token_file)
     try:
         if run_sdc:
             ran = run_diagnostic(addr, "sdc", nodes=nodes, device=device, token=tok, tls=tls, timeout_s=timeout_s)
@@ -37,10 +39,9 @@ def command(address: str | None, config_path: str | None, token: str | None, tls
     if as_json:
         click.echo(json.dumps(doc, indent=2, sort_keys=True))
     else:
-        from rich.console import Console
         from rich.table import Table
 
-        console = Console()
+        console = output_console()
         table = Table(title="nodes")
         for col in ("node", "connected", "health", "GPUs", "driver", "cuda", "torch", "nccl"):
             table.add_column(col)

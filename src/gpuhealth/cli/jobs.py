@@ -8,19 +8,21 @@ from typing import Any
 
 import click
 
+from gpuhealth.cli._console import output_console
 from gpuhealth.cli._coordinator_client import coordinator_options, resolve
 
 
 @click.command(name="jobs")
 @click.argument("job_id", required=False, default="")
 @coordinator_options
-def command(job_id: str, address: str | None, config_path: str | None, token: str | None, tls_cert: str | None,
+def command(job_id: str, address: str | None, config_path: str | None, token: str | None,
+            token_file: str | None, tls_cert: str | None,
             tls_key: str | None, tls_ca: str | None, as_json: bool) -> None:
     """List jobs (or one JOB_ID) known to the coordinator. Exit 0 when none is hung or straggling,
     1 when one is, 3 when the coordinator could not be asked."""
     from gpuhealth.coordinator.query import CoordinatorQueryError, list_jobs
 
-    addr, tok, tls = resolve(config_path, address, token, tls_cert, tls_key, tls_ca)
+    addr, tok, tls = resolve(config_path, address, token, tls_cert, tls_key, tls_ca, token_file)
     try:
         doc = list_jobs(addr, job_id, token=tok, tls=tls)
     except CoordinatorQueryError as exc:
@@ -36,7 +38,6 @@ def command(job_id: str, address: str | None, config_path: str | None, token: st
 
 
 def _render(jobs: list[dict[str, Any]]) -> None:
-    from rich.console import Console
     from rich.table import Table
 
     table = Table(title="jobs")
@@ -49,7 +50,7 @@ def _render(jobs: list[dict[str, Any]]) -> None:
                       ",".join(j.get("nodes") or []),
                       str(j.get("last_step")), f"{p50:.3f}" if isinstance(p50, float) else "-",
                       ",".join(str(r) for r in j.get("stragglers") or []) or "-", str(j.get("hangs", 0)))
-    console = Console()
+    console = output_console()
     console.print(table)
     for j in jobs:
         for c in j.get("straggler_culprits") or []:

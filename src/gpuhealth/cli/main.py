@@ -10,6 +10,7 @@ from typing import Any
 import click
 
 from gpuhealth import __version__
+from gpuhealth.cli.exitcodes import USAGE_ERROR
 
 # name → "module:attribute" of a click command. One line per command; each lives in its own module.
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -23,6 +24,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "diag": ("gpuhealth.cli.diag", "Run one diagnostic: sdc, busbw, bandwidth."),
     "qualify": ("gpuhealth.cli.qualify", "Pre-job node qualification with a verdict."),
     "demo": ("gpuhealth.cli.demo", "Run agent + coordinator on the bundled real recording (simulated)."),
+    "env": ("gpuhealth.cli.env", "Print launch variables for live flight-recorder dumps of unmodified jobs."),
 }
 
 
@@ -69,7 +71,19 @@ def cli() -> None:
 
 
 def main() -> None:
-    cli(prog_name="gpuhealth")
+    """Run the CLI. A usage error (unknown flag, bad value) exits ``USAGE_ERROR`` (64), never 2:
+    2 is "unhealthy" to the default and Nagios profiles, and a typo must not read as a sick node."""
+    try:
+        cli.main(prog_name="gpuhealth", standalone_mode=False)
+    except click.UsageError as exc:
+        exc.show()
+        sys.exit(USAGE_ERROR)
+    except click.ClickException as exc:
+        exc.show()
+        sys.exit(exc.exit_code)
+    except click.Abort:
+        click.echo("Aborted!", err=True)
+        sys.exit(1)
 
 
 if __name__ == "__main__":

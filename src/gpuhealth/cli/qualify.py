@@ -18,6 +18,7 @@ from rich.table import Table
 from rich.text import Text
 
 from gpuhealth.backends.errors import NvmlError
+from gpuhealth.cli._console import output_console
 from gpuhealth.cli._node_inputs import NodeInputError, open_node
 from gpuhealth.cli.exitcodes import PROFILE_NAMES, exit_code
 from gpuhealth.diag.qualify import LEVELS, QualifyReport, default_state_dir, run_qualify
@@ -80,7 +81,7 @@ def command(level: str, snapshot: str | None, kmsg_path: str | None, expected_gp
     if as_json:
         click.echo(json.dumps(result.to_dict(), indent=2, default=str))
     else:
-        render(result, Console(highlight=False))
+        render(result, output_console())
     sys.exit(exit_code(result.health, profile))
 
 

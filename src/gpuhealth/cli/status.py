@@ -28,6 +28,7 @@ from gpuhealth.backends.errors import NvmlError, RecordingError
 from gpuhealth.catalog.thresholds import ThresholdsError
 from gpuhealth.catalog.xid import CatalogError
 from gpuhealth.cli._agent_report import AgentUnreachable, fetch_agent_report, one_line_of
+from gpuhealth.cli._console import output_console
 from gpuhealth.cli._node_inputs import NodeInputError, open_node
 from gpuhealth.cli.exitcodes import PROFILE_NAMES, exit_code
 from gpuhealth.collectors.registry import UnknownCollector
@@ -114,10 +115,7 @@ def command(snapshot: str | None, kmsg_path: str | None, expected_gpus: int | No
     elif profile == "npd":  # node-problem-detector keeps the first line(s) as the NodeCondition message
         click.echo(one_line(report) + (" (agent down: one-shot check)" if agent_error is not None else ""))
     else:
-        console = Console(highlight=False, soft_wrap=False)
-        if not console.is_terminal:  # piped into a file or a log: do not squeeze into 80 columns
-            console = Console(highlight=False, soft_wrap=False, width=140)
-        render(report, console)
+        render(report, output_console())  # piped into a file or a log: nothing cut
     sys.exit(exit_code(report.health, profile))
 
 
@@ -135,7 +133,7 @@ def _show_agent_report(doc: dict[str, Any], health: Health, findings: list[Findi
     if profile == "npd":
         click.echo(one_line_of(health, findings))
         return
-    console = Console(highlight=False, soft_wrap=False)
+    console = output_console()
     node = doc.get("node", {})
     head = Text(f"Node {node.get('name', '?')}: ")
     head.append(str(health).upper(), style=_HEALTH_STYLE[health])
