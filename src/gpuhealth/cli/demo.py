@@ -68,6 +68,10 @@ def _wait(predicate: Any, timeout_s: float, what: str, procs: list[subprocess.Po
     raise click.ClickException(f"timed out waiting for {what}")
 
 
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt
+
+
 def _stop(procs: list[subprocess.Popen[bytes]]) -> None:
     for p in procs:
         if p.poll() is None:
@@ -91,6 +95,10 @@ def _stop(procs: list[subprocess.Popen[bytes]]) -> None:
                    "coordinator makes of it (needs torch: gpuhealth[diag]).")
 def command(duration: float, agent_listen: str | None, state_dir: str | None, simulate: bool, job: bool) -> None:
     """Run agent + coordinator on this machine; simulated on the bundled real recording without a GPU."""
+    # SIGTERM (systemd, kill, a CI runner's timeout) and SIGHUP (a closed terminal) stop the demo as
+    # Ctrl-C does: through ``finally``, which stops the agent and the coordinator it started.
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, _interrupt)
     gpus = 0 if simulate else _live_gpus()
     simulated = gpus == 0
     state = Path(state_dir or tempfile.mkdtemp(prefix="gpuhealth-demo-"))
