@@ -155,6 +155,37 @@ def next_line(h):
     y[0] += h
 
 
+HEALTH_MAPPINGS = [{"type": "value", "options": {
+    "0": {"text": "healthy", "color": "green", "index": 0},
+    "1": {"text": "degraded", "color": "orange", "index": 1},
+    "2": {"text": "unhealthy", "color": "red", "index": 2},
+    "3": {"text": "unknown", "color": "purple", "index": 3},
+}}]
+
+
+def state_timeline(title, targets, x, w=24, h=8, desc=""):
+    panels.append(
+        {
+            "type": "state-timeline",
+            "title": title,
+            "id": nid(),
+            "datasource": DS,
+            "description": desc,
+            "gridPos": place(w, h, x),
+            "targets": targets,
+            "fieldConfig": {
+                "defaults": {"mappings": HEALTH_MAPPINGS, "color": {"mode": "thresholds"},
+                             "thresholds": {"mode": "absolute", "steps": [
+                                 {"color": "green", "value": None}, {"color": "orange", "value": 1},
+                                 {"color": "red", "value": 2}, {"color": "purple", "value": 3}]}},
+                "overrides": [],
+            },
+            "options": {"showValue": "never", "mergeValues": True, "rowHeight": 0.9,
+                        "legend": {"showLegend": True, "displayMode": "list", "placement": "bottom"}},
+        }
+    )
+
+
 RED = [{"color": "green", "value": None}, {"color": "red", "value": 1}]
 ORANGE = [{"color": "green", "value": None}, {"color": "orange", "value": 1}]
 
@@ -196,9 +227,10 @@ table(
 next_line(8)
 table(
     "Agents: version, driver, NVML",
+    # gpuhealth_driver_info's labels are driver, cuda and nvml_version (catalog/metrics.csv)
     "max by (instance, version, simulated) (gpuhealth_build_info)"
-    " * on (instance) group_left (driver_version, cuda_driver_version)"
-    " max by (instance, driver_version, cuda_driver_version) (gpuhealth_driver_info)"
+    " * on (instance) group_left (driver, cuda, nvml_version)"
+    " max by (instance, driver, cuda, nvml_version) (gpuhealth_driver_info)"
     " * on (instance) group_left max by (instance) (gpuhealth_nvml_up)",
     0,
     w=24,
@@ -210,6 +242,14 @@ next_line(7)
 
 # ---------------------------------------------------------------- per-node GPUs
 row("GPUs of $instance")
+state_timeline(
+    "GPU health over time",
+    [target(f'gpuhealth_gpu_health{{{NG}, slurm_job_id=~"$job"}}', "{{instance}} GPU {{gpu}}")],
+    0,
+    desc="Each GPU's health as the agent judged it (healthy, degraded, unhealthy, unknown): when a GPU turned "
+    "bad and whether it came back. With a job chosen, the GPUs Slurm gave that job.",
+)
+next_line(8)
 ts(
     "GPU temperature",
     [
@@ -395,20 +435,22 @@ next_line(8)
 
 # ---------------------------------------------------------------- stragglers and hangs (coordinator)
 row("Stragglers and hangs")
-stat("Jobs with stragglers", "count(gpuhealth_coordinator_job_stragglers > 0) or vector(0)", 0, w=6, thresholds=ORANGE)
+J = 'job_id=~"$job"'
+stat("Jobs with stragglers", f"count(gpuhealth_coordinator_job_stragglers{{{J}}} > 0) or vector(0)", 0, w=6,
+     thresholds=ORANGE)
 stat("Hangs (24h)", "sum(increase(gpuhealth_coordinator_hangs_total[24h])) or vector(0)", 6, w=6, thresholds=RED)
 stat("Agents connected", "sum(gpuhealth_coordinator_connected_agents)", 12, w=6)
 stat("Step records / s", "sum(rate(gpuhealth_coordinator_step_records_total[5m]))", 18, w=6, unit="ops")
 next_line(4)
 ts(
     "Straggler score by rank",
-    [target("gpuhealth_coordinator_straggler_score", "{{exported_job}}{{job_id}} rank {{rank}}")],
+    [target(f"gpuhealth_coordinator_straggler_score{{{J}}}", "{{exported_job}}{{job_id}} rank {{rank}}")],
     0,
     desc="Compute time / job median; 1.0 is typical. Only the top ranks are exported.",
 )
 ts(
     "Seconds since progress",
-    [target("gpuhealth_coordinator_job_seconds_since_progress", "{{exported_job}}{{job_id}}")],
+    [target(f"gpuhealth_coordinator_job_seconds_since_progress{{{J}}}", "{{exported_job}}{{job_id}}")],
     12,
     unit="s",
     desc="A hang is declared at max(hang_k x typical step, hang_floor_s).",
@@ -416,7 +458,7 @@ ts(
 next_line(8)
 ts(
     "Step time quantiles",
-    [target("gpuhealth_coordinator_job_step_seconds", "{{exported_job}}{{job_id}} q{{quantile}}")],
+    [target(f"gpuhealth_coordinator_job_step_seconds{{{J}}}", "{{exported_job}}{{job_id}} q{{quantile}}")],
     0,
     unit="s",
 )
@@ -424,7 +466,7 @@ ts(
     "Hangs detected",
     [
         target(
-            "sum by (exported_job, job_id) (increase(gpuhealth_coordinator_job_hangs_total[1h]))",
+            f"sum by (exported_job, job_id) (increase(gpuhealth_coordinator_job_hangs_total{{{J}}}[1h]))",
             "{{exported_job}}{{job_id}}",
         )
     ],
@@ -551,6 +593,24 @@ dashboard = {
                 "allValue": ".+",
                 "current": {},
                 "sort": 3,
+                "hide": 0,
+                "regex": "",
+                "options": [],
+            },
+            {
+                "name": "job",
+                "label": "Job",
+                "type": "query",
+                "datasource": DS,
+                "query": {"query": "label_values(gpuhealth_coordinator_job_step_records_total, job_id)",
+                          "refId": "job"},
+                "definition": "label_values(gpuhealth_coordinator_job_step_records_total, job_id)",
+                "refresh": 2,
+                "includeAll": True,
+                "multi": True,
+                "allValue": ".*",
+                "current": {},
+                "sort": 1,
                 "hide": 0,
                 "regex": "",
                 "options": [],

@@ -299,7 +299,7 @@ def exposed_names(text: str) -> set[str]:
 
 
 def substitute(expr: str) -> str:
-    return expr.replace("$instance", ".+").replace("$gpu", ".+")
+    return expr.replace("$instance", ".+").replace("$gpu", ".+").replace("$job", ".*")
 
 
 # ------------------------------------------------------------------------------------------ tests
@@ -346,6 +346,8 @@ def test_every_dashboard_query_evaluates_in_prometheus(stack: Stack) -> None:
     ("GPUs", 1),
     ("Unhealthy GPUs", 1),
     ("Agents connected", 1),
+    ("GPU health over time", 2),
+    ("Agents: version, driver, NVML", 1),
     ("variable instance", 1),
     ("variable gpu", 2),
 ])
@@ -356,6 +358,17 @@ def test_core_panels_have_data(stack: Stack, title: str, expected_series: int) -
     # rate() needs two scrapes; give Prometheus a few seconds
     n = wait_for(lambda: rows() >= expected_series and rows(), f"data in panel {title}", timeout=20)
     assert n >= expected_series
+
+
+def test_agents_table_shows_the_driver_and_the_timeline_each_gpus_health(stack: Stack) -> None:
+    exprs = dict(dashboard_exprs())
+    [agent] = stack.promql(substitute(exprs["Agents: version, driver, NVML"]))["data"]["result"]
+    assert agent["metric"]["driver"] == "580.159.04" and agent["metric"]["cuda"]  # the columns are filled
+    timeline = stack.promql(substitute(exprs["GPU health over time"]))["data"]["result"]
+    assert {r["metric"]["gpu"]: r["value"][1] for r in timeline} == {"0": "2", "1": "0"}  # XID 79 on GPU 0
+    # a job chosen: only the GPUs Slurm gave it (GPU 0 holds job 4242)
+    chosen = exprs["GPU health over time"].replace("$instance", ".+").replace("$gpu", ".+").replace("$job", "4242")
+    assert [r["metric"]["gpu"] for r in stack.promql(chosen)["data"]["result"]] == ["0"]
 
 
 def test_fleet_stats_count_the_unhealthy_gpu(stack: Stack) -> None:

@@ -61,3 +61,25 @@ def test_has_the_sections_users_look_for() -> None:
     titles = {p["title"] for p in dashboard()["panels"]}
     assert {"SDC check results", "Bandwidth probes below threshold", "Straggler score by rank",
             "Seconds since progress", "Active findings"} <= titles
+
+
+def test_gpu_health_timeline_job_filter_and_the_agents_driver_columns() -> None:
+    panels = {p["title"]: p for p in dashboard()["panels"]}
+    timeline = panels["GPU health over time"]
+    assert timeline["type"] == "state-timeline"
+    assert 'gpuhealth_gpu_health{' in timeline["targets"][0]["expr"]
+    mapped = timeline["fieldConfig"]["defaults"]["mappings"][0]["options"]
+    assert {k: v["text"] for k, v in mapped.items()} == {"0": "healthy", "1": "degraded", "2": "unhealthy",
+                                                         "3": "unknown"}
+    variables = {v["name"]: v for v in dashboard()["templating"]["list"]}
+    assert "job_id" in variables["job"]["definition"] and variables["job"]["allValue"] == ".*"
+    coordinator = [t["expr"] for p in dashboard()["panels"] for t in p.get("targets", [])
+                   if "gpuhealth_coordinator_job" in t["expr"] or "straggler_score" in t["expr"]]
+    assert coordinator and all('job_id=~"$job"' in e for e in coordinator)
+    # the agents table groups by the labels gpuhealth_driver_info really has
+    from gpuhealth.catalog.metrics import metric_families
+
+    info_labels = set(metric_families()["gpuhealth_driver_info"].labels)
+    agents = panels["Agents: version, driver, NVML"]["targets"][0]["expr"]
+    grouped = agents.split("group_left (", 1)[1].split(")", 1)[0]
+    assert {g.strip() for g in grouped.split(",")} <= info_labels, (grouped, info_labels)
