@@ -4,7 +4,11 @@ lateness is judged relative to the step."""
 
 from __future__ import annotations
 
+import json
+import os
 import random
+import resource
+import subprocess
 import sys
 from pathlib import Path
 
@@ -265,3 +269,36 @@ def test_triage_names_the_straggler_of_a_tp_dp_job_from_its_dumps(tmp_path: Path
     healthy = _synth_grid_case("healthy_timed")
     report = triage(synth.write(healthy, tmp_path) / "dumps")
     assert report.verdict.value == "healthy" and report.culprits == []
+
+
+_SPARSE = """
+import json, sys
+sys.path.insert(0, sys.argv[1])
+from test_stragglers_fr import _dumps
+from gpuhealth.model import StepRecord
+from gpuhealth.stragglers import detect_from_durations, detect_stragglers
+far = 1_048_575  # the last rank a dump may have
+dumps = {(r if r < 3 else far): items for r, items in _dumps(4, 100, slow=3, timed=True).items()}
+records = [StepRecord("job", r if r < 3 else far, s, 0.0, 0.03,
+                      compute_s=0.02 * (1.5 if r == 3 else 1.0 + 0.01 * ((s + r) % 3)))
+           for s in range(100) for r in range(4)]
+print(json.dumps([[f.evidence["rank"] for f in detect_from_durations(dumps)],
+                  [f.evidence["rank"] for f in detect_stragglers(records)],
+                  detect_from_durations(dumps)[0].message]))
+"""
+
+
+def test_sparse_rank_ids_do_not_size_the_analysis() -> None:
+    # Dumps of ranks 0, 1, 2 and 1,048,575 of a huge job (what an operator copied): four columns, not a
+    # million — within 2 GiB of address space (a steps × million matrix of 100 steps is 800 MB, several
+    # of them were made).
+    def limit() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (2 << 30, 2 << 30))
+
+    env = {**os.environ, "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-c", _SPARSE, str(Path(__file__).parent)], preexec_fn=limit,
+                          capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    from_durations, from_records, message = json.loads(proc.stdout)
+    assert from_durations == [1_048_575] and from_records == [1_048_575]
+    assert message.startswith("rank 1048575 is a straggler")

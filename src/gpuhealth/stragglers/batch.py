@@ -41,13 +41,13 @@ def detect_stragglers(records: Sequence[StepRecord], config: StragglerConfig | N
     if not ranks:
         return []
     step_ids, inv = np.unique(np.asarray(steps, np.int64), return_inverse=True)
-    cols = np.asarray(ranks, np.int64)
-    width = int(cols.max()) + 1
-    mat = np.full((len(step_ids), width), np.nan)
+    rank_ids, cols = np.unique(np.asarray(ranks, np.int64), return_inverse=True)  # one column per rank seen
+    mat = np.full((len(step_ids), len(rank_ids)), np.nan)
     mat[inv, cols] = values
-    wall = np.full((len(step_ids), width), np.nan)
+    wall = np.full((len(step_ids), len(rank_ids)), np.nan)
     wall[inv, cols] = walls
-    det = StragglerDetector(config, job_id=job_id, world_size=width)
+    det = StragglerDetector(config, job_id=job_id, world_size=len(rank_ids))
+    det.rank_ids = rank_ids.tolist()
     det.add_steps(step_ids, mat, wall)
     det.flush()
     return [f for f in det.findings() if job_slowdown or f.code == CODE]
@@ -83,12 +83,12 @@ def detect_from_durations(
         compute = np.where(np.isfinite(fr.waits), np.maximum(period - fr.waits, 0.01 * period), np.nan)
         det = StragglerDetector(config, world_size=fr.waits.shape[1], source_label="flight-recorder duration_ms",
                                 unit="collective")
-        det.label_of = label
+        det.label_of, det.rank_ids = label, fr.ranks
         det.add_steps(fr.steps, compute, np.broadcast_to(period, compute.shape))
     else:
         det = StragglerDetector(config, world_size=fr.waits.shape[1], source_label="flight-recorder duration_ms",
                                 unit="collective", relative=False)
-        det.label_of = label
+        det.label_of, det.rank_ids = label, fr.ranks
         det.add_steps(fr.steps, -fr.waits)  # larger = slower: the rank that waited least
     det.flush()
     return [f for f in det.findings() if f.code == CODE]

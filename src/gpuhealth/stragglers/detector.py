@@ -102,6 +102,9 @@ class StragglerDetector:
         self.relative = relative  # False: values are seconds compared by difference (no step to divide by)
         # (rank, step) -> display name: flight-recorder steps are named by each rank's own collectives
         self.label_of: Callable[[int, int], str] | None = None
+        # column -> the rank it is (offline paths give each rank seen one column: sparse rank ids of a
+        # huge job would otherwise size every row); None: the column is the rank
+        self.rank_ids: Sequence[int] | None = None
         self.skipped_no_split = 0  # records with neither compute nor wait (wall alone says nothing)
         self._width = 0
         self._cap = 0
@@ -483,10 +486,13 @@ class StragglerDetector:
             return ep.finding
         return None
 
-    def _label(self, step: int | None, rank: int) -> str | int | None:
+    def _rank(self, column: int) -> int:
+        return column if self.rank_ids is None else int(self.rank_ids[column])
+
+    def _label(self, step: int | None, column: int) -> str | int | None:
         if step is None or self.label_of is None:
             return step
-        return self.label_of(rank, step)
+        return self.label_of(self._rank(column), step)
 
     def _finding(self, ep: _Episode) -> Finding:
         # An active episode is described by its recent steps (how slow it is now), a finished one whole.
@@ -515,7 +521,7 @@ class StragglerDetector:
         last_step = int(self._ring_steps[(self._count - 1) % self._cap]) if self._count else None
         unit = self.unit
         evidence: dict[str, object] = {
-            "rank": ep.rank, "active": ep.active,
+            "rank": self._rank(ep.rank), "active": ep.active,
             "ratio_to_median": round(ratio, 3) if math.isfinite(ratio) else None,
             "excess_s": round(excess_s, 6) if math.isfinite(excess_s) else None,
             "cost_share": round(cost, 3) if cost is not None else None,
@@ -531,7 +537,7 @@ class StragglerDetector:
         if self.job_id:
             evidence["job_id"] = self.job_id
         severity, message, action = self._words(ep, ratio, excess_s, cost)
-        return Finding(CODE, severity, Entity.rank(ep.rank), message, action, evidence, SOURCE)
+        return Finding(CODE, severity, Entity.rank(self._rank(ep.rank)), message, action, evidence, SOURCE)
 
     def _own_history(self, ep: _Episode, pos: np.ndarray, vals: np.ndarray, slots: np.ndarray) -> float | None:
         """The rank's own compute in the episode against its own before the onset (relative mode)."""
@@ -549,17 +555,18 @@ class StragglerDetector:
     def _words(self, ep: _Episode, ratio: float, excess_s: float, cost: float | None,
                ) -> tuple[Severity, str, Action]:
         unit = self.unit
+        rank = self._rank(ep.rank)
         since = self._label(ep.onset_step, ep.rank)
         if not ep.active:
-            msg = (f"rank {ep.rank} is no longer a straggler: back in line with the other ranks from {unit} "
+            msg = (f"rank {rank} is no longer a straggler: back in line with the other ranks from {unit} "
                    f"{self._label(ep.recovered_step, ep.rank)} (slow since {unit} {since})")
             return Severity.INFO, msg, Action.NONE
         if not self.relative:
-            msg = (f"rank {ep.rank} is a straggler: it reaches the collectives {excess_s * 1000:.1f} ms after the "
+            msg = (f"rank {rank} is a straggler: it reaches the collectives {excess_s * 1000:.1f} ms after the "
                    f"other ranks (its collectives take the least time: it waits least) since {since}")
             return Severity.WARNING, msg, Action.CHECK_JOB
         against = "the fastest ranks" if ep.compared_with == _FASTEST else "the median of the other ranks"
-        msg = (f"rank {ep.rank} is a straggler: {ratio:.2f}× {against} ({excess_s * 1000:.1f} ms more compute per "
+        msg = (f"rank {rank} is a straggler: {ratio:.2f}× {against} ({excess_s * 1000:.1f} ms more compute per "
                f"{unit}) since {unit} {since}")
         if cost is not None:
             msg += f"; it costs the job {cost:.0%} of its step time (the other ranks wait for it)"

@@ -52,7 +52,8 @@ class Mark:
 @dataclass(frozen=True, slots=True)
 class FrSteps:
     steps: np.ndarray  # step ids, increasing
-    waits: np.ndarray  # steps × ranks: seconds in collectives over the cycle ending at the rank's mark
+    ranks: list[int]  # the rank of each column
+    waits: np.ndarray  # steps × columns: seconds in collectives over the cycle ending at the rank's mark
     periods: np.ndarray | None  # seconds from one step's end to the next (from start times), if known
     marks: dict[int, Mark]  # rank -> its mark
 
@@ -75,12 +76,14 @@ def fr_steps(durations: Mapping[int, Sequence[DurationItem]]) -> FrSteps | None:
     got = _matrix(ops, marks)
     if got is None:
         return None
-    step_ids, waits, starts = got
-    return FrSteps(step_ids, waits, _periods(step_ids, starts, waits), marks)
+    step_ids, ranks, waits, starts = got
+    return FrSteps(step_ids, ranks, waits, _periods(step_ids, starts, waits), marks)
 
 
-def _matrix(ops: Mapping[int, _Ops], marks: Mapping[int, Mark]) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
-    """(step ids, waits, start times of the marks), steps × ranks."""
+def _matrix(ops: Mapping[int, _Ops], marks: Mapping[int, Mark],
+            ) -> tuple[np.ndarray, list[int], np.ndarray, np.ndarray] | None:
+    """(step ids, the rank of each column, waits, start times of the marks), steps × columns: one
+    column per rank with steps (sparse rank ids of a huge job do not size the matrix)."""
     rows: list[tuple[int, np.ndarray, np.ndarray, np.ndarray]] = []
     for rank, mark in marks.items():
         got = _rank_steps(ops[rank], mark)
@@ -88,15 +91,15 @@ def _matrix(ops: Mapping[int, _Ops], marks: Mapping[int, Mark]) -> tuple[np.ndar
             rows.append((rank, *got))
     if not rows:
         return None
+    rows.sort(key=lambda r: r[0])
     step_ids = np.unique(np.concatenate([r[1] for r in rows]))
-    width = max(r[0] for r in rows) + 1
-    waits = np.full((len(step_ids), width), np.nan)
-    starts = np.full((len(step_ids), width), np.nan)
-    for rank, ids, wait, start in rows:
+    waits = np.full((len(step_ids), len(rows)), np.nan)
+    starts = np.full((len(step_ids), len(rows)), np.nan)
+    for column, (_, ids, wait, start) in enumerate(rows):
         at = np.searchsorted(step_ids, ids)
-        waits[at, rank] = wait
-        starts[at, rank] = start
-    return step_ids, waits, starts
+        waits[at, column] = wait
+        starts[at, column] = start
+    return step_ids, [r[0] for r in rows], waits, starts
 
 
 # ------------------------------------------------------------------------------------------ input
@@ -246,7 +249,7 @@ def _cut_by_spread(ops: Mapping[int, _Ops], groups_of: Mapping[Family, Mapping[i
             got = _matrix(ops, {r: Mark(g, f[1], residue) for r, g in groups_of[f].items()})
             if got is None:
                 continue
-            waits = got[1]
+            waits = got[2]
             waits = waits[np.isfinite(waits).sum(axis=1) >= 2]
             if not len(waits):
                 continue
