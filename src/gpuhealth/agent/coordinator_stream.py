@@ -3,7 +3,10 @@
 Up: rank identities, step records and findings snapshots are handed in (``on_identity``,
 ``on_steps``, ``on_findings``: quick, from any thread), packed into records every
 ``batch_interval_s`` and written to the ``Spool`` first; then they go over ONE ``Connect`` stream,
-and a record leaves the spool only when the coordinator acknowledges its seq. Heartbeats and the
+and a record leaves the spool only when the coordinator acknowledges its seq. Step records reach
+the disk sooner: the ``StepJournal`` group-commits them every ``spool_commit_s`` (50 ms), so an
+agent killed with SIGKILL loses at most that much of them, and packing moves them into the spool
+exactly once (``step_journal``). Heartbeats and the
 answers to requests (``emit``) go up the same stream. While the coordinator is unreachable records
 accumulate (bounded) and the stream reconnects with exponential backoff and jitter, then resends
 from the first unacknowledged seq (the coordinator ignores the ones it already has).
@@ -31,6 +34,7 @@ import grpc
 
 from gpuhealth.agent.coordinator_requests import Emit
 from gpuhealth.agent.spool import Spool, SpoolStats
+from gpuhealth.agent.step_journal import JournalError, StepJournal, Taken, journal_path_for
 from gpuhealth.model import Finding, RankIdentity, StepRecord
 from gpuhealth.proto import gpuhealth_v1_pb2 as pb
 from gpuhealth.proto.convert import finding_to_pb, identity_to_pb, steps_to_pb
@@ -49,6 +53,7 @@ class StreamSettings:
     token: str | None = None
     tls: TlsFiles | None = None
     batch_interval_s: float = 0.25  # step records are packed into one batch per job this often
+    spool_commit_s: float = 0.05  # ... and are on disk within this long of their arrival
     heartbeat_s: float | None = None  # None: what the coordinator asks for
     backoff_initial_s: float = 0.5
     backoff_max_s: float = 30.0
@@ -74,12 +79,15 @@ class CoordinatorStream:
     ) -> None:
         self.settings = settings
         self.spool = spool
+        self.journal = StepJournal(journal_path_for(spool.path))
+        st = spool.stats()
+        self.stats: dict[str, int] = defaultdict(int)
+        self.stats["steps_recovered"] = self.journal.recover(st.next_seq, spool.incarnation)
         self._register = register
         self._heartbeat = heartbeat
         self._on_request = on_request
         self._ready = ready
         self._wait_ready_s = wait_ready_s
-        self._steps: list[StepRecord] = []
         self._idents: list[RankIdentity] = []
         self._findings: list[Finding] | None = None
         self._buf_lock = threading.Lock()
@@ -91,7 +99,6 @@ class CoordinatorStream:
         # (result, set once it is written): a dump's sender waits for that, so dumps do not pile up here
         self._results: asyncio.Queue[tuple[pb.RequestResult, threading.Event]] | None = None
         self.connected = threading.Event()
-        self.stats: dict[str, int] = defaultdict(int)
         self._heartbeat_s = settings.heartbeat_s or 10.0
 
     # -- lifecycle --------------------------------------------------------------------------------
@@ -111,6 +118,7 @@ class CoordinatorStream:
             self._thread.join(timeout=10)
         with contextlib.suppress(Exception):
             self._flush()
+        self.journal.close()
         self.spool.close()
 
     # -- hand-offs (other threads): never block ---------------------------------------------------
@@ -120,8 +128,7 @@ class CoordinatorStream:
             self._idents.append(identity)
 
     def on_steps(self, identity: RankIdentity | None, records: Sequence[StepRecord]) -> None:
-        with self._buf_lock:
-            self._steps.extend(records)
+        self.journal.add(records)
 
     def on_findings(self, findings: list[Finding]) -> None:
         with self._buf_lock:
@@ -142,7 +149,7 @@ class CoordinatorStream:
     def buffered(self) -> int:
         """Records handed in but not yet in the spool (they get there within one batch interval)."""
         with self._flush_lock, self._buf_lock:
-            return len(self._steps) + len(self._idents) + (self._findings is not None)
+            return self.journal.pending() + len(self._idents) + (self._findings is not None)
 
     def _poke(self) -> None:
         loop, wake = self._loop, self._wake
@@ -159,7 +166,6 @@ class CoordinatorStream:
 
     def _flush_locked(self) -> int:
         with self._buf_lock:
-            steps, self._steps = self._steps, []
             idents, self._idents = self._idents, []
             findings, self._findings = self._findings, None
         now = time.time()
@@ -168,27 +174,40 @@ class CoordinatorStream:
             msg = pb.RankIdentities(ranks=[identity_to_pb(i) for i in idents])
             self.spool.append("ranks", now, lambda seq: _record(seq, now, ranks=msg))
             n += 1
-        by_job: dict[str, list[StepRecord]] = defaultdict(list)
-        for r in steps:
-            by_job[r.job_id].append(r)
-        for job_id, recs in by_job.items():
-            try:
-                batch = steps_to_pb(job_id, recs)
-            except (ValueError, TypeError) as exc:  # one job's bad batch must not lose the others'
-                log.warning("dropping %d step records of job %r that cannot be encoded: %s", len(recs), job_id, exc)
-                self.stats["steps_unencodable"] += len(recs)
-                continue
-
-            def build(seq: int, b: pb.StepBatch = batch) -> bytes:
-                return _record(seq, now, steps=b)
-
-            self.spool.append("steps", now, build)
-            n += 1
+        self.journal.commit()  # what arrived since the last group commit
+        for job_id in self.journal.jobs():
+            while (taken := self.journal.take(job_id)) is not None:
+                n += self._spool_steps(taken, now)
         if findings is not None:
             snap = pb.FindingsSnapshot(at=now, findings=[finding_to_pb(f) for f in findings])
             self.spool.append("findings", now, lambda seq: _record(seq, now, findings=snap))
             n += 1
         return n
+
+    def _spool_steps(self, taken: Taken, now: float) -> int:
+        """One job's journalled records → one spool record, exactly once (``step_journal``)."""
+        try:
+            batch = steps_to_pb(taken.job_id, taken.records)
+        except (ValueError, TypeError) as exc:  # one job's bad batch must not lose the others'
+            log.warning("dropping %d step records of job %r that cannot be encoded: %s", len(taken.records),
+                        taken.job_id, exc)
+            self.stats["steps_unencodable"] += len(taken.records)
+            self.journal.end_move(taken)
+            return 0
+
+        def build(seq: int) -> bytes:
+            return _record(seq, now, steps=batch)
+
+        self.journal.begin_move(taken, self.spool.stats().next_seq, self.spool.incarnation)
+        self.spool.append("steps", now, build)
+        self.journal.end_move(taken)
+        return 1
+
+    def _commit_steps(self) -> None:
+        try:
+            self.journal.commit()
+        except JournalError:
+            log.exception("cannot write step records to the journal (they stay in memory)")
 
     # -- the stream's thread ---------------------------------------------------------------------
 
@@ -207,12 +226,19 @@ class CoordinatorStream:
         self._results = asyncio.Queue()
         self._loop = loop  # last: emit() and _poke() use the loop only once its queue and events exist
         flusher = asyncio.create_task(self._flush_loop())
+        committer = asyncio.create_task(self._commit_loop())
         try:
             await self._connect_loop()
         finally:
-            flusher.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await flusher
+            for task in (flusher, committer):
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+
+    async def _commit_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.spool_commit_s)
+            self._commit_steps()
 
     async def _flush_loop(self) -> None:
         assert self._wake is not None
