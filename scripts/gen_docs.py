@@ -49,7 +49,11 @@ on `/metrics` carries them ([metrics.md](metrics.md)). Codes are never renamed; 
 - **emitted by**: the file under `src/gpuhealth/` that makes it.
 
 `xid.<n>` stands for every NVIDIA XID: each has its own severity, action and source in
-`src/gpuhealth/catalog/xid.csv`.
+`src/gpuhealth/catalog/xid.csv`. A site changes them without touching the catalog: the `xid`
+section of its thresholds file (`collectors.thresholds_file`) overrides severity, action and
+repeat_action per XID, and when a repeating XID escalates (`escalate_count` occurrences on one GPU
+within `escalate_window_s`; bundled: 3 within an hour for hardware XIDs), and sets the same for
+NVSwitch SXids (`sxid_codes`). See `src/gpuhealth/catalog/xid_policy.py`.
 
 To add a code: one line in `src/gpuhealth/catalog/findings.csv`, then `python scripts/gen_docs.py`.
 """

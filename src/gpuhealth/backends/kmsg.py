@@ -32,6 +32,10 @@ _KMSG_PREFIX = re.compile(r"^(\d+),(\d+),(\d+),[^;]*;")
 # NVRM: Xid (PCI:0000:18:00): 79, pid=..., name=..., message   (older drivers omit "PCI:")
 _XID = re.compile(r"NVRM: Xid \((?:PCI:)?(?P<pci>[0-9A-Fa-f]{4,8}:[0-9A-Fa-f]{2}:[0-9A-Fa-f]{2})(?:\.[0-7])?\): "
                   r"(?P<xid>\d+)(?:, (?P<rest>.*))?$")
+# nvidia-nvswitch3: SXid (PCI:0000:05:00.0): 12028, Non-fatal, Link 32 egress non-posted PRIV error (First)
+_SXID = re.compile(r"nvidia-nvswitch(?P<switch>\d+): SXid \((?:PCI:)?(?P<pci>[0-9A-Fa-f]{4,8}:[0-9A-Fa-f]{2}:"
+                   r"[0-9A-Fa-f]{2}(?:\.[0-7])?)\): (?P<code>\d+), (?P<severity>Fatal|Non-fatal)(?:, (?P<msg>.*))?$",
+                   re.IGNORECASE)
 _PID = re.compile(r"^pid=(?P<pid>'?<unknown>'?|\d+)(?:, name=(?P<name>[^,]*))?(?:, (?P<msg>.*))?$")
 
 
@@ -49,6 +53,19 @@ class ParsedXid:
     pid: int | None
     process: str
     message: str
+
+
+@dataclass(frozen=True, slots=True)
+class SxidEvent:
+    """An NVSwitch SXid from the kernel log (the NVSwitch driver's counterpart of an XID)."""
+
+    switch: int  # nvidia-nvswitch<N>
+    pci: str  # the switch's PCI address, lower case
+    sxid: int
+    fatal: bool  # the driver's own word: "Fatal" or "Non-fatal"
+    message: str
+    timestamp: float
+    seq: int | None = None
 
 
 class KmsgSource(Protocol):
@@ -109,6 +126,26 @@ def pci_to_gpu(pci: str, bus_ids: Iterable[tuple[int, str]]) -> int | None:
 def boot_time() -> float:
     """Wall-clock time of boot, to turn kmsg's microseconds-since-boot into epoch seconds."""
     return time.time() - time.clock_gettime(time.CLOCK_BOOTTIME)
+
+
+def sxid_events(records: Iterable[KmsgRecord], *, booted_at: float | None = None,
+                now: float | None = None) -> list[SxidEvent]:
+    """NVSwitch SXids found in kernel-log records. Records without a kernel timestamp get ``now``."""
+    out: list[SxidEvent] = []
+    at_boot: float | None = booted_at
+    wall_now = time.time() if now is None else now
+    for rec in records:
+        m = _SXID.search(rec.text)
+        if m is None:
+            continue
+        if rec.usec_since_boot is None:
+            ts = wall_now
+        else:
+            at_boot = boot_time() if at_boot is None else at_boot
+            ts = at_boot + rec.usec_since_boot / 1e6
+        out.append(SxidEvent(int(m["switch"]), m["pci"].lower(), int(m["code"]), m["severity"].lower() == "fatal",
+                             (m["msg"] or "").strip(), ts, rec.seq))
+    return out
 
 
 def xid_events(

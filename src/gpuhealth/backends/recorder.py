@@ -21,6 +21,7 @@ from typing import Any
 
 from gpuhealth import __version__
 from gpuhealth.backends.errors import BackendUnavailable, NvmlError
+from gpuhealth.backends.fabricmanager import fabric_manager_state
 from gpuhealth.backends.gpm import read_gpm
 from gpuhealth.backends.nvml_keys import ARGUMENT_KEYS, SIMPLE_KEYS, SLOW_KEYS, nvml_const, resolve_arguments
 from gpuhealth.backends.nvml_real import plain
@@ -74,6 +75,9 @@ class Recorder:
                 "count": self.call(N.nvmlDeviceGetCount),
                 "devices": [],
             }
+            fm = fabric_manager_state(Path(self.sysfs_root) / "proc")
+            if fm is not None:  # what a replay reports for this node (backends/fabricmanager.py)
+                res["fabric_manager"] = {"value": fm}
             n = N.nvmlDeviceGetCount()
             for i in range(n):
                 res["devices"].append(self.device(N.nvmlDeviceGetHandleByIndex(i)))

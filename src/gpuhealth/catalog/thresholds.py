@@ -21,6 +21,8 @@ from typing import Any, get_type_hints
 
 import yaml
 
+from gpuhealth.catalog.xid_policy import XidPolicy, XidPolicyError, parse_xid_policy
+
 
 class ThresholdsError(ValueError):
     """A malformed thresholds file; the message names the file and the key."""
@@ -106,6 +108,7 @@ class Thresholds:
     nvlink: NvlinkThresholds = field(default_factory=_bundled("nvlink"))
     infiniband: InfinibandThresholds = field(default_factory=_bundled("infiniband"))
     host: HostThresholds = field(default_factory=_bundled("host"))
+    xid: XidPolicy = field(default_factory=_bundled("xid"))  # catalog/xid_policy.py
 
 
 def _section(cls: type[Any], data: Any, where: str, base: Any) -> Any:
@@ -164,7 +167,11 @@ def _parse(data: Mapping[str, Any], source: str, base: Thresholds | None) -> Thr
             raise ThresholdsError(f"{source}: missing section(s) {', '.join(missing)}")
     built = {name: _section(hints[name], data.get(name), f"{source}: {name}",
                             None if base is None else getattr(base, name))
-             for name in sections}
+             for name in sections if name != "xid"}
+    try:  # the XID policy has per-code rules, not only numbers: its own parser
+        built["xid"] = parse_xid_policy(data.get("xid"), f"{source}: xid", None if base is None else base.xid)
+    except XidPolicyError as exc:
+        raise ThresholdsError(str(exc)) from exc
     return Thresholds(**built)
 
 

@@ -21,14 +21,23 @@ Errors: CRC (flit), replay and recovery counters as growth over the history wind
 
 Fabric (``GpuFabricInfo``; GPUs on NVSwitch): registration finished with an error, or never
 started, → ``fabric.degraded`` critical; still in progress → warning. NOT_SUPPORTED → nothing.
+
+Fabric Manager: on a node whose GPUs have NVSwitch links (``NVML_FI_DEV_NVSWITCH_CONNECTED_LINK_COUNT``
+> 0), ``nv-fabricmanager`` must be running (``backends/fabricmanager.py``; a recording says what the
+recorder saw). Not running → ``fabric.manager_down`` (critical, drain): the GPUs' fabric state
+stays "completed" after the manager dies, so only this check sees it. Unknown (``/proc`` unreadable, a
+recording that does not say) → nothing.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable
 from typing import Any
 
 from gpuhealth.backends.base import NVLINK_MAX_LINKS
+from gpuhealth.backends.errors import NvmlError
+from gpuhealth.backends.fabricmanager import STOPPED, fabric_manager_state
 from gpuhealth.catalog.thresholds import NvlinkThresholds, thresholds_from
 from gpuhealth.collectors._shared import (
     earlier_reading,
@@ -41,7 +50,7 @@ from gpuhealth.collectors._shared import (
     read_fields,
 )
 from gpuhealth.collectors.base import CollectContext, Collector, History, Lane, Observations
-from gpuhealth.model import Action, Finding, MetricKind, Sample, Severity
+from gpuhealth.model import Action, Entity, Finding, MetricKind, Sample, Severity
 
 NAME = "nvlink"
 
@@ -122,6 +131,7 @@ class NvlinkCollector:
 
     def collect(self, ctx: CollectContext) -> Observations:
         obs = Observations(NAME, ctx.now)
+        obs.node["fabric_manager"] = self._fabric_manager(ctx)
         for g in ctx.gpus:
             i = g.index
             rec = obs.gpu(i)
@@ -172,9 +182,26 @@ class NvlinkCollector:
                     rec["fabric_health_mask"] = int(fabric["healthMask"])
         return obs
 
+    @staticmethod
+    def _fabric_manager(ctx: CollectContext) -> str | None:
+        try:  # a recording (or a backend that knows) says it
+            return str(ctx.backend.system("fabric_manager"))
+        except NvmlError:
+            pass
+        if ctx.backend.simulated:  # a replayed node is not this host: never judge it by our /proc
+            return None
+        return fabric_manager_state(os.path.join(ctx.config.collectors.sysfs_root, "proc"))
+
     def evaluate(self, obs: Observations, history: History, ctx: CollectContext) -> list[Finding]:
         th = thresholds_from(ctx).nvlink
         out: list[Finding] = []
+        switched = [i for i, rec in sorted(obs.per_gpu.items()) if (rec.get("nvswitch_links") or 0) > 0]
+        if switched and obs.node.get("fabric_manager") == STOPPED:
+            out.append(Finding(
+                "fabric.manager_down", Severity.CRITICAL, Entity.node(ctx.node_name),
+                f"{len(switched)} GPU(s) are on NVSwitches but the NVIDIA Fabric Manager (nv-fabricmanager) is "
+                "not running: NVLink traffic across the switches fails for new jobs",
+                Action.DRAIN, {"gpus_on_nvswitch": switched}, NAME))
         for i, rec in sorted(obs.per_gpu.items()):
             if rec.get("unreadable"):
                 continue

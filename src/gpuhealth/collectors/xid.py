@@ -39,8 +39,10 @@ from typing import Any
 
 from gpuhealth.backends.base import NvmlBackend, XidEvent
 from gpuhealth.backends.errors import NvmlError
-from gpuhealth.backends.kmsg import KmsgUnavailable, boot_time, xid_events
+from gpuhealth.backends.kmsg import KmsgUnavailable, SxidEvent, boot_time, sxid_events, xid_events
+from gpuhealth.catalog.thresholds import default_thresholds, thresholds_from
 from gpuhealth.catalog.xid import XidInfo, xid_info
+from gpuhealth.catalog.xid_policy import XidPolicy
 from gpuhealth.collectors.base import CollectContext, CollectError, History, Lane, Observations
 from gpuhealth.model import Action, Entity, EntityKind, Finding, MetricKind, Sample, Severity
 
@@ -52,6 +54,8 @@ LEDGER_FILE = "xid-ledger.json"
 LEDGER_VERSION = 1
 _RESET_COUNTERS = ("TotalEccErrors_CORRECTED_VOLATILE", "TotalEccErrors_UNCORRECTED_VOLATILE")
 _MAX_EVENTS_PER_POLL = 256
+RECENT_KEPT = 64  # occurrence times kept per (GPU, XID): enough for any count-in-window rule
+SXID_RETENTION_S = 86400.0
 
 
 @dataclass(slots=True)
@@ -76,6 +80,12 @@ class XidEntry:
     # The newest occurrence counted per source: an event of that source at or before it is a copy
     # (the kernel log read again after an agent restart), not a new occurrence.
     seen_until: dict[str, float] = field(default_factory=dict)
+    # When the latest occurrences happened (newest last, at most RECENT_KEPT): count-in-window escalation.
+    recent: list[float] = field(default_factory=list)
+
+    def occurred(self, at: float) -> None:
+        self.recent.append(at)
+        del self.recent[:-RECENT_KEPT]
 
     def pair(self, source: str, at: float) -> bool:
         """True when this event is the other channel's copy of an occurrence already counted."""
@@ -118,7 +128,7 @@ class XidEntry:
             "gpu": self.gpu_key, "gpu_index": self.gpu_index, "xid": self.xid,
             "first_seen": self.first_seen, "last_seen": self.last_seen, "count": self.count,
             "sources": sorted(self.sources), "pci": self.pci, "detail": self.detail,
-            "repeats_after_reset": self.repeats_after_reset,
+            "repeats_after_reset": self.repeats_after_reset, "recent": list(self.recent),
         }
 
 
@@ -143,6 +153,7 @@ class XidLedger:
             self._entries[key] = entry
             entry.remember(event.source, event.timestamp)
             entry.saw(event.source, event.timestamp)
+            entry.occurred(event.timestamp)
             return entry
         if entry.already_counted(event):
             self.changes -= 1
@@ -160,6 +171,7 @@ class XidLedger:
             entry.first_seen = event.timestamp
         entry.active = True
         entry.count += 1
+        entry.occurred(event.timestamp)
         entry.remember(event.source, event.timestamp)
         entry.last_seen = max(entry.last_seen, event.timestamp)
         entry.sources.add(event.source)
@@ -301,8 +313,29 @@ def recovery_action(detail: str) -> Action | None:
     return None
 
 
-def judge(entry: Mapping[str, Any], info: XidInfo) -> tuple[Severity, Action, bool]:
-    """Severity, action and whether it escalated, for one active ledger entry."""
+def policy_info(info: XidInfo, policy: XidPolicy) -> XidInfo:
+    """The catalog entry with the policy's overrides for its code (severity, action, repeat_action)."""
+    rule = policy.rule(info.code)
+    return dataclasses.replace(
+        info,
+        severity=rule.severity if rule.severity is not None else info.severity,
+        action=rule.action if rule.action is not None else info.action,
+        repeat_action=rule.repeat_action if rule.repeat_action is not None else info.repeat_action,
+    )
+
+
+def in_window(entry: Mapping[str, Any], window_s: float) -> int:
+    """Occurrences of an entry within ``window_s`` before its latest one."""
+    times = [t for t in entry.get("recent") or () if isinstance(t, (int, float))]
+    if not times:
+        return int(entry.get("count", 1))
+    newest = max(times)
+    return sum(1 for t in times if newest - t <= window_s)
+
+
+def judge(entry: Mapping[str, Any], info: XidInfo, policy: XidPolicy | None = None) -> tuple[Severity, Action, str]:
+    """Severity, action and why it escalated ("" when it did not), for one active ledger entry.
+    ``info`` is the catalog entry with the policy's overrides already applied (``policy_info``)."""
     severity, action = info.severity, info.action
     if info.code == 154:
         needed = recovery_action(str(entry.get("detail", "")))
@@ -310,11 +343,13 @@ def judge(entry: Mapping[str, Any], info: XidInfo) -> tuple[Severity, Action, bo
             severity, action = Severity.INFO, Action.NONE
         elif needed is not None:
             severity, action = Severity.CRITICAL, needed
-    escalated = bool(entry.get("repeats_after_reset")) and info.hardware
-    if escalated:
-        severity = Severity.CRITICAL
-        action = max(action, info.repeat_action)
-    return severity, action, escalated
+    if entry.get("repeats_after_reset") and info.hardware:
+        return Severity.CRITICAL, max(action, info.repeat_action), "after_reset"
+    esc = (policy or default_thresholds().xid).escalation(info.code, info.hardware)
+    if esc.count > 0 and in_window(entry, esc.window_s) >= esc.count:
+        escalated_action = esc.action if esc.action is not None else info.repeat_action
+        return max(severity, esc.severity), max(action, escalated_action), "count"
+    return severity, action, ""
 
 
 class XidCollector:
@@ -342,6 +377,8 @@ class XidCollector:
         self._saved_changes = -1
         self._saved_extra: Any = None
         self._kmsg_cursor: int | None = None  # newest /dev/kmsg record counted, this boot
+        self._sxids: dict[tuple[str, int], dict[str, Any]] = {}  # (switch PCI, SXid) → what was seen
+        self._new_sxids: list[SxidEvent] = []
 
     # ------------------------------------------------------------------ protocol
     def supported(self, ctx: CollectContext) -> bool:
@@ -361,6 +398,7 @@ class XidCollector:
             obs.node["events"] = [_event_dict(ev) for ev in events]
             obs.node["active"] = [e.snapshot() for e in self.ledger.active()]
             obs.node["counts"] = [{"gpu": k[0], "xid": k[1], "count": c} for k, c in self.ledger.counts().items()]
+            obs.node["sxids"] = self._note_sxids(ctx.now)
             self._save_if_changed(obs)
         return obs
 
@@ -436,9 +474,13 @@ class XidCollector:
                 message=f"kernel log {kmsg_state}: earlier XIDs are not visible (needs root or CAP_SYSLOG)",
                 action=Action.NONE, evidence={"kmsg": kmsg_state}, source=self.name,
             ))
+        policy = thresholds_from(ctx).xid
         for entry in obs.node.get("active", []):
-            info = xid_info(int(entry["xid"]))
-            severity, action, escalated = judge(entry, info)
+            info = policy_info(xid_info(int(entry["xid"])), policy)
+            severity, action, escalated = judge(entry, info, policy)
+            if escalated == "count":
+                esc = policy.escalation(info.code, info.hardware)
+                escalated = f"{in_window(entry, esc.window_s)}× within {esc.window_s:g} s"
             out.append(Finding(
                 code=f"xid.{info.code}",
                 severity=severity,
@@ -450,10 +492,11 @@ class XidCollector:
                     "first_seen": entry["first_seen"], "last_seen": entry["last_seen"],
                     "sources": entry["sources"], "pci": entry["pci"], "detail": entry["detail"],
                     "hardware": info.hardware, "repeats_after_reset": entry["repeats_after_reset"],
-                    "catalog_source": info.source,
+                    "catalog_source": info.source, "escalated": escalated or None,
                 },
                 source=self.name,
             ))
+        out.extend(_sxid_findings(obs.node.get("sxids", []), policy, ctx))
         return out
 
     def samples(self, obs: Observations, ctx: CollectContext) -> Iterable[Sample]:
@@ -527,7 +570,26 @@ class XidCollector:
         if seqs:
             self._kmsg_cursor = max(seqs + ([self._kmsg_cursor] if self._kmsg_cursor is not None else []))
         bus_ids = [(g.index, g.pci_bus_id) for g in ctx.gpus]
+        self._new_sxids = sxid_events(records, now=ctx.now)
         return xid_events(records, bus_ids, now=ctx.now)
+
+    def _note_sxids(self, now: float) -> list[dict[str, Any]]:
+        """NVSwitch SXids seen in the kernel log, kept SXID_RETENTION_S after the last occurrence
+        (a switch has no reset the agent can watch; a reboot starts a new kernel log)."""
+        for ev in self._new_sxids:
+            key = (ev.pci, ev.sxid)
+            seen = self._sxids.get(key)
+            if seen is None:
+                self._sxids[key] = {"switch": ev.switch, "pci": ev.pci, "sxid": ev.sxid, "fatal": ev.fatal,
+                                    "message": ev.message, "first_seen": ev.timestamp, "last_seen": ev.timestamp,
+                                    "count": 1}
+            else:
+                seen.update(count=seen["count"] + 1, last_seen=max(seen["last_seen"], ev.timestamp),
+                            fatal=seen["fatal"] or ev.fatal, message=ev.message or seen["message"])
+        self._new_sxids = []
+        for key in [k for k, v in self._sxids.items() if now - v["last_seen"] > SXID_RETENTION_S]:
+            del self._sxids[key]
+        return [dict(v) for v in self._sxids.values()]
 
     def _watch_resets(self, ctx: CollectContext, obs: Observations) -> None:
         present = set()
@@ -576,14 +638,39 @@ def _entity(entry: Mapping[str, Any], ctx: CollectContext) -> Entity:
     return Entity.gpu(key, entry.get("gpu_index"))
 
 
-def _message(entry: Mapping[str, Any], info: XidInfo, escalated: bool) -> str:
+def _sxid_findings(sxids: Iterable[Mapping[str, Any]], policy: XidPolicy, ctx: CollectContext) -> list[Finding]:
+    """``nvswitch.sxid`` per (switch, SXid): the driver's Fatal → critical/drain, Non-fatal →
+    warning/monitor, unless the policy's ``sxid_codes`` rule for that SXid says otherwise."""
+    out = []
+    for sx in sxids:
+        rule = policy.sxid_rule(int(sx["sxid"]))
+        fatal = bool(sx["fatal"])
+        severity = rule.severity if rule.severity is not None else (Severity.CRITICAL if fatal else Severity.WARNING)
+        action = rule.action if rule.action is not None else (Action.DRAIN if fatal else Action.MONITOR)
+        times = f" ({sx['count']}×)" if sx["count"] > 1 else ""
+        out.append(Finding(
+            code="nvswitch.sxid", severity=severity,
+            entity=Entity(EntityKind.NODE, f"{ctx.node_name}/nvswitch/{sx['pci']}"),
+            message=f"NVSwitch {sx['switch']} (PCI {sx['pci']}): {'fatal' if fatal else 'non-fatal'} SXid "
+                    f"{sx['sxid']}{times}: {sx['message'] or 'see the kernel log'}",
+            action=action,
+            evidence={"sxid": sx["sxid"], "switch": sx["switch"], "pci": sx["pci"], "fatal": fatal,
+                      "count": sx["count"], "first_seen": sx["first_seen"], "last_seen": sx["last_seen"]},
+            source="xid",
+        ))
+    return out
+
+
+def _message(entry: Mapping[str, Any], info: XidInfo, escalated: str) -> str:
     where = f"GPU {entry['gpu_index']}" if entry.get("gpu_index") is not None else f"PCI {entry.get('pci') or '?'}"
     times = f" ({entry['count']}×)" if entry["count"] > 1 else ""
     text = f"XID {info.code} on {where}{times}: {info.name}"
     if not info.hardware:
         text += " — caused by the application, not the GPU"
-    if escalated:
+    if escalated == "after_reset":
         text += f"; came back after a GPU reset ({entry['repeats_after_reset']}×): escalated"
+    elif escalated:
+        text += f"; {escalated}: escalated"
     if entry.get("detail"):
         text += f" [{entry['detail']}]"
     return text

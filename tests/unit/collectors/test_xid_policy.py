@@ -1,0 +1,187 @@
+"""XID policy as data: a site's thresholds file overrides severity, action and count-in-window
+escalation per XID; NVSwitch SXids from the kernel log; the Fabric Manager check on NVSwitch nodes.
+Everything runs through the real collectors on the real H200 recording (the driver replayed)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from test_xid import Harness
+
+from gpuhealth.backends.fabricmanager import fabric_manager_state
+from gpuhealth.backends.nvml_fake import FakeNvml, bundled_recording_path
+from gpuhealth.catalog.thresholds import ThresholdsError, load_thresholds
+from gpuhealth.catalog.xid import xid_info
+from gpuhealth.collectors.base import CollectContext, History
+from gpuhealth.collectors.nvlink import NvlinkCollector
+from gpuhealth.collectors.runner import CollectorRunner, enumerate_gpus
+from gpuhealth.config import Config
+from gpuhealth.model import Action, Severity
+
+GPUHEALTH = str(Path(sys.executable).parent / "gpuhealth")
+
+
+def _xid_lines(pci: str, xid: int, n: int, start_usec: int, step_s: float) -> list[str]:
+    return [f"6,{100 + k},{start_usec + int(k * step_s * 1e6)},-;NVRM: Xid (PCI:{pci}): {xid}, pid=0, msg"
+            for k in range(n)]
+
+
+def _boot_usec() -> int:
+    return int(time.clock_gettime(time.CLOCK_BOOTTIME) * 1e6)
+
+
+def _with(tmp_path: Path, policy: dict[str, Any]) -> dict[str, Any]:
+    path = tmp_path / "site-thresholds.yaml"
+    path.write_text(yaml.safe_dump({"xid": policy}))
+    return {"thresholds": load_thresholds(path)}
+
+
+def test_a_hardware_xid_repeating_within_the_window_escalates(tmp_path: Path, clock: Any) -> None:
+    # XID 48 (DBE) three times within 20 minutes on GPU 0: the reset did not hold → critical, RMA
+    usec = _boot_usec() - 1_200_000_000
+    h = Harness(tmp_path, clock, kmsg=_xid_lines("0000:00:06", 48, 3, usec, 600))
+    [f] = h.run().findings
+    assert (f.code, f.severity) == ("xid.48", Severity.CRITICAL)
+    assert f.action is xid_info(48).repeat_action and f.evidence["escalated"] == "3× within 3600 s"
+    assert "escalated" in f.message
+    # twice is not yet a pattern
+    h2 = Harness(tmp_path, clock, kmsg=_xid_lines("0000:00:06", 48, 2, usec, 600))
+    [g] = h2.run().findings
+    assert g.action is xid_info(48).action and g.evidence["escalated"] is None
+
+
+def test_occurrences_spread_wider_than_the_window_do_not_escalate(tmp_path: Path, clock: Any) -> None:
+    usec = _boot_usec() - 3 * 3_000_000_000
+    h = Harness(tmp_path, clock, kmsg=_xid_lines("0000:00:06", 48, 3, usec, 3000))  # 50 min apart
+    [f] = h.run().findings
+    assert f.evidence["count"] == 3 and f.evidence["escalated"] is None
+
+
+def test_a_site_file_overrides_severity_action_and_escalation_per_xid(tmp_path: Path, clock: Any) -> None:
+    usec = _boot_usec() - 100_000_000
+    lines = _xid_lines("0000:00:07", 13, 5, usec, 10)  # an application XID, 5 times in a minute
+    h = Harness(tmp_path, clock, kmsg=lines)
+    [f] = h.run().findings  # the bundled policy: application XIDs never escalate by count
+    assert (f.severity, f.action) == (Severity.INFO, Action.CHECK_JOB)
+    extras = _with(tmp_path, {"codes": {"13": {"severity": "warning", "escalate_count": 5,
+                                               "escalate_window_s": 300, "escalate_action": "drain"}}})
+    h = Harness(tmp_path, clock, kmsg=lines)
+    [f] = h.run(**extras).findings
+    assert (f.severity, f.action) == (Severity.CRITICAL, Action.DRAIN)
+    extras = _with(tmp_path, {"codes": {"79": {"severity": "warning", "action": "reset_gpu"}}})
+    h = Harness(tmp_path, clock, kmsg=_xid_lines("0000:00:06", 79, 1, usec, 1))
+    [f] = h.run(**extras).findings
+    assert (f.code, f.severity, f.action) == ("xid.79", Severity.WARNING, Action.RESET_GPU)
+
+
+def test_a_bad_policy_is_one_clear_error(tmp_path: Path) -> None:
+    for policy, match in (({"codes": {"13": {"severity": "fatal"}}}, "xid.codes.13.severity"),
+                          ({"codes": {"x": {}}}, "'x' is not a code number"),
+                          ({"escalate_count": -1}, "escalate_count"),
+                          ({"codes": {"13": {"when": 1}}}, "xid.codes.13.when: unknown key")):
+        path = tmp_path / "bad.yaml"
+        path.write_text(yaml.safe_dump({"xid": policy}))
+        with pytest.raises(ThresholdsError, match=match):
+            load_thresholds(path)
+
+
+def test_config_reaches_the_policy_through_status(tmp_path: Path) -> None:
+    # the operator's way: collectors.thresholds_file in the config, gpuhealth status on the node
+    (tmp_path / "site.yaml").write_text(yaml.safe_dump({"xid": {"codes": {"79": {"severity": "warning",
+                                                                                 "action": "reset_gpu"}}}}))
+    (tmp_path / "gpuhealth.yaml").write_text(yaml.safe_dump(
+        {"collectors": {"thresholds_file": str(tmp_path / "site.yaml")}}))
+    scenario = tmp_path / "xid79.yaml"
+    scenario.write_text(yaml.safe_dump({"recording": "nvml_h200x2.json", "kmsg": [
+        "NVRM: Xid (PCI:0000:00:06): 79, pid=0, GPU has fallen off the bus."]}))
+    out = subprocess.run([GPUHEALTH, "status", "--json", "--config", str(tmp_path / "gpuhealth.yaml"),
+                          "--nvml-snapshot", str(scenario)],
+                         capture_output=True, text=True, timeout=120)
+    doc = json.loads(out.stdout)
+    [f] = [f for g in doc["gpus"] for f in g["findings"] if f["code"] == "xid.79"]
+    assert (f["severity"], f["action"]) == ("warning", "reset_gpu") and doc["node"]["health"] == "degraded"
+
+
+def test_xids_144_to_150_are_nvlink_errors_in_the_catalog() -> None:
+    for code in range(144, 151):
+        info = xid_info(code)
+        assert info.known and "NVLink" in info.name and info.hardware and info.severity is Severity.CRITICAL
+
+
+# ------------------------------------------------------------------------------------ NVSwitch SXids
+
+SXIDS = ["6,200,{u},-;nvidia-nvswitch3: SXid (PCI:0000:05:00.0): 12028, Non-fatal, Link 32 egress non-posted "
+         "PRIV error (First)",
+         "6,201,{u},-;nvidia-nvswitch0: SXid (PCI:0000:07:00.0): 20034, Fatal, Link 30 LTSSM Fault Up",
+         "6,202,{u},-;nvidia-nvswitch0: SXid (PCI:0000:07:00.0): 20034, Fatal, Link 30 LTSSM Fault Up"]
+
+
+def test_nvswitch_sxids_from_the_kernel_log(tmp_path: Path, clock: Any) -> None:
+    lines = [x.format(u=_boot_usec()) for x in SXIDS]
+    h = Harness(tmp_path, clock, kmsg=lines)
+    found = {f.evidence["sxid"]: f for f in h.run().findings if f.code == "nvswitch.sxid"}
+    assert (found[20034].severity, found[20034].action) == (Severity.CRITICAL, Action.DRAIN)
+    assert found[20034].evidence["count"] == 2 and found[20034].evidence["pci"] == "0000:07:00.0"
+    assert "LTSSM Fault Up" in found[20034].message and found[20034].entity.gpu_index is None
+    assert (found[12028].severity, found[12028].action) == (Severity.WARNING, Action.MONITOR)
+    # a site that knows 12028 is noise on its switches says so
+    h = Harness(tmp_path, clock, kmsg=lines)
+    extras = _with(tmp_path, {"sxid_codes": {"12028": {"severity": "info", "action": "none"}}})
+    found = {f.evidence["sxid"]: f for f in h.run(**extras).findings if f.code == "nvswitch.sxid"}
+    assert found[12028].severity is Severity.INFO and found[20034].severity is Severity.CRITICAL
+
+
+# ------------------------------------------------------------------------------------ Fabric Manager
+
+def _recording_with_fm(tmp_path: Path, state: str | None) -> Path:
+    rec = json.loads(bundled_recording_path("nvml_h200x2.json").read_text())
+    if state is not None:
+        rec["fabric_manager"] = {"value": state}
+    path = tmp_path / f"h200-fm-{state}.json"
+    path.write_text(json.dumps(rec))
+    return path
+
+
+def _nvlink_findings(recording: Path, clock: Any) -> list[Any]:
+    fake = FakeNvml.from_file(recording, clock=clock)
+    fake.init()
+    ctx = CollectContext(backend=fake, config=Config(), gpus=enumerate_gpus(fake), node_name="n1", now=time.time())
+    run = CollectorRunner(timeout_s=None).run(NvlinkCollector(None), ctx, History())
+    assert run.success, run.error
+    return list(run.findings)
+
+
+def test_fabric_manager_down_on_an_nvswitch_node_is_critical(tmp_path: Path, clock: Any) -> None:
+    # the H200 recording's GPUs have 18 NVSwitch links each (an HGX node)
+    [f] = [f for f in _nvlink_findings(_recording_with_fm(tmp_path, "stopped"), clock)
+           if f.code == "fabric.manager_down"]
+    assert (f.severity, f.action) == (Severity.CRITICAL, Action.DRAIN) and f.evidence["gpus_on_nvswitch"] == [0, 1]
+    for state in ("running", None):  # running, or a recording that does not say: nothing
+        assert not [f for f in _nvlink_findings(_recording_with_fm(tmp_path, state), clock)
+                    if f.code == "fabric.manager_down"]
+    # a PCIe card without NVSwitch links never needs one
+    h100 = json.loads(bundled_recording_path("nvml_h100x1.json").read_text())
+    h100["fabric_manager"] = {"value": "stopped"}
+    (tmp_path / "h100.json").write_text(json.dumps(h100))
+    assert not [f for f in _nvlink_findings(tmp_path / "h100.json", clock) if f.code == "fabric.manager_down"]
+
+
+def test_fabric_manager_is_found_in_proc(tmp_path: Path) -> None:
+    proc = tmp_path / "proc"
+    (proc / "1").mkdir(parents=True)
+    (proc / "1" / "comm").write_text("systemd\n")
+    (proc / "1" / "cmdline").write_bytes(b"/sbin/init\0")
+    (proc / "self").mkdir()
+    assert fabric_manager_state(proc) == "stopped"
+    (proc / "4242").mkdir()
+    (proc / "4242" / "comm").write_text("nv-fabricmanage\n")  # the kernel cuts comm to 15 characters
+    (proc / "4242" / "cmdline").write_bytes(b"/usr/bin/nv-fabricmanager\0-c\0/usr/share/nvidia/fm.cfg\0")
+    assert fabric_manager_state(proc) == "running"
+    assert fabric_manager_state(tmp_path / "no-proc") is None
