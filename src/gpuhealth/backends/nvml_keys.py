@@ -8,7 +8,8 @@ is what the live backend can read, so a collector sees the same keys from both.
   (``ClockInfo_SM`` = ``nvmlDeviceGetClockInfo(handle, NVML_CLOCK_SM)``). An argument is the name
   of a constant of the bindings, or a plain int.
 - ``GpuFabricInfo`` fills a struct passed by reference, ``GpmMetrics`` compares two GPM samples
-  (``backends/gpm.py``): each side calls them itself.
+  (``backends/gpm.py``), ``MigDevices`` walks the MIG slots (``backends/mig.py``): each side calls
+  them itself.
 
 Bindings differ between nvidia-ml-py versions: a getter or constant a version lacks is "absent in
 these bindings" for that key, never an error for the others.
@@ -61,7 +62,8 @@ def _argument_keys() -> dict[str, tuple[str, tuple[Argument, ...]]]:
 
 
 ARGUMENT_KEYS: dict[str, tuple[str, tuple[Argument, ...]]] = _argument_keys()
-STRUCT_KEYS: tuple[str, ...] = ("GpuFabricInfo", "GpmMetrics")  # GpmMetrics: backends/gpm.py
+# GpmMetrics: backends/gpm.py; MigDevices: backends/mig.py
+STRUCT_KEYS: tuple[str, ...] = ("GpuFabricInfo", "GpmMetrics", "MigDevices")
 SLOW_KEYS = frozenset({"PcieThroughput_TX", "PcieThroughput_RX"})  # ~20 ms a call: sampled, never swept
 ALL_KEYS: tuple[str, ...] = (*SIMPLE_KEYS, *ARGUMENT_KEYS, *STRUCT_KEYS)
 

@@ -18,6 +18,7 @@ from gpuhealth.backends import errors
 from gpuhealth.backends.base import FieldResult, XidEvent
 from gpuhealth.backends.errors import BackendUnavailable, NvmlError
 from gpuhealth.backends.gpm import read_gpm
+from gpuhealth.backends.mig import read_mig_devices
 from gpuhealth.backends.nvml_keys import ARGUMENT_KEYS, SIMPLE_KEYS, resolve_arguments
 
 
@@ -164,6 +165,7 @@ class RealNvml:
         d["GpuFabricInfo"] = fabric
         self._gpm_samples = {}  # samples of a previous init are void
         d["GpmMetrics"] = lambda h: read_gpm(n, h, self._gpm_samples)
+        d["MigDevices"] = lambda h: read_mig_devices(n, h)
         return d
 
     # ------------------------------------------------------------------ protocol

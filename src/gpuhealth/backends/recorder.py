@@ -23,6 +23,7 @@ from gpuhealth import __version__
 from gpuhealth.backends.errors import BackendUnavailable, NvmlError
 from gpuhealth.backends.fabricmanager import fabric_manager_state
 from gpuhealth.backends.gpm import read_gpm
+from gpuhealth.backends.mig import read_mig_devices
 from gpuhealth.backends.nvml_keys import ARGUMENT_KEYS, SIMPLE_KEYS, SLOW_KEYS, nvml_const, resolve_arguments
 from gpuhealth.backends.nvml_real import plain
 
@@ -93,6 +94,7 @@ class Recorder:
             d[key] = self.call(getattr(N, "nvmlDeviceGet" + key, None), h)
         d["GpuFabricInfo"] = self._fabric(h)
         d["GpmMetrics"] = self._gpm(h)
+        d["MigDevices"] = self._struct(lambda: read_mig_devices(self.N, h))
         for key, (getter, arguments) in ARGUMENT_KEYS.items():
             args = resolve_arguments(N, arguments)
             fn = getattr(N, "nvmlDeviceGet" + getter, None) if args is not None else None
@@ -117,11 +119,15 @@ class Recorder:
             return {"error": f"{type(exc).__name__}: {exc}"}
 
     def _gpm(self, h: Any) -> dict[str, Any]:
+        return self._struct(lambda: read_gpm(self.N, h, {}))
+
+    def _struct(self, read: Callable[[], Any]) -> dict[str, Any]:
+        """One reading a backends/ helper makes of several NVML calls, as a recording entry."""
         N = self.N
         try:
             t0 = time.perf_counter_ns()
-            value = read_gpm(N, h, {})
-            return {"value": value, "median_us": (time.perf_counter_ns() - t0) / 1000}
+            value = read()
+            return {"value": plain(value), "median_us": (time.perf_counter_ns() - t0) / 1000}
         except NvmlError as exc:
             return {"error": exc.message, "code": exc.code}
         except N.NVMLError as exc:

@@ -24,6 +24,8 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
+from gpuhealth.backends import errors
+from gpuhealth.backends.errors import NvmlError
 from gpuhealth.backends.sysfs import format_cpulist, parse_cpulist
 from gpuhealth.collectors._shared import fetch, gpu_entity, is_number, node_entity, sysfs_of
 from gpuhealth.collectors.base import CollectContext, Collector, History, Lane, Observations
@@ -154,7 +156,7 @@ class NumaCollector:
                 local = nodes[node]
             rec["numa_node"] = node
             rec["local_cpus"] = format_cpulist(local)
-            procs = _processes(fetch(ctx, obs, i, "ComputeRunningProcesses"))
+            procs = _processes(_gpu_processes(ctx, obs, i))
             for p in procs:
                 pid = p["pid"]
                 p["name"] = self._inspector.name(pid)
@@ -217,6 +219,21 @@ class NumaCollector:
                               "Compute processes running on the GPU.", gpu=i))
         return out
 
+
+
+def _gpu_processes(ctx: CollectContext, obs: Observations, index: int) -> Any:
+    """``ComputeRunningProcesses``. On a MIG-enabled GPU NVML lists the whole GPU's processes only to
+    a privileged caller and answers NO_PERMISSION otherwise (nvml.h): for an unprivileged agent that
+    is "cannot see", like "not supported" — not a failing GPU."""
+    try:
+        return ctx.backend.query(index, "ComputeRunningProcesses")
+    except NvmlError as exc:
+        if exc.code == errors.NO_PERMISSION:
+            obs.unsupported.add((index, "ComputeRunningProcesses"))
+            obs.gpu(index)["processes_hidden"] = exc.message or "no permission"
+        else:
+            obs.note_error(index, "ComputeRunningProcesses", exc)
+        return None
 
 def create() -> Collector:
     return NumaCollector()

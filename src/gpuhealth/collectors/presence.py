@@ -6,19 +6,26 @@
 - ``gpu.lost`` (critical, that GPU): it answers GPU_IS_LOST (fell off the bus → reboot) or
   RESET_REQUIRED (→ reset the GPU). The runner leaves these codes to this collector, so a lost GPU
   shows up once, here, and not as a failure of every other collector.
+
+MIG: each GPU's MIG mode (current and pending) and, with MIG on, its instances (``MigDevices``:
+UUID, profile, GPU/compute instance ids), read every ``mig_refresh_s``. Exported as
+``gpuhealth_gpu_mig_mode{which}`` and ``gpuhealth_gpu_mig_instance_info{mig_uuid, …}`` on the parent
+GPU: that is what lets the exporter give a pod holding a MIG slice (the kubelet names ``MIG-…``) the
+labels of the GPU it runs on. A GPU without MIG answers "not supported": nothing is exported.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable
 from typing import Any
 
 from gpuhealth.backends import errors
 from gpuhealth.backends.errors import NvmlError
 from gpuhealth.backends.sysfs import normalise_bdf
-from gpuhealth.collectors._shared import sysfs_of
+from gpuhealth.collectors._shared import Periodic, sysfs_of
 from gpuhealth.collectors.base import CollectContext, History, Lane, Observations
-from gpuhealth.model import Action, Entity, Finding, Sample, Severity
+from gpuhealth.model import Action, Entity, Finding, MetricKind, Sample, Severity
 
 NAME = "presence"
 
@@ -30,8 +37,9 @@ class PresenceCollector:
     name = NAME
     lane = Lane.FAST
 
-    def __init__(self, pci_rescan_s: float = 60.0) -> None:
+    def __init__(self, pci_rescan_s: float = 60.0, mig_refresh_s: float = 30.0) -> None:
         self.pci_rescan_s = pci_rescan_s
+        self._mig = Periodic(mig_refresh_s)  # MIG layout changes only when an admin repartitions
         self._pci: tuple[float, int | None, list[str] | None, str | None] | None = None  # at, count, bdfs, error
 
     def _pci_gpus(self, ctx: CollectContext, nvml_count: int | None) -> tuple[list[str] | None, str | None]:
@@ -71,6 +79,10 @@ class PresenceCollector:
                     obs.note_error(i, "UUID", exc)
             if i in bus_ids:
                 obs.gpu(i)["pci_bus_id"] = bus_ids[i]
+            if obs.gpu(i).get("present"):
+                uuid = next((g.uuid for g in ctx.gpus if g.index == i), str(i))
+                _, mig = self._mig.get(uuid, ctx.now, functools.partial(_read_mig, ctx, obs, i))
+                obs.gpu(i).update(mig)
         pci, pci_error = self._pci_gpus(ctx, count)
         obs.node["pci_gpus"] = pci
         if pci_error:
@@ -118,6 +130,41 @@ class PresenceCollector:
             if "present" in data:
                 yield Sample("gpu_present", 1.0 if data["present"] else 0.0,
                              "1 while the GPU answers NVML, 0 when it is lost", gpu=i)
+            mode = data.get("mig_mode")
+            if mode is not None:
+                for which, value in zip(("current", "pending"), mode, strict=True):
+                    yield Sample("gpu_mig_mode", float(value), "MIG mode: 1 enabled, 0 disabled (pending: after "
+                                 "the next GPU reset).", gpu=i, labels=(("which", which),))
+            for inst in data.get("mig_devices", ()):
+                yield Sample("gpu_mig_instance", 1.0, "A MIG instance of this GPU (value 1): its UUID, profile and "
+                             "GPU/compute instance ids.", MetricKind.INFO, i,
+                             (("mig_uuid", inst["uuid"]), ("profile", inst.get("profile", "")),
+                              ("gpu_instance_id", str(inst.get("gpu_instance_id", ""))),
+                              ("compute_instance_id", str(inst.get("compute_instance_id", "")))))
+
+
+def _read_mig(ctx: CollectContext, obs: Observations, index: int) -> dict[str, Any]:
+    """MIG mode and instances of one GPU; {} where the GPU has no MIG (not supported)."""
+    try:
+        mode = ctx.backend.query(index, "MigMode")
+    except NvmlError as exc:
+        obs.note_error(index, "MigMode", exc)
+        return {}
+    if not (isinstance(mode, (list, tuple)) and len(mode) == 2 and all(isinstance(v, int) for v in mode)):
+        return {}
+    out: dict[str, Any] = {"mig_mode": [int(mode[0]), int(mode[1])], "mig_devices": []}
+    if mode[0]:
+        try:
+            devices = ctx.backend.query(index, "MigDevices")
+        except NvmlError as exc:
+            obs.note_error(index, "MigDevices", exc)
+            devices = []
+        for d in devices if isinstance(devices, list) else []:
+            if isinstance(d, dict) and isinstance(d.get("uuid"), str) and d["uuid"]:
+                name = str(d.get("name", ""))
+                profile = name.rsplit(" MIG ", 1)[1] if " MIG " in name else ""  # "… MIG 1g.10gb" → 1g.10gb
+                out["mig_devices"].append({**d, "profile": profile})
+    return out
 
 
 def _missing(obs: Observations, ctx: CollectContext) -> Finding | None:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from gpuhealth.collectors.xid import xid_message
 from gpuhealth.exporters import ExportSnapshot
-from gpuhealth.exporters.families import FamilySet, Labels, clean_extra_labels
+from gpuhealth.exporters.families import FamilySet, Labels, gpu_holder_labels
 
 MIB = float(1 << 20)
 DCGM_LABELS = ("gpu", "UUID", "pci_bus_id", "device", "modelName", "hostname", "DCGM_FI_DRIVER_VERSION")
@@ -158,7 +158,7 @@ for _f in FIELDS:
 
 
 def dcgm_label_sets(snap: ExportSnapshot) -> dict[int, Labels]:
-    extra = clean_extra_labels(snap.gpu_labels)
+    extra = gpu_holder_labels(snap.gpu_labels, snap.samples, snap.gpus)
     out: dict[int, Labels] = {}
     for g in snap.gpus:
         minor = g.minor if g.minor is not None else g.index

@@ -6,8 +6,9 @@ families of one scrape. Rendering them is ``prometheus.encode_text``'s job, not 
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 GPU_LABELS = ("gpu", "uuid", "pci_bus_id", "model_name")
 # Extension labels may not shadow ours (nor dcgm-exporter's, in compat mode).
@@ -75,4 +76,30 @@ def clean_extra_labels(raw: Mapping[str, Mapping[str, str]] | None) -> dict[str,
     return out
 
 
-__all__ = ["GPU_LABELS", "RESERVED_LABELS", "Family", "FamilySet", "Labels", "clean_extra_labels"]
+def merge_label_values(into: dict[str, str], labels: Mapping[str, str]) -> None:
+    """Labels of two holders of one GPU (two MIG slices, time-slicing): values joined sorted with
+    commas, so the label stays one stable string."""
+    for name, value in labels.items():
+        old = into.get(name)
+        into[name] = value if old is None or old == value else ",".join(sorted(set(old.split(",")) | {value}))
+
+
+def gpu_holder_labels(raw: Mapping[str, Mapping[str, str]] | None, samples: Iterable[Any],
+                      gpus: Iterable[Any]) -> dict[str, dict[str, str]]:
+    """Extra labels per GPU UUID, with those the label provider gave a MIG instance (the kubelet
+    names ``MIG-…`` UUIDs) put on the GPU the instance belongs to. Which GPU that is comes from the
+    ``gpu_mig_instance`` samples (presence collector): ``mig_uuid`` on the parent GPU's index."""
+    extra = clean_extra_labels(raw)
+    parent = {g.index: g.uuid for g in gpus}
+    out = {uuid: dict(labels) for uuid, labels in extra.items()}
+    for s in samples:
+        if s.name != "gpu_mig_instance" or s.gpu not in parent:
+            continue
+        mig = dict(s.labels).get("mig_uuid", "")
+        if mig in extra:
+            merge_label_values(out.setdefault(parent[s.gpu], {}), extra[mig])
+    return out
+
+
+__all__ = ["GPU_LABELS", "RESERVED_LABELS", "Family", "FamilySet", "Labels", "clean_extra_labels", "gpu_holder_labels",
+           "merge_label_values"]

@@ -32,7 +32,7 @@ from prometheus_client.process_collector import ProcessCollector
 from prometheus_client.samples import Sample as PromSample
 
 from gpuhealth.exporters import ExportSnapshot
-from gpuhealth.exporters.families import Family, FamilySet, Labels, clean_extra_labels
+from gpuhealth.exporters.families import Family, FamilySet, Labels, gpu_holder_labels
 from gpuhealth.model import EntityKind, MetricKind, Sample
 
 PREFIX = "gpuhealth_"
@@ -42,7 +42,7 @@ OPENMETRICS_CONTENT_TYPE = "application/openmetrics-text; version=1.0.0; charset
 
 
 def gpu_label_sets(snap: ExportSnapshot) -> dict[int, Labels]:
-    extra = clean_extra_labels(snap.gpu_labels)
+    extra = gpu_holder_labels(snap.gpu_labels, snap.samples, snap.gpus)
     out: dict[int, Labels] = {}
     for g in snap.gpus:
         labels: Labels = (("gpu", str(g.index)), ("uuid", g.uuid), ("pci_bus_id", g.pci_bus_id),
