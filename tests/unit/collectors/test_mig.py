@@ -10,10 +10,10 @@ from pathlib import Path
 import yaml
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "exporters"))
-from exporter_testing import real_snapshot  # noqa: E402
-from prometheus_client.parser import text_string_to_metric_families as parse_text  # noqa: E402
+from exporter_testing import real_snapshot
+from prometheus_client.parser import text_string_to_metric_families as parse_text
 
-from gpuhealth.exporters.prometheus import build_families, encode_text  # noqa: E402
+from gpuhealth.exporters.prometheus import build_families, encode_text
 
 DATA = Path(__file__).parents[3] / "src" / "gpuhealth" / "data"
 MIG_A = "MIG-2f5c1a8e-6d3b-5b7e-9a1f-0c4d2e8b7a61"
