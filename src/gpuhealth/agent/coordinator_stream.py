@@ -39,6 +39,7 @@ from gpuhealth.model import Finding, RankIdentity, StepRecord
 from gpuhealth.proto import gpuhealth_v1_pb2 as pb
 from gpuhealth.proto.convert import finding_to_pb, identity_to_pb, steps_to_pb
 from gpuhealth.proto.options import NODE_METADATA, SESSION_METADATA, UNARY_DEADLINE_S, client_options
+from gpuhealth.runtime.credentials import node_token, read_secret, read_token
 from gpuhealth.runtime.tls import TlsFiles, channel_credentials, token_metadata
 
 log = logging.getLogger("gpuhealth.agent.coordinator")
@@ -50,7 +51,11 @@ REGISTER_METHOD = "/gpuhealth.v1.Coordinator/Register"
 @dataclass(slots=True)
 class StreamSettings:
     address: str
+    # The bearer token: read from ``token_file`` at every connect (projected ServiceAccount tokens
+    # rotate), else derived from the cluster secret in ``node_secret_file`` for this node, else ``token``.
     token: str | None = None
+    token_file: str | None = None
+    node_secret_file: str | None = None
     tls: TlsFiles | None = None
     batch_interval_s: float = 0.25  # step records are packed into one batch per job this often
     spool_commit_s: float = 0.05  # ... and are on disk within this long of their arrival
@@ -285,6 +290,16 @@ class CoordinatorStream:
                 return
             await asyncio.sleep(0.2)
 
+    def bearer_token(self, node: str) -> str | None:
+        """What this node presents (``StreamSettings``); ``CredentialError`` when its file is unusable
+        (the session fails with that line and is retried with backoff)."""
+        s = self.settings
+        if s.token_file:
+            return read_token(s.token_file)
+        if s.node_secret_file:
+            return node_token(read_secret(s.node_secret_file), node)
+        return s.token
+
     def _channel(self) -> grpc.aio.Channel:
         if self.settings.tls is not None:
             return grpc.aio.secure_channel(self.settings.address, channel_credentials(self.settings.tls),
@@ -293,11 +308,11 @@ class CoordinatorStream:
 
     async def _session(self) -> None:
         assert self._stop_event is not None and self._wake is not None and self._results is not None
-        md = token_metadata(self.settings.token)
+        req = self._register(self.spool.incarnation)
+        md = token_metadata(self.bearer_token(req.node_name))
         async with self._channel() as channel:
             register = channel.unary_unary(REGISTER_METHOD, request_serializer=pb.RegisterRequest.SerializeToString,
                                            response_deserializer=pb.RegisterResponse.FromString)
-            req = self._register(self.spool.incarnation)
             resp: pb.RegisterResponse = await register(req, timeout=UNARY_DEADLINE_S, metadata=md)
             self.spool.ack(resp.acked_seq)
             if self.settings.heartbeat_s is None and resp.heartbeat_interval_s > 0:

@@ -1,48 +1,147 @@
-"""Who may talk to the coordinator, and as which node.
+"""Who may talk to the coordinator, and as which node (docs/security.md).
 
-Two modes (both may be on): mutual TLS, where an agent's certificate CN or a DNS SAN must equal
-the node name it registers (so a node cannot report for another), and a shared bearer token for
-labs without a PKI, where a Connect stream is bound to the session its node obtained at Register
-(a stream cannot switch node). Without either, the coordinator runs open (loopback/tests) and says
-so in its log.
+A caller is authenticated by one credential, and a node credential names its node:
 
-Two roles: agents report and read; operators may also act on nodes (LiveTriage makes ranks dump and
-runs py-spy on them, RunDiagnostic runs GPU work). An operator presents the operator token, or a
-client certificate named in ``operator_names``. Every agent of a fleet holds the agent token, so it
-must not be enough to drive every other node.
+- a **node token** (``runtime.credentials``): an HMAC of the node name under the cluster secret —
+  verified with the secret alone, good for that node only;
+- a **ServiceAccount token** (Kubernetes): the API server says which pod it is and the node it runs
+  on (``token_review``); good for that node only;
+- a **client certificate** (mutual TLS): its CN or a DNS SAN must equal the node it registers;
+- the **shared agent token** (compatibility, ``coordinator.shared_token``): every agent holds the
+  same one, so it cannot say which node is which — any holder can report as any node (warned);
+- the **operator token**, or a certificate named in ``operator_names``: may act on nodes
+  (LiveTriage makes ranks dump and runs py-spy, RunDiagnostic runs GPU work) and read; it does not
+  report as a node.
+
+Without any of them the coordinator runs open (loopback/tests) and says so in its log.
+
+A Connect stream belongs to the session its Register obtained, under the same credential; a second
+Register for a node whose stream is live under a different credential is refused and logged.
 """
 
 from __future__ import annotations
 
+import hashlib
 import hmac
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, field
 from typing import Any
 
+from gpuhealth.config import CoordinatorConfig
+from gpuhealth.coordinator.token_review import KubernetesTokenReview, TokenReviewer
 from gpuhealth.proto.options import TOKEN_METADATA
+from gpuhealth.runtime.credentials import (
+    CredentialError,
+    fingerprint,
+    is_node_token,
+    read_secret,
+    read_token,
+    verify_node_token,
+)
+from gpuhealth.runtime.tls import SecurityConfigError
+
+_JWT = re.compile(r"^[A-Za-z0-9_-]+\.[A-Za-z0-9_-]+\.[A-Za-z0-9_-]+$")
+
+
+@dataclass(frozen=True, slots=True)
+class Caller:
+    """An authenticated caller. ``node``: the one node its credential is good for (None: any node —
+    open mode or the shared token — or none, for an operator). ``credential``: a stable, non-secret
+    name of the credential, which a node's stream is bound to."""
+
+    kind: str  # "open", "node_token", "service_account", "certificate", "shared_token", "operator"
+    credential: str
+    node: str | None = None
+    operator: bool = False
+
+    @property
+    def reports(self) -> bool:
+        """May this caller report as a node at all?"""
+        return self.kind != "operator"
+
+    def may_be(self, node: str) -> bool:
+        return self.reports and (self.node is None or self.node == node)
 
 
 @dataclass(frozen=True, slots=True)
 class AuthPolicy:
-    token: str | None = None
+    token: str | None = None  # the shared agent token (compatibility: any holder is any node)
     mtls: bool = False
     operator_token: str | None = None
     operator_names: frozenset[str] = frozenset()
+    node_secret: bytes | None = field(default=None, repr=False)
+    token_review: TokenReviewer | None = None
+
+    @classmethod
+    def from_config(cls, cfg: CoordinatorConfig, *, mtls: bool) -> AuthPolicy:
+        """The policy ``cfg`` asks for; ``SecurityConfigError`` (one line) for a secret that cannot be
+        read, or a shared token nobody asked to keep."""
+        try:
+            shared = cfg.token or (read_token(cfg.token_file) if cfg.token_file else None)
+            secret = read_secret(cfg.node_secret_file) if cfg.node_secret_file else None
+        except CredentialError as exc:
+            raise SecurityConfigError(str(exc)) from exc
+        if shared and not cfg.shared_token:
+            raise SecurityConfigError(
+                "coordinator.token is one token every agent shares, and any holder could report as any node: give "
+                "each node its own (coordinator.node_secret_file here, `gpuhealth token` for each node), or set "
+                "coordinator.shared_token: true to keep it")
+        reviewer: TokenReviewer | None = None
+        if cfg.token_review:
+            accounts = frozenset(a.strip() for a in cfg.agent_service_accounts.split(",") if a.strip())
+            if cfg.token_review == "in-cluster":
+                reviewer = KubernetesTokenReview.in_cluster(audience=cfg.token_review_audience, accounts=accounts)
+            else:
+                reviewer = KubernetesTokenReview(
+                    cfg.token_review, ca_file=cfg.token_review_ca, audience=cfg.token_review_audience,
+                    accounts=accounts,
+                    credential_file=cfg.token_review_credential_file or "/var/run/secrets/kubernetes.io/"
+                                                                        "serviceaccount/token")
+        return cls(token=shared if cfg.shared_token else None, mtls=mtls, operator_token=cfg.operator_token or None,
+                   operator_names=frozenset(n.strip() for n in cfg.operator_names.split(",") if n.strip()),
+                   node_secret=secret, token_review=reviewer)
 
     @property
     def open(self) -> bool:
-        return not self.token and not self.mtls
+        return not self.token and not self.mtls and not self.node_secret and self.token_review is None
+
+    @property
+    def bearer_required(self) -> bool:
+        return bool(self.token or self.node_secret or self.token_review is not None)
 
     @property
     def operators_configured(self) -> bool:
         return bool(self.operator_token or self.operator_names)
 
-    def token_ok(self, metadata: Any) -> bool:
-        """Constant-time comparison of the bearer token (always true without a token); the operator
-        token authenticates too."""
-        if not self.token:
-            return True
+    async def authenticate(self, metadata: Any, auth_context: dict[str, list[bytes]]) -> Caller | None:
+        """Who is calling, or None (refuse: UNAUTHENTICATED). ``TokenReviewError`` when a
+        ServiceAccount token cannot be checked now (the API server is away)."""
         presented = _bearer(metadata)
-        return presented is not None and (_same(presented, self.token) or _same(presented, self.operator_token))
+        operator = self.is_operator(metadata, auth_context)
+        cert = _certificate(auth_context) if self.mtls else None
+        if presented is not None and _same(presented, self.operator_token):
+            return Caller("operator", "operator:" + fingerprint(presented), operator=True)
+        if self.bearer_required:
+            caller = await self._bearer_caller(presented) if presented is not None else None
+            if caller is None:
+                return None
+            return Caller(caller.kind, caller.credential + (f"+{cert}" if cert else ""), caller.node, operator)
+        if cert is not None:
+            return Caller("certificate", cert, None, operator)  # the node comes from node_allowed
+        return Caller("open", "open", None, True) if self.open else None
+
+    async def _bearer_caller(self, presented: str) -> Caller | None:
+        if is_node_token(presented):
+            node = verify_node_token(self.node_secret, presented) if self.node_secret else None
+            return Caller("node_token", "node-token:" + fingerprint(presented), node) if node else None
+        if self.token and _same(presented, self.token):
+            return Caller("shared_token", "shared-token")
+        if self.token_review is not None and _JWT.match(presented):
+            who = await self.token_review.review(presented)
+            if who is None:
+                return None
+            return Caller("service_account", f"service-account:{who.username}:{who.pod_uid or who.pod}", who.node)
+        return None
 
     def is_operator(self, metadata: Any, auth_context: dict[str, list[bytes]]) -> bool:
         """May this caller act on nodes? Open mode: yes. Otherwise the operator token, or (mTLS) a
@@ -72,6 +171,13 @@ def _same(presented: str, expected: str | None) -> bool:
     return bool(expected) and hmac.compare_digest(presented.encode(), (expected or "").encode())
 
 
+def _certificate(auth_context: dict[str, list[bytes]]) -> str | None:
+    pem = auth_context.get("x509_pem_cert")
+    if not pem:
+        return None
+    return "certificate:" + hashlib.sha256(pem[0]).hexdigest()[:16]
+
+
 def peer_names(auth_context: dict[str, list[bytes]]) -> set[str]:
     names: set[str] = set()
     for key in ("x509_common_name", "x509_subject_alternative_name"):
@@ -80,4 +186,4 @@ def peer_names(auth_context: dict[str, list[bytes]]) -> set[str]:
     return names
 
 
-__all__ = ["AuthPolicy", "peer_names"]
+__all__ = ["AuthPolicy", "Caller", "peer_names"]

@@ -25,8 +25,9 @@ from grpc_reflection.v1alpha import reflection
 from prometheus_client.exposition import start_http_server
 
 from gpuhealth.coordinator.metrics import CoordinatorCollector, make_registry
-from gpuhealth.coordinator.security import AuthPolicy, peer_names
+from gpuhealth.coordinator.security import AuthPolicy, Caller, peer_names
 from gpuhealth.coordinator.service import Coordinator, StreamRejected, json_reply
+from gpuhealth.coordinator.token_review import TokenReviewError
 from gpuhealth.coordinator.triage_wire import reply_to_dict
 from gpuhealth.proto import gpuhealth_v1_pb2 as pb
 from gpuhealth.proto.convert import WireError
@@ -51,13 +52,22 @@ class CoordinatorServicer:
         self.coord = coord
         self.policy = policy
 
-    async def _authorise(self, context: grpc.aio.ServicerContext) -> None:
-        if not self.policy.token_ok(context.invocation_metadata()):
+    async def _authorise(self, context: grpc.aio.ServicerContext) -> Caller:
+        try:
+            caller = await self.policy.authenticate(context.invocation_metadata(), context.auth_context())
+        except TokenReviewError as exc:
+            log.warning("cannot check a ServiceAccount token: %s", exc)
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the coordinator cannot check this token now (the "
+                                "Kubernetes API server did not answer); try again")
+            raise
+        if caller is None:
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token")
+            raise AssertionError("unreachable: abort raises")
+        return caller
 
     async def _authorise_operator(self, context: grpc.aio.ServicerContext, rpc: str) -> None:
-        await self._authorise(context)
-        if not self.policy.is_operator(context.invocation_metadata(), context.auth_context()):
+        caller = await self._authorise(context)
+        if not caller.operator:
             how = ("present the operator token, or a client certificate named in operator_names"
                    if self.policy.operators_configured else
                    "none is configured: start the coordinator with --operator-token or --operator-names")
@@ -65,29 +75,45 @@ class CoordinatorServicer:
                                 f"{rpc} acts on nodes and needs operator credentials ({how}); "
                                 "agent credentials only report and read")
 
+    async def _check_node(self, context: grpc.aio.ServicerContext, caller: Caller, node: str, rpc: str) -> None:
+        """Aborts (and logs) unless ``caller``'s credential may report as ``node``."""
+        names = sorted(peer_names(context.auth_context()))
+        if not self.policy.node_allowed(context.auth_context(), node):
+            log.warning("refused %s for node %r from a certificate for %s", rpc, node, names)
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, f"certificate names {names}, not node {node!r}")
+        if not caller.may_be(node):
+            what = "operator credentials do not report as a node" if not caller.reports else \
+                f"this {caller.kind.replace('_', ' ')} is node {caller.node!r}'s, not node {node!r}'s"
+            log.warning("refused %s for node %r: %s (credential %s, peer %s)", rpc, node, what, caller.credential,
+                        context.peer())
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, what)
+
     async def register(self, raw: bytes, context: grpc.aio.ServicerContext) -> pb.RegisterResponse:
-        await self._authorise(context)
+        caller = await self._authorise(context)
         req = await _parse(raw, pb.RegisterRequest, context)
-        if not self.policy.node_allowed(context.auth_context(), req.node_name):
-            names = sorted(peer_names(context.auth_context()))
-            log.warning("refused Register for node %r from a certificate for %s", req.node_name, names)
-            await context.abort(grpc.StatusCode.PERMISSION_DENIED,
-                                f"certificate names {names}, not node {req.node_name!r}")
+        await self._check_node(context, caller, req.node_name, "Register")
         try:
-            return self.coord.register(req)
+            return self.coord.register(req, credential=caller.credential)
+        except StreamRejected as exc:
+            await context.abort(exc.code, exc.details)
+            raise
         except WireError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
             raise
 
     async def connect(self, requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> None:
-        await self._authorise(context)
+        caller = await self._authorise(context)
         try:
             session = self.coord.session_for(context.invocation_metadata())
         except StreamRejected as exc:
             await context.abort(exc.code, exc.details)
             return
-        if not self.policy.node_allowed(context.auth_context(), session.node):
-            await context.abort(grpc.StatusCode.PERMISSION_DENIED, f"certificate does not name node {session.node!r}")
+        await self._check_node(context, caller, session.node, "Connect")
+        if caller.credential != session.credential:  # a session id used under another credential
+            log.warning("node %s: refused a stream under credential %s on a session registered under %s (peer %s)",
+                        session.node, caller.credential, session.credential, context.peer())
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, "this session was registered under another "
+                                "credential")
         if session.connected:  # one stream per session: two would split its requests and acks
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, "this session already has a stream: register again")
         self.coord.stream_opened(session)
@@ -267,6 +293,9 @@ class CoordinatorServer:
         self.endpoints = Endpoints(port, metrics_port)
         if self.policy.open:
             log.warning("coordinator is running WITHOUT authentication (no token, no mTLS): loopback/tests only")
+        if self.policy.token:
+            log.warning("agents share one token (coordinator.shared_token): any holder can report as any node; give "
+                        "each node its own token (coordinator.node_secret_file and `gpuhealth token`)")
         if self.policy.operator_names and not self.policy.mtls:
             log.warning("--operator-names has no effect without mutual TLS (names come from client certificates)")
         if not self.policy.open and not self.policy.operators_configured:

@@ -72,6 +72,7 @@ class Session:
     wake: asyncio.Event = field(default_factory=asyncio.Event)
     outbox: list[pb.AgentRequest] = field(default_factory=list)
     closed: bool = False
+    credential: str = "open"  # the credential it registered under (security.Caller.credential): its stream's too
 
     def push(self, request: pb.AgentRequest) -> None:
         self.outbox.append(request)
@@ -84,6 +85,7 @@ class Counters:
     step_records: int = 0
     duplicates: int = 0
     rejected: int = 0
+    refused_registrations: int = 0  # a second credential for a node whose stream is live
     hangs: int = 0
     verdicts: dict[str, int] = field(default_factory=dict)
     triage: dict[tuple[str, str], int] = field(default_factory=dict)  # (verdict, headline root kind) -> count
@@ -176,9 +178,19 @@ class Coordinator:
 
     # -- registration ----------------------------------------------------------------------------
 
-    def register(self, req: pb.RegisterRequest) -> pb.RegisterResponse:
+    def register(self, req: pb.RegisterRequest, credential: str = "open") -> pb.RegisterResponse:
+        """A session for the node. A node whose stream is live under another credential keeps it: the
+        newcomer is refused (``StreamRejected``) and logged — two credentials claiming one node is an
+        impersonation or a misconfiguration, never a reconnect (those come under the same credential)."""
         node = check_name(req.node_name, "node_name")
         incarnation = check_name(req.incarnation, "incarnation", 128)
+        live = self.by_node.get(node)
+        if live is not None and live.connected and not live.closed and live.credential != credential:
+            self.counters.refused_registrations += 1
+            log.warning("node %s: refused a second registration under credential %s while its stream is live under "
+                        "%s", node, credential, live.credential)
+            raise StreamRejected(grpc.StatusCode.ALREADY_EXISTS,
+                                 f"node {node!r} is connected under another credential; refused (logged)")
         now = self.clock()
         gpus = [{"index": g.index, "uuid": g.uuid, "pci_bus_id": g.pci_bus_id, "name": g.name, "vbios": g.vbios,
                  "serial": g.serial} for g in req.gpus]
@@ -194,7 +206,7 @@ class Coordinator:
             self.sessions.pop(old.session_id, None)
         self.flush_group()  # the acked seq we return must be committed: the agent drops what it covers
         acked = self.store.acked_seq(node, incarnation)
-        session = Session(node, incarnation, secrets.token_hex(16), acked, received=acked)
+        session = Session(node, incarnation, secrets.token_hex(16), acked, received=acked, credential=credential)
         self.sessions[session.session_id] = session
         self.by_node[node] = session
         log.info("node %s registered (incarnation %s, %d GPUs, acked seq %d)", node, incarnation, len(gpus),
