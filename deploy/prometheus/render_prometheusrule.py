@@ -3,6 +3,7 @@
 absolute runbook links:
 
     python deploy/prometheus/render_prometheusrule.py          # rewrite deploy/kubernetes/base/prometheusrule.yaml
+                                                               # and the Helm chart's copy of the rules
     python deploy/prometheus/render_prometheusrule.py --check  # exit 1 if it is out of date
     python deploy/prometheus/render_prometheusrule.py --runbook-base-url https://wiki.example/gpuhealth/ \\
         --format rules --output /etc/prometheus/rules/gpuhealth.yaml   # a plain Prometheus rule file
@@ -27,6 +28,8 @@ import yaml
 HERE = Path(__file__).resolve().parent
 SOURCE = HERE / "alerts.yaml"
 TARGET = HERE.parent / "kubernetes" / "base" / "prometheusrule.yaml"
+# The Helm chart cannot read files outside itself: it carries a copy, made here (and checked).
+CHART_COPY = HERE.parent / "helm" / "gpuhealth" / "files" / "alerts.yaml"
 DEFAULT_RUNBOOK_BASE_URL = "https://github.com/gpuhealth/gpuhealth/blob/main/"
 
 HEADER = """\
@@ -102,12 +105,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"render_prometheusrule: {exc}", file=sys.stderr)
         return 2
     target = args.output or TARGET
+    outputs = {target: text}
+    if args.output is None:
+        outputs[CHART_COPY] = SOURCE.read_text()
     if args.check:
-        if not target.exists() or target.read_text() != text:
-            print(f"{target} is out of date; run {Path(__file__).name}", file=sys.stderr)
-            return 1
-        return 0
-    target.write_text(text)
+        stale = [p for p, t in outputs.items() if not p.exists() or p.read_text() != t]
+        for p in stale:
+            print(f"{p} is out of date; run {Path(__file__).name}", file=sys.stderr)
+        return 1 if stale else 0
+    for p, t in outputs.items():
+        p.write_text(t)
     return 0
 
 
