@@ -11,8 +11,8 @@ Student-t (3 dof) with CV 0–30 %, plus rare heavy-tail spikes (1.5–5×). Fam
     large       1,024 ranks, three stragglers of 1.1–2×
     alternate   a rank slow on every other step
     transient   a rank slow for 40–70 steps, then back to normal (expected: found, and recovered)
-    fr          flight-recorder durations only (one world all_reduce, or a TP pair + world per step), as
-                triage passes them today: (group, seq, ms)
+    fr          flight-recorder durations only (one world all_reduce, or a TP pair + world per step), without
+                start times: (group, seq, ms)
     fr_timed    the same with each collective's start time: (group, seq, ms, start_ns)
     fr_grid     flight-recorder durations of a TP × DP job with no collective that spans it (4–64 ranks:
                 per step a TP all_reduce, then 1–3 DP gradient buckets back to back; groups named "1",
