@@ -20,6 +20,7 @@ from gpuhealth.backends.errors import BackendUnavailable, NvmlError
 from gpuhealth.backends.gpm import read_gpm
 from gpuhealth.backends.mig import read_mig_devices
 from gpuhealth.backends.nvml_keys import ARGUMENT_KEYS, SIMPLE_KEYS, resolve_arguments
+from gpuhealth.backends.plausible import check_field, check_nvlink, check_reading
 
 
 def plain(value: Any, depth: int = 0) -> Any:
@@ -189,9 +190,12 @@ class RealNvml:
         if fn is None:
             self._n()
             raise NvmlError(errors.FUNCTION_NOT_FOUND, f"no getter for {key} in these bindings")
-        return plain(self._call(fn, self._handle(index)))
+        return check_reading(key, plain(self._call(fn, self._handle(index))))  # a driver can return garbage too
 
     def nvlink(self, index: int, link: int, key: str) -> Any:
+        return check_nvlink(link, key, self._nvlink(index, link, key))
+
+    def _nvlink(self, index: int, link: int, key: str) -> Any:
         n = self._n()
         h = self._handle(index)
         if key == "state":
@@ -229,7 +233,8 @@ class RealNvml:
                 out[pos] = NvmlError(int(v.nvmlReturn), "field error")
                 continue
             member = _FIELD_VALUE_MEMBER.get(v.valueType)
-            out[pos] = getattr(v.value, member, None) if member else None
+            value = getattr(v.value, member, None) if member else None
+            out[pos] = None if value is None else check_field(requests[pos][0], value)
         return out
 
     def _ensure_event_set(self) -> Any:

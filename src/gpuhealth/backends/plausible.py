@@ -153,8 +153,14 @@ def _not_finite(value: Any, depth: int = 0) -> bool:
     return False
 
 
+# Not raw readings: ratios computed between two GPM samples (backends/gpm.py), NaN over an empty interval.
+_DERIVED = frozenset({"GpmMetrics"})
+
+
 def check_reading(key: str, value: Any) -> Any:
     """``value`` when it can be a real reading of ``key``; raises ``BadValue`` otherwise."""
+    if key in _DERIVED:
+        return value
     if _not_finite(value):
         raise BadValue(key, value, "not a finite number")
     rule = _rule_for(key)

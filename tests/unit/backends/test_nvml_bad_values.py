@@ -217,3 +217,46 @@ def test_a_set_event_that_turns_a_value_bad_is_caught_when_it_fires() -> None:
 def test_constructor_limits_hold_without_a_scenario_file() -> None:
     with pytest.raises(RecordingError, match=r"gpu_count must be 1\.\.256"):
         FakeNvml(_recording(), gpu_count=100_000_000)
+
+
+# ------------------------------------------------------------------ the live backend's guard
+def test_the_live_backend_reports_garbage_from_the_driver_as_bad_values(tmp_path: Path) -> None:
+    """``RealNvml`` given bindings whose driver answers garbage on GPU 1 (under the replayed recording,
+    so the fake's own guard is not what catches it): the same findings as from a recording."""
+    from test_nvml_real import BindingsDriver, _sysfs_tree
+
+    from gpuhealth.backends.nvml_real import RealNvml
+    from gpuhealth.config import Config
+    from gpuhealth.node import collect_once
+
+    class GarbageDriver(BindingsDriver):
+        def nvmlDeviceGetTemperature(self, h: int, c: str) -> Any:
+            return float("nan") if h == 1 else super().nvmlDeviceGetTemperature(h, c)
+
+        def nvmlDeviceGetTotalEccErrors(self, h: int, et: str, ct: str) -> Any:
+            return -5 if h == 1 else super().nvmlDeviceGetTotalEccErrors(h, et, ct)
+
+        def __getattr__(self, name: str) -> Any:
+            if name == "nvmlDeviceGetCurrPcieLinkWidth":
+                return lambda h: -8 if h == 1 else self._q(self.fake.query, h, "CurrPcieLinkWidth")
+            return super().__getattr__(name)
+
+    fake = FakeNvml.bundled("nvml_h200x2.json")
+    fake.init()
+    _sysfs_tree(tmp_path, fake)
+    config = Config()
+    config.collectors.disabled = ["host"]
+    config.collectors.sysfs_root = str(tmp_path)
+    real = RealNvml(GarbageDriver(FakeNvml.bundled("nvml_h200x2.json")))
+    real.init()
+    try:
+        report = collect_once(real, config)
+    finally:
+        real.shutdown()
+    gpu0, gpu1 = report.gpus
+    assert str(gpu0.health) == "healthy"
+    assert str(gpu1.health) != "healthy"
+    bad = " ".join(f.message for f in gpu1.findings if f.code == "nvml.bad_value")
+    for key in ("Temperature_GPU", "TotalEccErrors_UNCORRECTED_VOLATILE", "CurrPcieLinkWidth"):
+        assert key in bad, bad
+    assert "nvml.bad_value" in {f.code for f in gpu1.findings}
