@@ -236,16 +236,22 @@ def _host_to_device(torch: Any, device: Any, nbytes: int, reps: int) -> tuple[fl
 
 
 def measure_gpu(torch: Any, index: int, *, d2d_bytes: int, host_bytes: int, reps: int = 5,
-                sysfs_root: str = "/", all_numa: bool = True) -> GpuBandwidth:
+                sysfs_root: str = "/", all_numa: bool = True, device_copy: bool = True,
+                host_copy: bool = True) -> GpuBandwidth:
+    """``device_copy``/``host_copy`` False leave that part out (quick qualification measures the
+    device copy on every GPU at once, and the host copies one GPU at a time: they share the host)."""
     props = torch.cuda.get_device_properties(index)
     device = torch.device("cuda", index)
     bdf = f"{props.pci_domain_id:04x}:{props.pci_bus_id:02x}:{props.pci_device_id:02x}.0"
     g = GpuBandwidth(f"cuda:{index}", f"GPU-{props.uuid}", index, props.name)
     with torch.cuda.device(device):
-        src = torch.randn(d2d_bytes // 4, device=device)
-        dst = torch.empty_like(src)
-        g.d2d_gbps = 2 * d2d_bytes / _timed_copies(torch, dst, src, reps) / GB
-        del src, dst
+        if device_copy:
+            src = torch.randn(d2d_bytes // 4, device=device)
+            dst = torch.empty_like(src)
+            g.d2d_gbps = 2 * d2d_bytes / _timed_copies(torch, dst, src, reps) / GB
+            del src, dst
+        if not host_copy:
+            return g
         place = read_pci_place(bdf, sysfs_root)
         saved = os.sched_getaffinity(0)
         try:

@@ -204,6 +204,27 @@ def cmd_bandwidth(args: argparse.Namespace) -> dict[str, Any]:
     return doc
 
 
+def cmd_quick(args: argparse.Namespace) -> dict[str, Any]:
+    """Quick qualification: every diagnostic in one warm process per GPU (``diag/quick.py``)."""
+    torch = _import_torch()
+    if torch is None:
+        return _doc("quick", "skipped", "torch is not installed (pip install 'gpuhealth[diag]')")
+    from gpuhealth.diag import quick
+
+    plan = quick.plan_from_args(args)
+    cuda = plan.device != "cpu" and torch.cuda.is_available()
+    if plan.device != "cpu" and not cuda:
+        return _doc("quick", "skipped", "CUDA is not available in this process (no GPU, or a CPU-only torch)")
+    world = args.world or (torch.cuda.device_count() if cuda else 2)
+    return quick.launch_quick(world, plan, timeout_s=args.rank_timeout)
+
+
+def cmd_quick_rank(args: argparse.Namespace) -> dict[str, Any] | None:
+    from gpuhealth.diag import quick
+
+    return quick.run_quick_rank(quick.plan_from_args(args), args.init_method)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m gpuhealth.diag")
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -249,6 +270,16 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--node", default="node")
     busbw_args(sub.add_parser("busbw-rank"))
 
+    from gpuhealth.diag.quick import add_plan_arguments
+
+    q = sub.add_parser("quick")
+    add_plan_arguments(q)
+    q.add_argument("--world", type=int)
+    q.add_argument("--rank-timeout", type=float, default=300.0)
+    qr = sub.add_parser("quick-rank")
+    add_plan_arguments(qr)
+    qr.add_argument("--init-method", default="env://")
+
     w = sub.add_parser("bandwidth")
     w.add_argument("--device", default="cuda")
     w.add_argument("--d2d-mib", type=int, default=1024)
@@ -278,9 +309,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     _die_with_parent()
     t0 = time.monotonic()
     handlers = {"probe": cmd_probe, "sdc": cmd_sdc, "busbw": cmd_busbw, "busbw-rank": cmd_busbw_rank,
-                "bandwidth": cmd_bandwidth}
-    if args.cmd == "busbw-rank":  # a rank that fails must exit non-zero: the launcher watches codes
-        out = cmd_busbw_rank(args)
+                "bandwidth": cmd_bandwidth, "quick": cmd_quick}
+    if args.cmd in ("busbw-rank", "quick-rank"):  # a rank that fails must exit non-zero: the launcher watches
+        out = cmd_busbw_rank(args) if args.cmd == "busbw-rank" else cmd_quick_rank(args)
         if out:
             _emit(out)
         return 0

@@ -3,7 +3,9 @@
 Levels (the SDC shapes are the same at every level, so golden digests compare across levels):
 
 - ``quick``    SDC (every datapath, one run), all_reduce + all_gather at 1 MiB, 64 MiB and 1 GiB, short
-               bandwidth probes. Target: ≤ 60 s on an 8-GPU node.
+               bandwidth probes — all in ONE warm process per GPU (``diag/quick.py``: torch, CUDA
+               contexts and the process group made once; SDC and device copies on every GPU at once,
+               host copies one GPU at a time, then the collectives). Target: ≤ 10 s on an 8-GPU node.
 - ``standard`` SDC with every case repeated twice, all six collectives up to 1 GiB, full bandwidth.
 - ``full``     SDC repeated three times plus the fault-injection self-test, collectives up to 4 GiB.
 
@@ -17,7 +19,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -49,14 +51,18 @@ def plan(level: str, config: Config) -> list[Step]:
     bw_common = ("--hbm-fraction", str(d.bandwidth_hbm_fraction), "--pcie-fraction", str(d.bandwidth_pcie_fraction),
                  "--sysfs-root", config.collectors.sysfs_root)
     if level == "quick":
-        return [
-            Step("sdc", (*sdc_common, "--repeats", "1"), label="SDC matmul hashes"),
-            Step("busbw", (*busbw_common, "--collectives", "all_reduce,all_gather",
-                           # 1 GiB: the plateau, judged even at rank counts without a curve of their own
-                           "--sizes", f"{MiB},{64 * MiB},{1024 * MiB}", "--iters", "10"), 2, "NCCL bus bandwidth"),
-            Step("bandwidth", (*bw_common, "--d2d-mib", "512", "--host-mib", "128", "--reps", "3"),
-                 label="memory bandwidth"),
-        ]
+        # the same probes as the three separate children would run, in one warm process per GPU
+        return [Step("quick", (*sdc_common, "--repeats", "1", "--min-fraction", str(d.busbw_min_fraction),
+                               "--judge-min-bytes", str(d.busbw_judge_min_bytes),
+                               *(("--thresholds-file", d.busbw_thresholds_file) if d.busbw_thresholds_file else ()),
+                               "--collectives", "all_reduce,all_gather",
+                               # 1 GiB: the plateau, judged even at rank counts without a curve of their own
+                               "--sizes", f"{MiB},{64 * MiB},{1024 * MiB}", "--iters", "10",
+                               "--hbm-fraction", str(d.bandwidth_hbm_fraction),
+                               "--pcie-fraction", str(d.bandwidth_pcie_fraction),
+                               "--sysfs-root", config.collectors.sysfs_root,
+                               "--d2d-mib", "512", "--host-mib", "128", "--reps", "3"),
+                     label="SDC, memory and bus bandwidth (one warm process per GPU)")]
     top = 1 << 30 if level == "standard" else 4 << 30
     return [
         Step("sdc", (*sdc_common, "--repeats", "2" if level == "standard" else "3",
@@ -93,6 +99,7 @@ class QualifyReport:
     collectors: dict[str, Any]
     simulated: bool
     wall_s: float = 0.0
+    phases: dict[str, float] = field(default_factory=dict)  # quick: wall seconds per phase
 
     @property
     def fit(self) -> bool:
@@ -108,6 +115,7 @@ class QualifyReport:
             "findings": [f.to_dict() for f in self.node_findings],
             "diagnostics": [_diag_summary(d) for d in self.diagnostics],
             "collectors": self.collectors,
+            **({"phases": self.phases} if self.phases else {}),
         }
 
 
@@ -171,6 +179,33 @@ def verdict(report: NodeReport, diagnostics: Sequence[DiagOutcome], level: str, 
                          report.simulated, wall_s)
 
 
+QUICK_PARTS = ("sdc", "busbw", "bandwidth")
+
+
+def split_quick(outcome: DiagOutcome) -> tuple[list[DiagOutcome], dict[str, float]]:
+    """The quick run's one outcome → the three diagnostics' outcomes (as their own children would
+    have reported them) and the wall seconds of each phase."""
+    if outcome.status != "ok":
+        return [DiagOutcome(name, outcome.status, outcome.reason, skipped_gpus=dict(outcome.skipped_gpus),
+                            gpus=list(outcome.gpus), wall_s=outcome.wall_s) for name in QUICK_PARTS], {}
+    out = []
+    for name in QUICK_PARTS:
+        doc = outcome.result.get(name) or {}
+        findings = []
+        for f in doc.get("findings") or []:
+            try:
+                findings.append(Finding.from_dict(f))
+            except (KeyError, ValueError):
+                continue
+        out.append(DiagOutcome(name, str(doc.get("status", "failed")), str(doc.get("reason", "no result")),
+                               findings, dict(doc.get("result") or {}),
+                               {str(k): float(v) for k, v in (doc.get("gpu_seconds") or {}).items()},
+                               skipped_gpus=dict(outcome.skipped_gpus), gpus=list(outcome.gpus),
+                               wall_s=outcome.wall_s))
+    phases = outcome.result.get("phases") or {}
+    return out, {str(k): float(v) for k, v in phases.items() if isinstance(v, (int, float))}
+
+
 def default_state_dir(config: Config) -> Path:
     """Where budgets and locks live: configured, else under the agent's state dir, else the user cache."""
     if config.diag.state_dir:
@@ -203,6 +238,7 @@ def run_qualify(
     """Run the level's diagnostics on the report's GPUs (each in a child process) and judge."""
     start = time.monotonic() if t0 is None else t0
     outcomes: list[DiagOutcome] = []
+    phases: dict[str, float] = {}
     gpus = [g.identity for g in report.gpus]
     golden = str(default_golden_dir(config))
     for step in plan(level, config):
@@ -214,15 +250,21 @@ def run_qualify(
             outcome = DiagOutcome(step.diag, "skipped", f"needs {step.min_gpus} GPUs, the node has {len(gpus)}")
         else:
             args = list(step.args)
-            if step.diag == "sdc":
+            if step.diag in ("sdc", "quick"):
                 args += ["--golden-dir", golden]
             outcome = runner.run(step.diag, args, gpus=gpus, force=force, timeout_s=config.diag.timeout_s,
                                  min_gpus=step.min_gpus, enforce_budget=False)
-        outcomes.append(outcome)
+        if step.diag == "quick":
+            parts, phases = split_quick(outcome)
+            outcomes.extend(parts)
+        else:
+            outcomes.append(outcome)
         if progress:
             progress(step.diag, f"{step.label or step.diag}: {outcome.status}")
-    return verdict(report, outcomes, level, time.monotonic() - start)
+    result = verdict(report, outcomes, level, time.monotonic() - start)
+    result.phases = phases
+    return result
 
 
 __all__ = ["LEVELS", "GpuVerdict", "QualifyReport", "Step", "default_golden_dir", "default_state_dir", "plan",
-           "run_qualify", "verdict"]
+           "run_qualify", "split_quick", "verdict"]

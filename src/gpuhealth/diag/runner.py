@@ -34,7 +34,7 @@ from gpuhealth.model import Finding
 
 WINDOW_S = 3600.0
 # GPU-seconds a run is expected to cost per GPU before one has been measured on this node.
-DEFAULT_ESTIMATE_S = {"sdc": 1.0, "busbw": 20.0, "bandwidth": 2.0, "probe": 0.0}
+DEFAULT_ESTIMATE_S = {"sdc": 1.0, "busbw": 20.0, "bandwidth": 2.0, "probe": 0.0, "quick": 23.0}
 
 
 @dataclass(slots=True)
@@ -215,7 +215,7 @@ class DiagRunner:
                 return DiagOutcome(diag, "skipped", f"{len(run_on)} GPU(s) available, needs {max(1, min_gpus)}: {why}",
                                    skipped_gpus=skipped, wall_s=time.monotonic() - t0)
             env = {"CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
-            if diag == "busbw":
+            if diag in ("busbw", "quick"):  # one rank per GPU: each sees its GPUs as cuda:0…
                 env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g.index) for g in run_on)
                 extra = ["--world", str(len(run_on))]
             else:

@@ -399,6 +399,96 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+@dataclass(slots=True)
+class DeviceRun:
+    """What one device measured: its document, its digest per case, the findings it makes alone
+    (a case that gave different digests across repeats) and the self-test's injected faults."""
+
+    ref: DeviceRef
+    doc: dict[str, Any]
+    digests: dict[str, str]
+    findings: list[Finding]
+    injected: dict[str, dict[str, int]]  # fault kind → {"injected": n, "detected": n}
+
+    def to_wire(self) -> dict[str, Any]:
+        """Plain data, for gathering device runs from other processes (one rank per GPU)."""
+        return {"ref": dataclasses.asdict(self.ref), "doc": self.doc, "digests": self.digests,
+                "findings": [f.to_dict() for f in self.findings], "injected": self.injected}
+
+    @classmethod
+    def from_wire(cls, d: Mapping[str, Any]) -> DeviceRun:
+        return cls(DeviceRef(**d["ref"]), dict(d["doc"]), dict(d["digests"]),
+                   [Finding.from_dict(f) for f in d["findings"]], {k: dict(v) for k, v in d["injected"].items()})
+
+
+RunOne = Callable[["DeviceSpec", Case, bool], CaseResult]
+
+
+def case_runner(seed: int, faults: Sequence[FaultKind]) -> RunOne:
+    """``one(spec, case, with_faults)``: one run of a case on a device, honouring the device's test
+    hook (``corrupt`` for its first ``corrupt_runs`` runs)."""
+    run_count: dict[str, int] = {}
+
+    def one(spec: DeviceSpec, case: Case, with_faults: bool = False) -> CaseResult:
+        n = run_count.get(spec.ref.key, 0)
+        run_count[spec.ref.key] = n + 1
+        bad = spec.corrupt if spec.corrupt_runs is None or n < spec.corrupt_runs else None
+        with torch.cuda.device(spec.device) if spec.device.type == "cuda" else contextlib.nullcontext():
+            return run_case(case, spec.device, seed, faults=faults if with_faults else (), corrupt=bad)
+
+    return one
+
+
+def measure_device(spec: DeviceSpec, cases: Sequence[Case], one: RunOne, *, seed: int, repeats: int,
+                   selftest: bool, faults: Sequence[FaultKind]) -> DeviceRun:
+    """Every case on one device (``repeats`` times; the self-test's faults on the first run)."""
+    # One-time host work is not GPU time: compiling the hash kernel (~2 s the first time in a
+    # process) and cuBLAS loading each matmul kernel on first use (~0.1 s per square case on an
+    # H200, measured inside the events while the GPU idles; modules load per device). Do it before
+    # the clock starts, on every GPU, and report it apart as setup_seconds.
+    t_setup = time.perf_counter()
+    with torch.cuda.device(spec.device) if spec.device.type == "cuda" else contextlib.nullcontext():
+        hashing.digest(torch.zeros(64, dtype=torch.int32, device=spec.device))
+        if spec.device.type == "cuda":
+            for case in cases:
+                with math_mode(case.datapath):
+                    a, b = _inputs(case, spec.device, seed)
+                    matmul(case, a, b)
+                del a, b
+    _sync(spec.device)
+    setup_s = time.perf_counter() - t_setup
+    t_start = time.perf_counter()
+    gpu_ms = 0.0
+    results: list[dict[str, Any]] = []
+    digests: dict[str, str] = {}
+    findings: list[Finding] = []
+    injected: dict[str, dict[str, int]] = {k.value: {"injected": 0, "detected": 0} for k in faults}
+    for case in cases:
+        runs = [one(spec, case, selftest)]
+        runs += [one(spec, case, False) for _ in range(repeats - 1)]
+        gpu_ms += sum(r.gen_ms + r.matmul_ms + r.hash_ms for r in runs)
+        doc = runs[0].to_dict()
+        if repeats > 1:
+            doc["repeat_digests"] = [r.digest for r in runs]
+            if len({r.digest for r in runs}) > 1:
+                findings.append(self_inconsistency_finding(spec.ref, case.info(), [r.digest for r in runs]))
+        for kind, bad_digest in runs[0].injected.items():
+            injected[kind]["injected"] += 1
+            injected[kind]["detected"] += int(bad_digest != runs[0].digest)
+        results.append(doc)
+        digests[case.case_id] = runs[0].digest
+    _sync(spec.device)
+    device_doc = {
+        "device": spec.ref.key, "uuid": spec.ref.uuid, "index": spec.ref.index, "name": spec.ref.name,
+        "cases": results, "gpu_seconds": round(gpu_ms / 1e3, 4),
+        "wall_seconds": round(time.perf_counter() - t_start, 3), "setup_seconds": round(setup_s, 3),
+    }
+    return DeviceRun(spec.ref, device_doc, digests, findings, injected)
+
+
+Rerun = Callable[[Sequence[Any]], dict[tuple[str, str], list[str]]]
+
+
 def run_sdc(
     specs: Sequence[DeviceSpec],
     *,
@@ -415,77 +505,61 @@ def run_sdc(
     if not specs:
         raise ValueError("no devices to test")
     first = specs[0].device
+    cases = plan_cases(first, datapaths)
+    faults = list(FaultKind) if selftest else []
+    one = case_runner(seed, faults)
+    runs = [measure_device(spec, cases, one, seed=seed, repeats=repeats, selftest=selftest, faults=faults)
+            for spec in specs]
+    by_key = {s.ref.key: s for s in specs}
+    case_by_id = {c.case_id: c for c in cases}
+
+    def rerun(suspects: Sequence[Any]) -> dict[tuple[str, str], list[str]]:
+        return {(s.device, s.case_id): [one(by_key[s.device], case_by_id[s.case_id], False).digest
+                                        for _ in range(reruns)] for s in suspects}
+
+    return judge_sdc(runs, cases, first, seed=seed, golden_dir=golden_dir, rerun=rerun, reruns=reruns,
+                     record_golden=record_golden, selftest=selftest, node=node, datapaths=datapaths)
+
+
+def judge_sdc(
+    runs: Sequence[DeviceRun],
+    cases: Sequence[Case],
+    first: torch.device,
+    *,
+    seed: int,
+    golden_dir: str | Path | None,
+    rerun: Rerun,
+    reruns: int,
+    record_golden: bool = False,
+    selftest: bool = False,
+    node: str = "node",
+    datapaths: Sequence[Datapath] | None = None,
+) -> SdcReport:
+    """The judgement over every device's run: golden → peers → re-runs (``rerun``: suspects → their
+    re-run digests, however the devices are reached) → findings; the golden recorded when unanimous."""
     key = environment_key(first, seed)
     store = GoldenStore(golden_dir) if golden_dir is not None else None
     golden = store.load(key) if store is not None else None
-    cases = plan_cases(first, datapaths)
     _, skipped_dp = datapaths_for(first)
     skipped = {d.value: why for d, why in skipped_dp.items()}
-    faults = list(FaultKind) if selftest else []
-    run_count: dict[str, int] = {}
-
-    def one(spec: DeviceSpec, case: Case, with_faults: bool = False) -> CaseResult:
-        n = run_count.get(spec.ref.key, 0)
-        run_count[spec.ref.key] = n + 1
-        bad = spec.corrupt if spec.corrupt_runs is None or n < spec.corrupt_runs else None
-        with torch.cuda.device(spec.device) if spec.device.type == "cuda" else contextlib.nullcontext():
-            return run_case(case, spec.device, seed, faults=faults if with_faults else (), corrupt=bad)
-
-    findings: list[Finding] = []
-    per_device: dict[str, dict[str, str]] = {}
-    device_docs: list[dict[str, Any]] = []
-    by_key = {s.ref.key: s for s in specs}
+    findings: list[Finding] = [f for r in runs for f in r.findings]
+    per_device: dict[str, dict[str, str]] = {r.ref.key: r.digests for r in runs}
+    device_docs = [r.doc for r in runs]
+    refs = {r.ref.key: r.ref for r in runs}
     case_by_id = {c.case_id: c for c in cases}
-    selftest_doc: dict[str, Any] = {k.value: {"injected": 0, "detected": 0} for k in faults}
-    for spec in specs:
-        # One-time host work is not GPU time: compiling the hash kernel (~2 s the first time in a
-        # process) and cuBLAS loading each matmul kernel on first use (~0.1 s per square case on an
-        # H200, measured inside the events while the GPU idles; modules load per device). Do it before
-        # the clock starts, on every GPU, and report it apart as setup_seconds.
-        t_setup = time.perf_counter()
-        with torch.cuda.device(spec.device) if spec.device.type == "cuda" else contextlib.nullcontext():
-            hashing.digest(torch.zeros(64, dtype=torch.int32, device=spec.device))
-            if spec.device.type == "cuda":
-                for case in cases:
-                    with math_mode(case.datapath):
-                        a, b = _inputs(case, spec.device, seed)
-                        matmul(case, a, b)
-                    del a, b
-        _sync(spec.device)
-        setup_s = time.perf_counter() - t_setup
-        t_start = time.perf_counter()
-        gpu_ms = 0.0
-        results: list[dict[str, Any]] = []
-        digests: dict[str, str] = {}
-        for case in cases:
-            runs = [one(spec, case, with_faults=selftest)]
-            runs += [one(spec, case) for _ in range(repeats - 1)]
-            gpu_ms += sum(r.gen_ms + r.matmul_ms + r.hash_ms for r in runs)
-            doc = runs[0].to_dict()
-            if repeats > 1:
-                doc["repeat_digests"] = [r.digest for r in runs]
-                if len({r.digest for r in runs}) > 1:
-                    findings.append(self_inconsistency_finding(spec.ref, case.info(), [r.digest for r in runs]))
-            for kind, bad_digest in runs[0].injected.items():
-                selftest_doc[kind]["injected"] += 1
-                selftest_doc[kind]["detected"] += int(bad_digest != runs[0].digest)
-            results.append(doc)
-            digests[case.case_id] = runs[0].digest
-        _sync(spec.device)
-        per_device[spec.ref.key] = digests
-        device_docs.append({
-            "device": spec.ref.key, "uuid": spec.ref.uuid, "index": spec.ref.index, "name": spec.ref.name,
-            "cases": results, "gpu_seconds": round(gpu_ms / 1e3, 4),
-            "wall_seconds": round(time.perf_counter() - t_start, 3), "setup_seconds": round(setup_s, 3),
-        })
+    selftest_doc: dict[str, Any] = {}
+    for r in runs:
+        for kind, counts in r.injected.items():
+            acc = selftest_doc.setdefault(kind, {"injected": 0, "detected": 0})
+            acc["injected"] += counts["injected"]
+            acc["detected"] += counts["detected"]
 
     suspects, golden_disagrees = find_suspects(per_device, golden)
-    rerun_digests = {(s.device, s.case_id): [one(by_key[s.device], case_by_id[s.case_id]).digest
-                                             for _ in range(reruns)] for s in suspects}
+    rerun_digests = rerun(suspects) if reruns and suspects else {}
     for suspect in suspects:
-        spec = by_key[suspect.device]
+        ref = refs[suspect.device]
         case = case_by_id[suspect.case_id]
-        again = rerun_digests[(suspect.device, suspect.case_id)]
+        again = rerun_digests.get((suspect.device, suspect.case_id), [])
         if suspect.basis is Basis.UNDECIDED and reruns:
             # No majority the first time (e.g. two of three devices wrong at once): vote again on
             # every device's latest answer; a device that was right all along is cleared.
@@ -497,43 +571,43 @@ def run_sdc(
                     continue
                 suspect = dataclasses.replace(suspect, expected=second, basis=Basis.PEERS)
         persistence = classify(suspect.observed, suspect.expected, again)
-        findings.append(suspect_finding(suspect, spec.ref, case.info(), persistence, again))
+        findings.append(suspect_finding(suspect, ref, case.info(), persistence, again))
     kid = key_id(key)
     if golden_disagrees:
         findings.append(golden_disagreement_finding(node, golden_disagrees, kid))
 
     golden_doc: dict[str, Any] = {"status": "absent" if golden is None else "compared", "key_id": kid}
     if store is not None and not findings:
-        unanimous = {c: per_device[specs[0].ref.key][c] for c in case_by_id}
-        if record_golden or (golden is None and len(specs) >= 2):
+        unanimous = {c: per_device[runs[0].ref.key][c] for c in case_by_id}
+        if record_golden or (golden is None and len(runs) >= 2):
             missing = {c: d for c, d in unanimous.items() if golden is None or c not in golden}
             if missing or record_golden:
-                path = store.record(key, unanimous, source=f"{node}:{len(specs)} devices agreed")
+                path = store.record(key, unanimous, source=f"{node}:{len(runs)} devices agreed")
                 golden_doc.update(status="recorded", path=str(path), cases=len(unanimous))
 
     selftest_result = None
     if selftest:
-        selftest_result = _selftest_findings(selftest_doc, specs, cases, per_device, device_docs)
+        selftest_result = _selftest_findings(selftest_doc, [r.ref for r in runs], cases, per_device, device_docs)
     impl = "triton" if first.type == "cuda" and hashing.triton_available() else "torch"
     return SdcReport(key, kid, device_docs, findings, golden_doc, skipped, selftest_result, impl)
 
 
-def _selftest_findings(counts: dict[str, Any], specs: Sequence[DeviceSpec], cases: Sequence[Case],
+def _selftest_findings(counts: dict[str, Any], refs: Sequence[DeviceRef], cases: Sequence[Case],
                        per_device: Mapping[str, Mapping[str, str]],
                        device_docs: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     """Feed each injected digest through the same judgement as a real run (the clean digest as the
     golden) and check that it yields an ``sdc.mismatch`` naming the GPU, datapath and shape."""
     named = total = 0
     examples: list[dict[str, Any]] = []
-    for spec, doc in zip(specs, device_docs, strict=True):
+    for ref, doc in zip(refs, device_docs, strict=True):
         for case_doc, case in zip(doc["cases"], cases, strict=True):
-            clean = per_device[spec.ref.key][case.case_id]
+            clean = per_device[ref.key][case.case_id]
             for kind, bad in case_doc.get("injected", {}).items():
                 total += 1
-                suspects, _ = find_suspects({spec.ref.key: {case.case_id: bad}}, {case.case_id: clean})
+                suspects, _ = find_suspects({ref.key: {case.case_id: bad}}, {case.case_id: clean})
                 for s in suspects:
-                    f = suspect_finding(s, spec.ref, case.info(), Persistence.TRANSIENT, [clean], injected=True)
-                    ok = (f.code == "sdc.mismatch" and f.entity.id == spec.ref.uuid
+                    f = suspect_finding(s, ref, case.info(), Persistence.TRANSIENT, [clean], injected=True)
+                    ok = (f.code == "sdc.mismatch" and f.entity.id == ref.uuid
                           and f.evidence["datapath"] == case.datapath.value and f.evidence["shape"] == case.shape)
                     named += int(ok)
                     if len(examples) < 2:
