@@ -205,17 +205,20 @@ def cmd_bandwidth(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def cmd_quick(args: argparse.Namespace) -> dict[str, Any]:
-    """Quick qualification: every diagnostic in one warm process per GPU (``diag/quick.py``)."""
-    torch = _import_torch()
-    if torch is None:
-        return _doc("quick", "skipped", "torch is not installed (pip install 'gpuhealth[diag]')")
+    """Quick qualification: every diagnostic in one warm process per GPU (``diag/quick.py``). The
+    launcher itself imports torch only to count GPUs when ``--world`` is not given (the runner gives it)."""
     from gpuhealth.diag import quick
 
     plan = quick.plan_from_args(args)
-    cuda = plan.device != "cpu" and torch.cuda.is_available()
-    if plan.device != "cpu" and not cuda:
-        return _doc("quick", "skipped", "CUDA is not available in this process (no GPU, or a CPU-only torch)")
-    world = args.world or (torch.cuda.device_count() if cuda else 2)
+    world = args.world
+    if not world:
+        torch = _import_torch()
+        if torch is None:
+            return _doc("quick", "skipped", "torch is not installed (pip install 'gpuhealth[diag]')")
+        cuda = plan.device != "cpu" and torch.cuda.is_available()
+        if plan.device != "cpu" and not cuda:
+            return _doc("quick", "skipped", "CUDA is not available in this process (no GPU, or a CPU-only torch)")
+        world = torch.cuda.device_count() if cuda else 2
     return quick.launch_quick(world, plan, timeout_s=args.rank_timeout)
 
 

@@ -119,6 +119,10 @@ def run_quick_rank(plan: QuickPlan, init_method: str) -> dict[str, Any] | None:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local = int(os.environ.get("LOCAL_RANK", rank))
     cuda = plan.device != "cpu" and torch.cuda.is_available()
+    if plan.device != "cpu" and not cuda:  # every rank sees the same: rank 0 says so, nobody waits
+        return None if rank else {"diag": "quick", "status": "skipped", "findings": [], "gpu_seconds": {},
+                                  "reason": "CUDA is not available in this process (no GPU, or a CPU-only torch)",
+                                  "result": {}}
     if cuda:
         torch.cuda.set_device(local)
         device = torch.device("cuda", local)
