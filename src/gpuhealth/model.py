@@ -178,7 +178,8 @@ class Sample:
 
 @dataclass(frozen=True, slots=True)
 class RankIdentity:
-    """Who a training rank is and where it runs (sent once by the instrument hook)."""
+    """Who a training rank is and where it runs: sent once by the instrument hook (``found_by`` "hook"),
+    or read by the agent from the process's environment (``found_by`` "discovered", zero-code)."""
 
     job_id: str
     rank: int
@@ -188,12 +189,13 @@ class RankIdentity:
     local_rank: int | None = None
     gpu_uuid: str | None = None
     gpu_index: int | None = None
+    found_by: str = "hook"  # "hook" | "discovered"
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "job_id": self.job_id, "rank": self.rank, "world_size": self.world_size, "host": self.host,
             "pid": self.pid, "local_rank": self.local_rank, "gpu_uuid": self.gpu_uuid,
-            "gpu_index": self.gpu_index,
+            "gpu_index": self.gpu_index, "found_by": self.found_by,
         }
 
     @classmethod
@@ -203,6 +205,7 @@ class RankIdentity:
             host=str(d.get("host", "")), pid=int(d.get("pid", 0)),
             local_rank=None if d.get("local_rank") is None else int(d["local_rank"]),
             gpu_uuid=d.get("gpu_uuid"), gpu_index=None if d.get("gpu_index") is None else int(d["gpu_index"]),
+            found_by="discovered" if d.get("found_by") == "discovered" else "hook",
         )
 
 
