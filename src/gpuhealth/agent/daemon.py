@@ -40,7 +40,7 @@ from gpuhealth.agent.nvml_supervisor import (
 )
 from gpuhealth.agent.scheduler import Job, Scheduler
 from gpuhealth.agent.systemd import SystemdReporter
-from gpuhealth.agent.view import AgentExtension, FindingsListener, GpuLabelProvider, ReportsSamples
+from gpuhealth.agent.view import AgentExtension, FindingsListener, GpuLabelProvider, GpuProcess, ReportsSamples
 from gpuhealth.backends.base import NvmlBackend
 from gpuhealth.backends.errors import DRIVER_GONE_CODES
 from gpuhealth.collectors.base import CollectContext, Collector, GpuIdentity, Lane
@@ -153,6 +153,14 @@ class Agent:
         self._label_provider = provider
         if provider is not None:
             self.scheduler.run_soon(_LABELS)
+
+    def gpu_processes(self) -> list[GpuProcess]:
+        """Each GPU's compute processes (``view.ListsGpuProcesses``); empty while NVML is not up."""
+        if self.nvml.state is not NvmlState.UP:
+            return []
+        from gpuhealth.agent.zerocode.gpuprocs import gpu_processes
+
+        return gpu_processes(self.backend, self.gpus)
 
     def _versions(self) -> dict[str, Any]:
         if "versions" not in self._collectors:

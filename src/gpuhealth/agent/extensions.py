@@ -6,6 +6,9 @@
   ``gpuhealth[coordinator]``).
 - ``diag.enabled``: periodic SDC and bandwidth checks in a child process under the per-GPU
   GPU-time budget; their findings are published into the agent's findings and ``/metrics``.
+- zero-code discovery (on unless its settings say otherwise; idle on simulated GPUs): a
+  ``zerocode.ZeroCodeWatcher`` finds and watches the PyTorch/NCCL jobs on the node's GPUs that import
+  nothing of ours. With a coordinator link, the link serves discovered ranks too (``CombinedRanks``).
 
 An extension that fails to start is logged by the agent, which keeps running without it.
 """
@@ -88,7 +91,9 @@ class _PeriodicDiagnostics:
 
 
 def default_extensions(config: Config) -> list[AgentExtension]:
-    """Extensions the config asks for, rank hub first (the coordinator link uses it)."""
+    """Extensions the config asks for, rank hub first (the coordinator link uses it), then zero-code."""
+    from gpuhealth.agent.zerocode.watcher import ZeroCodeWatcher, settings_from
+
     extensions: list[AgentExtension] = []
     hub = None
     if config.agent.socket_path:
@@ -96,6 +101,10 @@ def default_extensions(config: Config) -> list[AgentExtension]:
 
         hub = RankHub(config.agent.socket_path)
         extensions.append(_RankHubGuard(hub))
+    zero_code = settings_from(config)
+    watcher = ZeroCodeWatcher(zero_code) if zero_code.enabled else None
+    if watcher is not None:
+        extensions.append(watcher)
     if config.agent.coordinator:
         try:
             from gpuhealth.agent.coordinator_link import link_from_config
@@ -103,7 +112,12 @@ def default_extensions(config: Config) -> list[AgentExtension]:
             log.error("agent.coordinator is set but the coordinator link cannot load (%s); "
                       "install gpuhealth[coordinator]", exc)
         else:
-            link = link_from_config(config, rank_hub=hub)
+            ranks: Any = hub
+            if watcher is not None:
+                from gpuhealth.agent.zerocode.ranksource import CombinedRanks
+
+                ranks = CombinedRanks(hub, watcher)
+            link = link_from_config(config, rank_hub=ranks)
             if link is not None:
                 extensions.append(link)
     if config.diag.enabled:

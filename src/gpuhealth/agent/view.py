@@ -22,11 +22,15 @@ own). Nothing else of the agent is reachable from outside, so its internals can 
 An ``AgentExtension`` (``name``, ``start(view)``, ``stop()``, optionally ``samples()`` for
 ``/metrics``) must not block in ``start``: it runs its own threads. One that fails to start is
 logged and the agent runs without it.
+
+A view may also list the compute processes NVML sees on each GPU (``ListsGpuProcesses``:
+``gpu_processes()``; the running agent does, on live NVML). Zero-code job discovery starts from it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
@@ -78,6 +82,23 @@ class AgentExtension(Protocol):
     def start(self, agent: AgentView) -> None: ...
 
     def stop(self) -> None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class GpuProcess:
+    """One compute process on one GPU, as NVML lists it (PIDs in the agent's PID namespace)."""
+
+    gpu_index: int
+    gpu_uuid: str
+    pid: int
+    used_memory_bytes: int | None = None
+
+
+@runtime_checkable
+class ListsGpuProcesses(Protocol):
+    """A view that can list each GPU's compute processes (empty while NVML is down)."""
+
+    def gpu_processes(self) -> list[GpuProcess]: ...
 
 
 @runtime_checkable

@@ -16,12 +16,12 @@ from gpuhealth.runtime.sdnotify import SystemdNotifier
 def test_default_extensions_follow_the_config(tmp_path: Any) -> None:
     cfg = fast_config()
     cfg.agent.socket_path = ""
-    assert default_extensions(cfg) == []
+    assert [e.name for e in default_extensions(cfg)] == ["zerocode"]  # zero-code discovery needs no config
     cfg.agent.socket_path = str(tmp_path / "agent.sock")
     cfg.agent.coordinator = "127.0.0.1:1"
     cfg.agent.state_dir = str(tmp_path / "state")
     cfg.diag.enabled = True
-    assert [e.name for e in default_extensions(cfg)] == ["ranks", "coordinator_link", "diagnostics"]
+    assert [e.name for e in default_extensions(cfg)] == ["ranks", "zerocode", "coordinator_link", "diagnostics"]
 
 
 def test_published_diagnostic_findings_join_health_and_metrics(tmp_path: Any) -> None:

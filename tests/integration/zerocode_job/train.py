@@ -1,0 +1,129 @@
+"""An unmodified PyTorch training script (it imports nothing of gpuhealth), for zero-code tests.
+
+Run it under torchrun, on CPU (Gloo) or GPUs (NCCL)::
+
+    torchrun --nproc-per-node=2 train.py --backend gloo --steps 0 --hang-rank 1 --hang-step 20
+
+Each step "computes" (a sleep on CPU, a matmul loop sized to ``--compute-s`` on a GPU), then all-reduces
+in the world group and, with ``--subgroup``, in a second group of all ranks (a second NCCL communicator).
+
+Faults: ``--hang-rank R --hang-step S``: rank R stops entering collectives at step S and sleeps (a
+host-stuck rank). ``--mismatch-rank R --mismatch-step S``: rank R broadcasts where the others
+all-reduce (a collective mismatch). ``--slow-rank R --slow-factor F``: rank R computes F× longer.
+``--steps-out FILE``: rank 0 appends one JSON line per step ({"step", "t", "dt"}).
+
+``--emulate-pipe`` (CPU only) stands in for NCCL's dump pipe, which Gloo does not have: like
+``ProcessGroupNCCL``'s watchdog it creates the FIFO ``$TORCH_NCCL_DEBUG_INFO_PIPE_FILE<rank>.pipe``
+(mkfifo 0666, opened O_RDONLY|O_NONBLOCK), reads it once a second, and on any byte writes its
+flight-recorder dump (Gloo's, as a pickle) to ``$TORCH_NCCL_DEBUG_INFO_TEMP_FILE<rank>`` in place.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import threading
+import time
+
+
+def _pipe_watchdog(rank: int, torch_c10d: object) -> None:
+    """NCCL's DumpPipe + dumpDebuggingInfo, for a Gloo job (see the module docstring)."""
+    prefix = os.environ.get("TORCH_NCCL_DEBUG_INFO_PIPE_FILE", "")
+    out = os.environ.get("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", "")
+    if not prefix or not out or int(os.environ.get("TORCH_FR_BUFFER_SIZE", "0") or 0) <= 0:
+        return
+    path = f"{prefix}{rank}.pipe"
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+    os.mkfifo(path, 0o666)
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    while True:
+        time.sleep(1.0)
+        try:
+            data = os.read(fd, 128)
+        except BlockingIOError:
+            continue
+        if data:
+            trace = torch_c10d._dump_fr_trace(True, True, False)  # type: ignore[attr-defined]
+            with open(f"{out}{rank}", "wb") as fh:  # in place, as torch's DebugInfoWriter does
+                fh.write(trace)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--backend", default="gloo")
+    ap.add_argument("--steps", type=int, default=100, help="0: run until killed")
+    ap.add_argument("--compute-s", type=float, default=0.02)
+    ap.add_argument("--size", type=int, default=1024)
+    ap.add_argument("--hang-rank", type=int, default=-1)
+    ap.add_argument("--hang-step", type=int, default=-1)
+    ap.add_argument("--mismatch-rank", type=int, default=-1)
+    ap.add_argument("--mismatch-step", type=int, default=-1)
+    ap.add_argument("--slow-rank", type=int, default=-1)
+    ap.add_argument("--slow-factor", type=float, default=1.0)
+    ap.add_argument("--subgroup", action="store_true")
+    ap.add_argument("--steps-out", default="")
+    ap.add_argument("--emulate-pipe", action="store_true")
+    args = ap.parse_args()
+
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group(args.backend)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    gpu = args.backend == "nccl"
+    if gpu:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        device = torch.device("cuda", torch.cuda.current_device())
+    else:
+        device = torch.device("cpu")
+    if args.emulate_pipe:
+        threading.Thread(target=_pipe_watchdog, args=(rank, torch._C._distributed_c10d), daemon=True).start()
+    sub = dist.new_group(list(range(world))) if args.subgroup else None
+    grad = torch.ones(args.size, device=device)
+    a = torch.randn(2048, 2048, device=device) if gpu else None
+    iters = 1
+    if gpu and a is not None:  # matmuls per step sized to --compute-s
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        for _ in range(10):
+            a @ a
+        torch.cuda.synchronize()
+        iters = max(1, int(args.compute_s / ((time.perf_counter() - t) / 10)))
+    factor = args.slow_factor if rank == args.slow_rank else 1.0
+    step = 0
+    last = time.time()
+    print(f"rank {rank}/{world} pid {os.getpid()} ready", flush=True)
+    while args.steps == 0 or step < args.steps:
+        if rank == args.hang_rank and step == args.hang_step:
+            print(f"rank {rank} hangs at step {step} t={time.time():.3f}", flush=True)
+            while True:
+                time.sleep(3600)  # the host is stuck: no more collectives from this rank
+        if gpu and a is not None:
+            for _ in range(max(1, int(iters * factor))):
+                a @ a
+        else:
+            time.sleep(args.compute_s * factor)
+        if rank == args.mismatch_rank and step == args.mismatch_step:
+            print(f"rank {rank} broadcasts instead at step {step} t={time.time():.3f}", flush=True)
+            dist.broadcast(grad, src=rank)
+        else:
+            dist.all_reduce(grad)
+        if sub is not None:
+            dist.all_reduce(grad, group=sub)
+        if gpu:
+            torch.cuda.synchronize()
+        now = time.time()
+        if rank == 0 and args.steps_out:
+            with open(args.steps_out, "a") as fh:
+                fh.write(json.dumps({"step": step, "t": now, "dt": now - last}) + "\n")
+        last = now
+        step += 1
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
