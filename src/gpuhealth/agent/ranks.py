@@ -370,6 +370,11 @@ class RankHub:
             Sample("agent_dump_budget_refusals", float(st["dump_budget_refusals"]),
                    "Flight-recorder dumps refused for the agent's memory budget (asked again one at a time)",
                    MetricKind.COUNTER),
+            Sample("agent_rank_socket_refusals", float(st["refused_connections"] + st["refused_hellos"]
+                                                       + st["hello_timeouts"] + st["line_timeouts"]),
+                   "Rank-socket connections the agent closed: over the connection cap, a hello claiming a live rank "
+                   "or another user's job, no hello in time, a line left unfinished (docs/security.md)",
+                   MetricKind.COUNTER),
         ]
         out += [Sample("agent_job_ranks_connected", float(n), "Connected ranks of one job on this node",
                        labels=(("job_id", job),)) for job, n in sorted(per_job.items())]
