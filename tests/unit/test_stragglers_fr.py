@@ -81,6 +81,16 @@ def test_with_start_times_lateness_is_relative_to_the_step() -> None:
     assert "costs the job" in found[0].message
 
 
+def test_with_two_ranks_the_excess_is_measured_against_the_other_rank() -> None:
+    # Rank 1 computes 40 ms where rank 0 computes 20: rank 0 waits 20 ms a step, about half of it. The
+    # median of both ranks would sit halfway to the straggler and overstate that by sqrt(2).
+    found = detect_from_durations(_dumps(2, 60, slow=1, factor=2.0, noise=0.02, timed=True))
+    assert [f.evidence["rank"] for f in found] == [1]
+    ev = found[0].evidence
+    assert 18.0 <= ev["excess_s"] * 1000 <= 22.0
+    assert 0.42 <= ev["cost_share"] <= 0.52
+
+
 def _real(case: str, clock: str | None) -> dict[int, list[tuple[str, int, float] | tuple[str, int, float, int]]]:
     dumps = load_dumps(Path(__file__).parent.parent / "fixtures" / "flightrec" / case / "dumps").dumps
     return {r: [(e.group, e.seq, float(e.duration_ms), getattr(e, clock)) if clock else

@@ -111,6 +111,9 @@ class StragglerDetector:
         self._ring = np.zeros((0, 0), np.float32)
         self._ring_steps = np.zeros(0, np.int64)
         self._centre = np.zeros(0)
+        # per step, the median of the other ranks for the slowest rank: a straggler's excess is measured
+        # against the others (with two ranks the job's median is halfway to the straggler itself)
+        self._others = np.zeros(0)
         self._wall = np.zeros(0)
         self._count = 0
         self._seen = np.zeros(0, bool)
@@ -260,6 +263,7 @@ class StragglerDetector:
         ring = np.full((width, cap), np.nan, np.float32)
         steps = np.zeros(cap, np.int64)
         centre = np.full(cap, np.nan)
+        others = np.full(cap, np.nan)
         wall = np.full(cap, np.nan)
         keep = min(self._count, self._cap, cap)
         if keep:
@@ -267,8 +271,10 @@ class StragglerDetector:
             ring[: self._width, old % cap] = self._ring[:, old % self._cap]
             steps[old % cap] = self._ring_steps[old % self._cap]
             centre[old % cap] = self._centre[old % self._cap]
+            others[old % cap] = self._others[old % self._cap]
             wall[old % cap] = self._wall[old % self._cap]
         self._ring, self._ring_steps, self._centre, self._wall = ring, steps, centre, wall
+        self._others = others
         seen = np.zeros(width, bool)
         seen[: self._width] = self._seen
         self._seen = seen
@@ -313,17 +319,22 @@ class StragglerDetector:
             return []
         if self.relative:
             lx = np.where(valid, np.log(np.where(valid, x, 1.0)), np.nan)
-            diff = lx - leave_one_out_median(lx)
+            loo = leave_one_out_median(lx)
+            diff = lx - loo
             centre_log = float(np.median(lx[valid]))
             centre = math.exp(centre_log)
+            others = math.exp(float(np.nanmin(loo)))  # the slowest rank's: the lowest leave-one-out median
         else:
-            diff = x - leave_one_out_median(np.where(valid, x, np.nan))
+            loo = leave_one_out_median(np.where(valid, x, np.nan))
+            diff = x - loo
             centre = -float(np.median(x[valid]))  # the other ranks' typical wait
+            others = -float(np.nanmin(loo))
         slot = self._count % self._cap
         self._ring[: len(diff), slot] = diff
         self._ring[len(diff):, slot] = np.nan
         self._ring_steps[slot] = step
         self._centre[slot] = centre
+        self._others[slot] = others
         wall = np.nan
         if walls is not None:
             w = np.asarray(walls, np.float64)
@@ -505,7 +516,7 @@ class StragglerDetector:
         if len(pos) < 2 and ep.finding is not None and ep.active:
             return ep.finding  # a resumed episode without new data yet: keep what the store had
         slots = pos % self._cap if len(pos) else np.zeros(0, np.int64)
-        centre = _trimmed(self._centre[slots])
+        centre = _trimmed(self._others[slots])
         walls = self._wall[slots]
         walls = walls[np.isfinite(walls)]
         if self.relative:
