@@ -9,13 +9,12 @@ The attacks run for real: files on disk (non-UTF-8, a YAML alias bomb, a huge fi
 from __future__ import annotations
 
 import dataclasses
-import resource
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any, get_type_hints
 
 import pytest
+from capped import run_capped
 
 from gpuhealth.config import Config, ConfigError, load_config
 
@@ -118,13 +117,6 @@ def test_files_that_are_not_a_config(tmp_path: Path) -> None:
     assert "unknown section '1'" in _error(_write(tmp_path, "1: {a: 1}\n"), env={})
 
 
-def _limits(mem: int, cpu: int) -> Any:
-    def apply() -> None:
-        resource.setrlimit(resource.RLIMIT_AS, (mem, mem))
-        resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu))
-    return apply
-
-
 def _bomb(depth: int) -> str:
     """A few hundred bytes of YAML whose one text key stands for 9**depth strings (anchors nest inside
     the value itself, so every key is a known one)."""
@@ -147,8 +139,8 @@ def test_bad_configs_are_one_line_from_the_real_commands_under_caps(tmp_path: Pa
     }
     for name, (text, expected) in cases.items():
         path = _write(tmp_path, text, name)
-        proc = subprocess.run([sys.executable, "-m", "gpuhealth.cli.main", command, "--config", str(path)],
-                              capture_output=True, text=True, timeout=60, preexec_fn=_limits(CAP_BYTES, 30))
+        proc = run_capped([sys.executable, "-m", "gpuhealth.cli.main", command, "--config", str(path)],
+                          mem_bytes=CAP_BYTES, cpu_s=30, capture_output=True, text=True, timeout=60)
         assert proc.returncode == 3, (name, proc.returncode, proc.stderr[-2000:])
         assert "Traceback" not in proc.stderr, proc.stderr[-2000:]
         lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]

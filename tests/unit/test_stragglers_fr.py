@@ -7,8 +7,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import resource
-import subprocess
 import sys
 from pathlib import Path
 
@@ -302,12 +300,11 @@ def test_sparse_rank_ids_do_not_size_the_analysis() -> None:
     # Dumps of ranks 0, 1, 2 and 1,048,575 of a huge job (what an operator copied): four columns, not a
     # million — within 2 GiB of address space (a steps × million matrix of 100 steps is 800 MB, several
     # of them were made).
-    def limit() -> None:
-        resource.setrlimit(resource.RLIMIT_AS, (2 << 30, 2 << 30))
+    from capped import run_capped  # here: the child imports this module with only its own folder on the path
 
     env = {**os.environ, "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-c", _SPARSE, str(Path(__file__).parent)], preexec_fn=limit,
-                          capture_output=True, text=True, timeout=300, env=env)
+    proc = run_capped([sys.executable, "-c", _SPARSE, str(Path(__file__).parent)], mem_bytes=2 << 30,
+                      capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr[-2000:]
     from_durations, from_records, message = json.loads(proc.stdout)
     assert from_durations == [1_048_575] and from_records == [1_048_575]

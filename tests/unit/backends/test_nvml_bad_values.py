@@ -11,7 +11,6 @@
 from __future__ import annotations
 
 import json
-import resource
 import subprocess
 import sys
 from pathlib import Path
@@ -19,6 +18,7 @@ from typing import Any
 
 import pytest
 import yaml
+from capped import run_capped
 
 from gpuhealth.backends.errors import RecordingError
 from gpuhealth.backends.nvml_fake import FakeNvml, bundled_recording_path
@@ -29,14 +29,9 @@ SCENARIOS = REPO / "tests" / "fixtures" / "scenarios"
 CAP_BYTES = 1 << 30
 
 
-def _caps() -> None:
-    resource.setrlimit(resource.RLIMIT_AS, (CAP_BYTES, CAP_BYTES))
-    resource.setrlimit(resource.RLIMIT_CPU, (60, 60))
-
-
 def _status(path: Path, *extra: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "gpuhealth.cli.main", "status", "--nvml-snapshot", str(path),
-                           *extra], capture_output=True, text=True, timeout=120, preexec_fn=_caps)
+    return run_capped([sys.executable, "-m", "gpuhealth.cli.main", "status", "--nvml-snapshot", str(path), *extra],
+                      mem_bytes=CAP_BYTES, cpu_s=60, capture_output=True, text=True, timeout=120)
 
 
 def _scenario(tmp_path: Path, name: str, doc: dict[str, Any] | str) -> Path:

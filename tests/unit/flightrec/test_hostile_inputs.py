@@ -12,7 +12,6 @@ import json
 import lzma
 import math
 import os
-import resource
 import subprocess
 import sys
 import tarfile
@@ -21,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from capped import run_capped
 from frbuild import dump, entry, training, write_json, write_pickle
 
 from gpuhealth.flightrec.jsonstream import MAX_ENTRIES
@@ -52,10 +52,7 @@ def _input_bytes(folder: Path) -> int:
 def _capped(cmd: list[str], folder: Path) -> subprocess.CompletedProcess[str]:
     cap = 64 * _input_bytes(folder) + 300 * MIB
 
-    def limit() -> None:
-        resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
-
-    proc = subprocess.run(cmd, preexec_fn=limit, capture_output=True, text=True, timeout=TIME_CAP_S)
+    proc = run_capped(cmd, mem_bytes=cap, capture_output=True, text=True, timeout=TIME_CAP_S)
     assert "Traceback" not in proc.stderr and "MemoryError" not in proc.stderr, proc.stderr[-3000:]
     return proc
 
