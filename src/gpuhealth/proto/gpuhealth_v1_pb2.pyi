@@ -126,20 +126,22 @@ class AgentMessage(_message.Message):
     def __init__(self, record: _Optional[_Union[Record, _Mapping]] = ..., health: _Optional[_Union[HealthSummary, _Mapping]] = ..., result: _Optional[_Union[RequestResult, _Mapping]] = ...) -> None: ...
 
 class Record(_message.Message):
-    __slots__ = ("seq", "created_at", "steps", "ranks", "findings", "sdc")
+    __slots__ = ("seq", "created_at", "steps", "ranks", "findings", "sdc", "screens")
     SEQ_FIELD_NUMBER: _ClassVar[int]
     CREATED_AT_FIELD_NUMBER: _ClassVar[int]
     STEPS_FIELD_NUMBER: _ClassVar[int]
     RANKS_FIELD_NUMBER: _ClassVar[int]
     FINDINGS_FIELD_NUMBER: _ClassVar[int]
     SDC_FIELD_NUMBER: _ClassVar[int]
+    SCREENS_FIELD_NUMBER: _ClassVar[int]
     seq: int
     created_at: float
     steps: StepBatch
     ranks: RankIdentities
     findings: FindingsSnapshot
     sdc: SdcDigests
-    def __init__(self, seq: _Optional[int] = ..., created_at: _Optional[float] = ..., steps: _Optional[_Union[StepBatch, _Mapping]] = ..., ranks: _Optional[_Union[RankIdentities, _Mapping]] = ..., findings: _Optional[_Union[FindingsSnapshot, _Mapping]] = ..., sdc: _Optional[_Union[SdcDigests, _Mapping]] = ...) -> None: ...
+    screens: ScreenResults
+    def __init__(self, seq: _Optional[int] = ..., created_at: _Optional[float] = ..., steps: _Optional[_Union[StepBatch, _Mapping]] = ..., ranks: _Optional[_Union[RankIdentities, _Mapping]] = ..., findings: _Optional[_Union[FindingsSnapshot, _Mapping]] = ..., sdc: _Optional[_Union[SdcDigests, _Mapping]] = ..., screens: _Optional[_Union[ScreenResults, _Mapping]] = ...) -> None: ...
 
 class StepBatch(_message.Message):
     __slots__ = ("job_id", "rank", "step", "start_time", "wall_s", "compute_s", "comm_wait_s")
@@ -235,6 +237,34 @@ class SdcDigests(_message.Message):
     digests: _containers.RepeatedCompositeFieldContainer[SdcDigest]
     def __init__(self, digests: _Optional[_Iterable[_Union[SdcDigest, _Mapping]]] = ...) -> None: ...
 
+class ScreenResult(_message.Message):
+    __slots__ = ("gpu_uuid", "gpu_index", "started_at", "finished_at", "level", "result", "reason", "digests", "trigger")
+    GPU_UUID_FIELD_NUMBER: _ClassVar[int]
+    GPU_INDEX_FIELD_NUMBER: _ClassVar[int]
+    STARTED_AT_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_AT_FIELD_NUMBER: _ClassVar[int]
+    LEVEL_FIELD_NUMBER: _ClassVar[int]
+    RESULT_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    DIGESTS_FIELD_NUMBER: _ClassVar[int]
+    TRIGGER_FIELD_NUMBER: _ClassVar[int]
+    gpu_uuid: str
+    gpu_index: int
+    started_at: float
+    finished_at: float
+    level: str
+    result: str
+    reason: str
+    digests: _containers.RepeatedCompositeFieldContainer[SdcDigest]
+    trigger: str
+    def __init__(self, gpu_uuid: _Optional[str] = ..., gpu_index: _Optional[int] = ..., started_at: _Optional[float] = ..., finished_at: _Optional[float] = ..., level: _Optional[str] = ..., result: _Optional[str] = ..., reason: _Optional[str] = ..., digests: _Optional[_Iterable[_Union[SdcDigest, _Mapping]]] = ..., trigger: _Optional[str] = ...) -> None: ...
+
+class ScreenResults(_message.Message):
+    __slots__ = ("screens",)
+    SCREENS_FIELD_NUMBER: _ClassVar[int]
+    screens: _containers.RepeatedCompositeFieldContainer[ScreenResult]
+    def __init__(self, screens: _Optional[_Iterable[_Union[ScreenResult, _Mapping]]] = ...) -> None: ...
+
 class GpuHealth(_message.Message):
     __slots__ = ("index", "uuid", "health")
     INDEX_FIELD_NUMBER: _ClassVar[int]
@@ -318,13 +348,23 @@ class Ack(_message.Message):
     up_to_seq: int
     def __init__(self, up_to_seq: _Optional[int] = ...) -> None: ...
 
+class ScreenTurn(_message.Message):
+    __slots__ = ("not_before", "valid_for_s")
+    NOT_BEFORE_FIELD_NUMBER: _ClassVar[int]
+    VALID_FOR_S_FIELD_NUMBER: _ClassVar[int]
+    not_before: float
+    valid_for_s: float
+    def __init__(self, not_before: _Optional[float] = ..., valid_for_s: _Optional[float] = ...) -> None: ...
+
 class CoordinatorMessage(_message.Message):
-    __slots__ = ("ack", "request")
+    __slots__ = ("ack", "request", "screen_turn")
     ACK_FIELD_NUMBER: _ClassVar[int]
     REQUEST_FIELD_NUMBER: _ClassVar[int]
+    SCREEN_TURN_FIELD_NUMBER: _ClassVar[int]
     ack: Ack
     request: AgentRequest
-    def __init__(self, ack: _Optional[_Union[Ack, _Mapping]] = ..., request: _Optional[_Union[AgentRequest, _Mapping]] = ...) -> None: ...
+    screen_turn: ScreenTurn
+    def __init__(self, ack: _Optional[_Union[Ack, _Mapping]] = ..., request: _Optional[_Union[AgentRequest, _Mapping]] = ..., screen_turn: _Optional[_Union[ScreenTurn, _Mapping]] = ...) -> None: ...
 
 class ListJobsRequest(_message.Message):
     __slots__ = ("job_id", "include_finished")
