@@ -19,6 +19,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import subprocess
+import sys
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -294,6 +296,11 @@ def test_gpuhealth_token_mints_from_a_secret_file(tmp_path: Path) -> None:
     assert verify_node_token(SECRET, out.read_text().strip()) == "gpu-node-7"
     result = CliRunner().invoke(token_command, ["--node", "n", "--secret-file", str(tmp_path / "missing")])
     assert result.exit_code == 3 and "cannot read the cluster secret" in result.output
+    # The installed command, as an operator runs it (it was once written but not registered).
+    proc = subprocess.run([sys.executable, "-m", "gpuhealth.cli.main", "token", "--node", "gpu-node-8",
+                           "--secret-file", str(secret)], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert verify_node_token(SECRET, proc.stdout.strip()) == "gpu-node-8"
 
 
 def test_node_tokens_name_any_node_and_only_it() -> None:

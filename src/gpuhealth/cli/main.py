@@ -25,6 +25,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "qualify": ("gpuhealth.cli.qualify", "Pre-job node qualification with a verdict."),
     "demo": ("gpuhealth.cli.demo", "Run agent + coordinator on the bundled real recording (simulated)."),
     "env": ("gpuhealth.cli.env", "Print launch variables for live flight-recorder dumps of unmodified jobs."),
+    "token": ("gpuhealth.cli.token", "Mint one node's coordinator token from the cluster secret."),
 }
 
 
