@@ -23,12 +23,25 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from gpuhealth.flightrec.calls import COALESCED_MARKERS, Call, build_calls
+from gpuhealth.flightrec.calls import (
+    ALL_GATHER_OPS,
+    COALESCED_MARKERS,
+    REDUCE_SCATTER_OPS,
+    Call,
+    build_calls,
+)
 from gpuhealth.flightrec.load import Entry, PgStatus, RankDump
 from gpuhealth.flightrec.text import format_ranks
 from gpuhealth.model import MAX_RANKS
 
 DEFAULT_GROUP_NAMES = frozenset({"0", "default_pg"})
+# Collectives that complete on one member only once every member has posted them (not broadcast, reduce,
+# gather, scatter: a root may finish first; not all_to_all: a rank may expect nothing from some peer).
+# Posted, not completed: with mismatched sizes one member finishes while another waits for more.
+EVERY_MEMBER_OPS = ALL_GATHER_OPS | REDUCE_SCATTER_OPS | frozenset(
+    {"all_reduce", "allreduce", "allreduce_coalesced", "barrier"})
+# Membership we trust enough to reason from one member's completion about another's progress.
+_KNOWN_MEMBERS = frozenset({"job", "pg_config", "world"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -158,6 +171,7 @@ def build_groups(dumps: Mapping[int, RankDump], job: Mapping[str, Any] | None = 
                          missing_dumps=tuple(r for r in members if r not in dumps))
         for rank in dumped:
             _fill(view, rank, dumps[rank], per_group[key].get(rank, []))
+        _credit_joined(view)
         groups[key] = view
     return groups, world
 
@@ -260,6 +274,30 @@ def _fill(view: GroupView, rank: int, dump: RankDump, entries: Sequence[Entry]) 
     if p2p:
         view.p2p[rank] = p2p
     view.whole_history[rank] = bool(dump.entries) and dump.entries[0].record_id == 0 and not dump.tail_only
+
+
+def _credit_joined(view: GroupView) -> None:
+    """Dumps of a running job are taken a moment apart: rank 1's may show all_reduce #4434 in flight
+    while rank 0's, taken later, shows #4434…#4465 completed (real: 2 × H200, live FIFO dumps). An
+    all-reduce-like collective whose kernel ran to completion anywhere (a measured duration, shorter
+    than its timeout: not a kernel ended by an abort) was posted by every member. A member whose dump
+    ends before that collective was dumped earlier: everything it shows pending went through.
+    Without measured durations (Gloo, NCCL without timing) nothing is credited: a library that ends a
+    collective with an error also marks it completed."""
+    if view.membership_source not in _KNOWN_MEMBERS or len(view.dumped) < 2:
+        return
+    joined = max((seq for calls in view.calls.values() for seq, c in calls.items() if _ran_whole(c)), default=0)
+    for rank in view.dumped:
+        enq = view.enqueued.get(rank, 0)
+        if 0 < enq < joined:
+            view.completed[rank] = enq
+
+
+def _ran_whole(call: Call) -> bool:
+    if not call.done or not call.ops or not all(e.op in EVERY_MEMBER_OPS for e in call.ops):
+        return False
+    e = call.last
+    return e.duration_ms is not None and 0 <= e.duration_ms < (e.timeout_ms or 60_000)
 
 
 def _positional(entries: Sequence[Entry]) -> list[Entry]:

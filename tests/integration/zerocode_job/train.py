@@ -93,6 +93,11 @@ def main() -> None:
             a @ a
         torch.cuda.synchronize()
         iters = max(1, int(args.compute_s / ((time.perf_counter() - t) / 10)))
+        # One loop size for all ranks (rank 0's): sized per rank, a first-call cuBLAS warm-up made rank 0's
+        # loop ~6x rank 1's in a recorded run, and the planted 1.3x rank was not the slow one.
+        sized = torch.tensor([iters], device=device)
+        dist.broadcast(sized, src=0)
+        iters = int(sized.item())
     factor = args.slow_factor if rank == args.slow_rank else 1.0
     step = 0
     last = time.time()

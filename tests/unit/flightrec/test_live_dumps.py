@@ -1,0 +1,68 @@
+"""Dumps taken from a running job, a moment apart (the agent's periodic FIFO dumps, issue 15).
+
+Each rank's dump is written when its own process gets to it: rank 1's may show all_reduce #4434 in
+flight while rank 0's, written 180 ms later, shows #4434…#4465 done. That is not a stall. An
+all-reduce whose kernel ran to completion (NCCL timing: a measured duration under the timeout) was
+posted by every member, so a member whose dump ends before it was simply dumped earlier.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+from frbuild import dump, entry, write_json
+
+from gpuhealth.flightrec.report import RootKind, Verdict
+from gpuhealth.flightrec.verdict import triage
+
+LIVE = Path(__file__).resolve().parents[2] / "fixtures" / "zerocode" / "h200x2_nccl2.28.9" / "live_dumps_straggler_1.3"
+WORLD4 = {"0": {"name": "0", "desc": "default_pg", "ranks": "[0, 1, 2, 3]"}}
+
+
+def test_real_live_dumps_of_a_running_job_are_not_a_hang() -> None:
+    rep = triage(LIVE)
+    assert rep.verdict is Verdict.STRAGGLER, rep.summary
+    assert not any(f.code == "collective.gpu_stall" for f in rep.findings), rep.summary
+    # Which rank is slow, from the dumps themselves: NCCL records a collective's start after the rank's
+    # own compute, so the rank that waits inside all_reduce is the fast one. Rank 1 waits ~4.9 ms per
+    # collective, rank 0 ~0.01 ms: rank 0 computes longer (the job sized its matmul loop per rank, and
+    # rank 0's came out ~6x rank 1's; see the fixture's README).
+    assert rep.headline is not None and rep.headline.evidence["rank"] == 0, rep.summary
+
+
+def _rank(n: int, *, last_state: str = "completed", timed: bool = True, duration_ms: float = 0.2) -> dict[str, Any]:
+    now = time.time_ns()  # a running job: its last collectives are milliseconds old
+    return dump([entry(s, state=last_state if s == n else "completed", created_ns=now - (60 - s) * 6_000_000,
+                       duration_ms=duration_ms if timed and (s < n or last_state == "completed") else None)
+                 for s in range(1, n + 1)], pg_config=WORLD4)
+
+
+def test_a_rank_dumped_earlier_is_not_stuck(tmp_path: Path) -> None:
+    for r in (0, 1, 3):
+        write_json(tmp_path, f"rank{r}.json", _rank(60))
+    write_json(tmp_path, "rank2.json", _rank(50, last_state="started"))
+    rep = triage(tmp_path)
+    assert rep.verdict is Verdict.HEALTHY, rep.summary
+    assert all(r.kind is RootKind.BEHIND for r in rep.roots), rep.roots
+
+
+def test_without_timing_the_pending_op_is_still_reported(tmp_path: Path) -> None:
+    # No measured durations (TORCH_NCCL_ENABLE_TIMING unset, or Gloo): "completed" may mean ended by an
+    # error, so nothing is credited and the op that did not complete stays the story.
+    for r in (0, 1, 3):
+        write_json(tmp_path, f"rank{r}.json", _rank(60, timed=False))
+    write_json(tmp_path, "rank2.json", _rank(50, last_state="started", timed=False))
+    rep = triage(tmp_path)
+    assert rep.verdict is Verdict.HANG, rep.summary
+    assert rep.roots[0].kind is RootKind.GPU_STALL and rep.roots[0].ranks == (2,)
+
+
+def test_kernels_ended_by_an_abort_prove_nothing(tmp_path: Path) -> None:
+    # Durations as long as the timeout: the watchdog aborted the communicator, the kernels ended then.
+    for r in (0, 1, 3):
+        write_json(tmp_path, f"rank{r}.json", _rank(60, duration_ms=600_000.0))
+    write_json(tmp_path, "rank2.json", _rank(50, last_state="started", duration_ms=600_000.0))
+    rep = triage(tmp_path)
+    assert rep.verdict is Verdict.HANG, rep.summary
