@@ -123,6 +123,14 @@ class CoordinatorConfig:
     max_inflight: int = 256  # records an agent may send before waiting for an ack
     warm_start_s: float = 600.0  # step batches replayed into job state after a restart
     forget_job_after_s: float = 3600.0  # a finished job leaves memory after this long without records
+    # Fleet screening (issue 18). Coverage: GPUs with a completed (pass/fail) screen within this window.
+    screen_window_s: float = 86_400.0
+    # The rotation: turns (``ScreenTurn``) tell agents when a scheduled screen may start. Off: no turns
+    # are sent and every agent keeps its own schedule.
+    screen_rotation: bool = True
+    screen_concurrency: float = 0.1  # share of connected nodes holding a turn at once (at least one node)
+    screen_turn_s: float = 1800.0  # how long a turn lasts; a node that reports every GPU screened ends it early
+    screen_history: int = 32  # screens kept per GPU (besides the newest of each level and result)
 
     def resolved_evidence_dir(self) -> str:
         """Where hang evidence goes: ``evidence_dir``, or "evidence" beside the database."""
@@ -171,6 +179,10 @@ _RANGES: dict[str, tuple[float, float]] = {
     "coordinator.max_inflight": (1, 1 << 20),
     "coordinator.warm_start_s": (0.0, 366 * 86_400.0),
     "coordinator.forget_job_after_s": (0.0, 366 * 86_400.0),
+    "coordinator.screen_window_s": (0.0, 366 * 86_400.0),
+    "coordinator.screen_concurrency": (0.0, 1.0),
+    "coordinator.screen_turn_s": (0.0, 7 * 86_400.0),
+    "coordinator.screen_history": (1, 100_000),
 }
 # Keys whose low end is excluded: an interval, timeout or factor of zero would spin or never fire.
 _ABOVE = frozenset({
@@ -178,7 +190,8 @@ _ABOVE = frozenset({
     "diag.timeout_s", "coordinator.hang_k", "coordinator.retention_days", "coordinator.evidence_timeout_s",
     "coordinator.tick_s", "coordinator.heartbeat_interval_s", "coordinator.step_retention_hours",
     "coordinator.straggler_budget_records_s", "coordinator.link_batch_interval_s", "coordinator.spool_commit_s",
-    "coordinator.forget_job_after_s",
+    "coordinator.forget_job_after_s", "coordinator.screen_window_s", "coordinator.screen_concurrency",
+    "coordinator.screen_turn_s",
 })
 _MAX_TEXT = 4_096  # a path, an address, a name: never a document
 _MAX_LIST = 1_024
