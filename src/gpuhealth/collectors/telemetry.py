@@ -14,13 +14,14 @@ value carried between (Prometheus rates over minutes do not notice).
 
 Also read: encoder/decoder utilization, reserved framebuffer (``MemoryInfo_v2``), and on GPUs with
 NVML's GPU Performance Monitoring (Hopper and later, ``GpmMetrics``) the profiling ratios DCGM calls
-``DCGM_FI_PROF_*`` (SM active, SM occupancy, tensor active, DRAM active, graphics engine active),
-averaged over the time since the previous sweep. A GPU that answers "not supported" once is not
+``DCGM_FI_PROF_*`` (SM active, SM occupancy, tensor active, DRAM active, graphics engine active, PCIe
+TX/RX bytes per second), averaged over the time since the previous sweep. A GPU that answers "not supported" once is not
 asked again (the answer does not change while the driver is loaded).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from typing import Any
 
@@ -45,8 +46,11 @@ _CLOCKS = {"sm": "ClockInfo_SM", "memory": "ClockInfo_MEM", "graphics": "ClockIn
 MEMORY_TEMP_FIELD = "NVML_FI_DEV_MEMORY_TEMP"  # ~7 µs
 ENERGY_FIELD = "NVML_FI_DEV_TOTAL_ENERGY_CONSUMPTION"  # ~3 ms on H200: refreshed every ENERGY_REFRESH_S
 ENERGY_REFRESH_S = 60.0  # not in step with throttle's 30 s refresh: the costly reads rarely coincide
-# GPM metrics read (recording key ``GpmMetrics``, percent); exported as ratios in ``samples``.
+# GPM metrics read (recording key ``GpmMetrics``): percentages, exported as ratios in ``samples``,
+# and PCIe traffic in MiB/s, exported in bytes per second.
 GPM_METRICS = ("SM_UTIL", "SM_OCCUPANCY", "ANY_TENSOR_UTIL", "DRAM_BW_UTIL", "GRAPHICS_UTIL")
+GPM_PCIE = {"PCIE_TX_PER_SEC": "tx", "PCIE_RX_PER_SEC": "rx"}
+MIB = float(1 << 20)
 # Reads a GPU may answer "not supported" to for good: asked once per GPU, then skipped.
 _OPTIONAL_KEYS = ("EncoderUtilization", "DecoderUtilization", "MemoryInfo_v2", "GpmMetrics")
 
@@ -138,9 +142,14 @@ class TelemetryCollector:
                 if isinstance(value, dict) and is_number(value.get("reserved")):
                     rec["mem_bytes.reserved"] = value["reserved"]
             elif isinstance(value, dict):
-                for metric, pct in value.items():
-                    if metric in GPM_METRICS and is_number(pct):
-                        rec[f"gpm_pct.{metric}"] = pct
+                for metric, reading in value.items():
+                    # GPM computes these between two samples: NaN over an empty interval, never a reading
+                    if not is_number(reading) or not math.isfinite(reading) or reading < 0:
+                        continue
+                    if metric in GPM_METRICS:
+                        rec[f"gpm_pct.{metric}"] = reading
+                    elif metric in GPM_PCIE:
+                        rec[f"gpm_pcie_mib_s.{GPM_PCIE[metric]}"] = reading
 
     def evaluate(self, obs: Observations, history: History, ctx: CollectContext) -> list[Finding]:
         th = thresholds_from(ctx).thermal
@@ -235,6 +244,10 @@ class TelemetryCollector:
                 "Share of cycles the memory interface was busy (GPM; DCGM DRAM_ACTIVE).", i, scale=0.01)
             add("gpu_graphics_active_ratio", rec.get("gpm_pct.GRAPHICS_UTIL"),
                 "Share of time the graphics engine was active (GPM).", i, scale=0.01)
+            for direction in GPM_PCIE.values():
+                add("gpu_pcie_throughput_bytes_per_second", rec.get(f"gpm_pcie_mib_s.{direction}"),
+                    "PCIe traffic from (tx) and to (rx) the GPU, headers and payload (GPM).", i,
+                    (("direction", direction),), scale=MIB)
         return out
 
 

@@ -147,6 +147,12 @@ FIELDS: tuple[DcgmField, ...] = (
     DcgmField("DCGM_FI_PROF_DRAM_ACTIVE", "gauge",
               "Ratio of cycles the device memory interface is active sending or receiving data.",
               "gpu_dram_active_ratio", unit="ratio", note="NVML GPM DRAM_BW_UTIL"),
+    DcgmField("DCGM_FI_PROF_PCIE_TX_BYTES", "gauge", "The rate of data transmitted over the PCIe bus - including "
+              "both protocol headers and data payloads - in bytes per second.", "gpu_pcie_throughput_bytes_per_second",
+              (("direction", "tx"),), unit="bytes/s", note="NVML GPM PCIE_TX_PER_SEC"),
+    DcgmField("DCGM_FI_PROF_PCIE_RX_BYTES", "gauge", "The rate of data received over the PCIe bus - including "
+              "both protocol headers and data payloads - in bytes per second.", "gpu_pcie_throughput_bytes_per_second",
+              (("direction", "rx"),), unit="bytes/s", note="NVML GPM PCIE_RX_PER_SEC"),
 )
 
 # The throttle reasons as one bitmask, under today's name and the older one dashboards still use.

@@ -4,13 +4,14 @@ per-GPU NVLink view that keeps an 8-GPU scrape small."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import yaml
 from exporter_testing import real_snapshot
 from prometheus_client.parser import text_string_to_metric_families as parse_text
 
-from gpuhealth.exporters.dcgm import FIELDS
+from gpuhealth.exporters.dcgm import CLOCK_REASON_FAMILIES, FIELDS
 from gpuhealth.exporters.prometheus import MetricsEndpoint, build_families, encode_text
 
 MIB = 2**20
@@ -27,7 +28,7 @@ def _scenario(tmp_path: Path, gpu_count: int = 2) -> Path:
             "MemoryInfo_v2": {"version": 33554472, "total": 150754820096, "reserved": 671088640,
                               "free": 149000000000, "used": 1083731456},
             "GpmMetrics": {"SM_UTIL": 91.5, "SM_OCCUPANCY": 47.5, "ANY_TENSOR_UTIL": 63.0, "DRAM_BW_UTIL": 71.0,
-                           "GRAPHICS_UTIL": 98.0},
+                           "GRAPHICS_UTIL": 98.0, "PCIE_TX_PER_SEC": 2048.0, "PCIE_RX_PER_SEC": 512.5},
         }},
     }))
     return path
@@ -58,6 +59,11 @@ def test_profiling_enc_dec_and_reserved_reach_dcgm_names_in_dcgm_units(tmp_path:
     assert _gpu(s, "DCGM_FI_DEV_ENC_UTIL", "0") == 12.0 and _gpu(s, "DCGM_FI_DEV_DEC_UTIL", "0") == 40.0  # %
     assert _gpu(s, "DCGM_FI_DEV_FB_RESERVED", "0") == 671088640 / MIB  # MiB
     assert abs(_gpu(s, "gpuhealth_gpu_tensor_active_ratio", "0") - 0.63) < 1e-12  # and ours, in base units
+    # PCIe traffic: GPM's MiB/s as bytes per second, under DCGM's names and ours
+    assert _gpu(s, "DCGM_FI_PROF_PCIE_TX_BYTES", "0") == 2048.0 * MIB
+    assert _gpu(s, "DCGM_FI_PROF_PCIE_RX_BYTES", "0") == 512.5 * MIB
+    pcie = {ls["direction"]: v for ls, v in s["gpuhealth_gpu_pcie_throughput_bytes_per_second"] if ls["gpu"] == "0"}
+    assert pcie == {"tx": 2048.0 * MIB, "rx": 512.5 * MIB}
     # GPU 1 answers "not supported" (the recording): no series rather than a made-up zero
     assert [labels["gpu"] for labels, _ in s["DCGM_FI_PROF_PIPE_TENSOR_ACTIVE"]] == ["0"]
     # NVLink traffic: both directions summed, in bytes
@@ -65,30 +71,70 @@ def test_profiling_enc_dec_and_reserved_reach_dcgm_names_in_dcgm_units(tmp_path:
     assert _gpu(s, "DCGM_FI_DEV_NVLINK_BANDWIDTH_TOTAL", "1") == sum(tx) > 0
 
 
-def test_every_field_is_named_as_dcgm_exporters_counters_csv() -> None:
-    # dcgm-exporter's etc/default-counters.csv and dcp-metrics-included.csv (names as they ship; our
-    # extras are its commented-out rows, which operators uncomment)
-    known = {
-        "DCGM_FI_DEV_SM_CLOCK", "DCGM_FI_DEV_MEM_CLOCK", "DCGM_FI_DEV_MEMORY_TEMP", "DCGM_FI_DEV_GPU_TEMP",
-        "DCGM_FI_DEV_POWER_USAGE", "DCGM_FI_DEV_POWER_MGMT_LIMIT", "DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION",
-        "DCGM_FI_DEV_PCIE_REPLAY_COUNTER", "DCGM_FI_DEV_PCIE_LINK_GEN", "DCGM_FI_DEV_PCIE_LINK_WIDTH",
-        "DCGM_FI_DEV_GPU_UTIL", "DCGM_FI_DEV_MEM_COPY_UTIL", "DCGM_FI_DEV_ENC_UTIL", "DCGM_FI_DEV_DEC_UTIL",
-        "DCGM_FI_DEV_XID_ERRORS", "DCGM_FI_DEV_FB_FREE", "DCGM_FI_DEV_FB_USED", "DCGM_FI_DEV_FB_RESERVED",
-        "DCGM_FI_DEV_FB_TOTAL", "DCGM_FI_DEV_ECC_SBE_VOL_TOTAL", "DCGM_FI_DEV_ECC_DBE_VOL_TOTAL",
-        "DCGM_FI_DEV_ECC_SBE_AGG_TOTAL", "DCGM_FI_DEV_ECC_DBE_AGG_TOTAL", "DCGM_FI_DEV_RETIRED_SBE",
-        "DCGM_FI_DEV_RETIRED_DBE", "DCGM_FI_DEV_RETIRED_PENDING", "DCGM_FI_DEV_UNCORRECTABLE_REMAPPED_ROWS",
-        "DCGM_FI_DEV_CORRECTABLE_REMAPPED_ROWS", "DCGM_FI_DEV_ROW_REMAP_FAILURE", "DCGM_FI_DEV_ROW_REMAP_PENDING",
-        "DCGM_FI_DEV_POWER_VIOLATION", "DCGM_FI_DEV_THERMAL_VIOLATION", "DCGM_FI_DEV_SYNC_BOOST_VIOLATION",
-        "DCGM_FI_DEV_BOARD_LIMIT_VIOLATION", "DCGM_FI_DEV_LOW_UTIL_VIOLATION", "DCGM_FI_DEV_RELIABILITY_VIOLATION",
-        "DCGM_FI_DEV_NVLINK_CRC_FLIT_ERROR_COUNT_TOTAL", "DCGM_FI_DEV_NVLINK_REPLAY_ERROR_COUNT_TOTAL",
-        "DCGM_FI_DEV_NVLINK_RECOVERY_ERROR_COUNT_TOTAL", "DCGM_FI_DEV_NVLINK_BANDWIDTH_TOTAL",
-        "DCGM_FI_PROF_GR_ENGINE_ACTIVE", "DCGM_FI_PROF_SM_ACTIVE", "DCGM_FI_PROF_SM_OCCUPANCY",
-        "DCGM_FI_PROF_PIPE_TENSOR_ACTIVE", "DCGM_FI_PROF_DRAM_ACTIVE",
-    }
-    assert {f.name for f in FIELDS} <= known
+def test_a_gpm_answer_over_an_empty_interval_is_no_series(tmp_path: Path) -> None:
+    # GPM divides by the time between its two samples: NaN (or garbage) is no reading, never a 0
+    path = tmp_path / "nan.yaml"
+    path.write_text(yaml.safe_dump({"recording": "nvml_h200x2.json", "overrides": {"0": {"GpmMetrics": {
+        "SM_UTIL": float("nan"), "ANY_TENSOR_UTIL": 12.0, "PCIE_TX_PER_SEC": -1.0, "PCIE_RX_PER_SEC": float("inf")}}}}))
+    s = _series(encode_text(build_families(real_snapshot(path), dcgm_compat=True)).decode())
+    assert abs(_gpu(s, "DCGM_FI_PROF_PIPE_TENSOR_ACTIVE", "0") - 0.12) < 1e-12
+    for name in ("DCGM_FI_PROF_SM_ACTIVE", "DCGM_FI_PROF_PCIE_TX_BYTES", "DCGM_FI_PROF_PCIE_RX_BYTES",
+                 "gpuhealth_gpu_sm_active_ratio", "gpuhealth_gpu_pcie_throughput_bytes_per_second"):
+        assert name not in s, name
+
+
+# --- against dcgm-exporter's own counters file -------------------------------------------------
+
+COUNTERS_CSV = Path(__file__).resolve().parents[2] / "fixtures" / "dcgm_exporter" / "default-counters.csv"
+# Fields we export that dcgm-exporter's file has no row for: real DCGM fields (id in go-dcgm's
+# dcgm_fields.h), which an operator adds to the CSV by hand; dashboards and alerts use them.
+NOT_IN_THE_CSV = {
+    "DCGM_FI_DEV_POWER_MGMT_LIMIT": 160, "DCGM_FI_DEV_PCIE_LINK_GEN": 237, "DCGM_FI_DEV_PCIE_LINK_WIDTH": 238,
+    "DCGM_FI_DEV_FB_TOTAL": 250, "DCGM_FI_DEV_ROW_REMAP_PENDING": 396,
+}
+# The file's active rows we do not serve, and why.
+NOT_SERVED = {
+    "DCGM_FI_DEV_VGPU_LICENSE_STATUS": "vGPU licensing: a property of vGPU guests, not of a bare-metal node",
+    "DCGM_FI_DRIVER_VERSION": "declared 'label': it is a label on every DCGM_* series (test_labels_are_...)",
+}
+_UNITS = {"MHz": "MHz", "C": "°C", "W": "W", "mJ": "mJ", "%": "%", "MiB": "MiB", "ns": "ns"}
+
+
+def counters_csv() -> dict[str, tuple[str, str, bool]]:
+    """dcgm-exporter's rows: field -> (type, help, active). Commented-out rows count (operators
+    uncomment them), marked inactive; the file's prose comments do not parse as rows."""
+    rows: dict[str, tuple[str, str, bool]] = {}
+    for line in COUNTERS_CSV.read_text().splitlines():
+        text = line.strip()
+        active = not text.startswith("#")
+        parts = [p.strip() for p in text.lstrip("#").split(",", 2)]
+        if len(parts) == 3 and parts[0].startswith("DCGM_") and parts[1] in ("gauge", "counter", "label"):
+            rows[parts[0]] = (parts[1], parts[2], active)
+    return rows
+
+
+def test_every_field_is_dcgm_exporters_row_with_its_type_help_and_unit() -> None:
+    rows = counters_csv()
+    assert len(rows) >= 50 and sum(active for _, _, active in rows.values()) >= 25  # the parser read the file
     for f in FIELDS:
-        if f.name.endswith("_VIOLATION"):
-            assert f.unit == "ns" and f.scale == 1e9 and "(in ns)" in f.help
+        if f.name not in rows:
+            assert f.name in NOT_IN_THE_CSV, f"{f.name} is in no row of dcgm-exporter's default-counters.csv"
+            continue
+        kind, help_, _ = rows[f.name]
+        assert (f.type, f.help) == (kind, help_), f.name
+        unit = re.search(r"\(in ([^)]+)\)", help_)
+        if unit:  # the unit the file states is the unit we convert to
+            assert f.unit == _UNITS[unit.group(1)], f.name
+    served = {f.name for f in FIELDS} | set(CLOCK_REASON_FAMILIES)
+    unserved = {name for name, (_, _, active) in rows.items() if active and name not in served}
+    assert unserved == set(NOT_SERVED), "dcgm-exporter exports these by default; serve them or say why not"
+
+
+def test_the_file_parser_tells_rows_from_prose() -> None:
+    rows = counters_csv()
+    assert rows["DCGM_FI_DEV_DEC_UTIL"] == ("gauge", "Decoder utilization (in %).", True)  # "DEC_UTIL ," as shipped
+    assert rows["DCGM_FI_DEV_POWER_VIOLATION"][2] is False and rows["DCGM_FI_DEV_POWER_VIOLATION"][0] == "counter"
+    assert not any("Format" in name or " " in name for name in rows)
 
 
 def test_nvlink_series_are_per_gpu_by_default_and_per_link_on_demand(tmp_path: Path) -> None:
