@@ -8,7 +8,7 @@ from typing import Any
 
 import click
 
-from gpuhealth.config import Config, ConfigError, load_config
+from gpuhealth.config import AgentConfig, Config, ConfigError, load_config
 
 
 def _overrides(listen: str | None, dcgm_compat: bool | None, json_logs: bool | None, snapshot: str | None,
@@ -19,13 +19,14 @@ def _overrides(listen: str | None, dcgm_compat: bool | None, json_logs: bool | N
 
 @click.command(name="agent")
 @click.option("--config", "config_file", type=click.Path(dir_okay=False), help="YAML config file.")
-@click.option("--listen", metavar="ADDR:PORT", help="Where to serve /metrics, /health, /ready (default 0.0.0.0:9400).")
+@click.option("--listen", metavar="ADDR:PORT",
+              help=f"Where to serve /metrics, /health, /ready (default: agent.listen, {AgentConfig().listen}).")
 @click.option("--nvml-snapshot", "--scenario", "snapshot", metavar="FILE",
               help="Replay an NVML recording or scenario instead of the live driver (SIMULATED).")
 @click.option("--dcgm-compat/--no-dcgm-compat", default=None,
               help="Also expose the readings under dcgm-exporter's metric names and labels.")
 @click.option("--json-logs/--text-logs", default=None, help="Log JSON lines instead of text.")
-@click.option("--node-name", help="Node name in reports and dcgm-compat Hostname (default: hostname).")
+@click.option("--node-name", help="Node name in reports and the dcgm-compat hostname label (default: hostname).")
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default=None,
               help="Least severe log records written (default: agent.log_level, info).")
 def command(config_file: str | None, listen: str | None, snapshot: str | None, dcgm_compat: bool | None,
