@@ -18,7 +18,7 @@ Printed per class (the case's ``root_code``, or its verdict when healthy) and in
                 40–2000 entries. The classes (see synth.py): healthy, healthy_timed, host_stuck, skip,
                 size_mismatch, dtype_mismatch, type_mismatch, coalesced_mismatch, p2p_unmatched,
                 p2p_size_mismatch, alltoall_split, silent_then_stall, self_inconsistent, same_named_groups,
-                gpu_stall, dump_missing, dump_unreadable, straggler_fr.
+                gpu_stall, dump_missing, dump_unreadable, straggler_fr, healthy_live, straggler_live.
 
     python benchmarks/triage_quality.py [FOLDER ...] [--no-fixtures] [--synthetic 360 --seed 0]
         [--keep DIR] [--json] [--failures]

@@ -23,6 +23,7 @@ from gpuhealth.flightrec.load import LoadResult, RankDump, load_dumps, paused_gc
 from gpuhealth.flightrec.p2p import P2PMismatch, find_p2p_mismatches, pending_pairs
 from gpuhealth.flightrec.report import EVIDENCE_GAP_KINDS, HANG_KINDS, RootCause, RootKind, TriageReport, Verdict
 from gpuhealth.flightrec.roots import assemble, with_stacks
+from gpuhealth.flightrec.running import still_running
 from gpuhealth.flightrec.stacks import main_threads
 from gpuhealth.flightrec.text import format_ranks
 from gpuhealth.flightrec.waits import build_graph, find_hang_roots
@@ -75,6 +76,9 @@ def _triage(
     groups, world = build_groups(dumps, job, known_ranks=unreadable)
     analysis = analyse(groups, dumps, unreadable, world)
     roots = analysis.roots
+    running = still_running(dumps)
+    if running is not None:  # a moment's wait in a running job is not a hang (flightrec/running.py)
+        roots = [r for r in roots if r.kind not in HANG_KINDS]
     with_stacks(roots, mains)
     findings: list[Finding] = []
     for root in roots:
@@ -106,6 +110,8 @@ def _triage(
         groups=[g.to_dict() for g in groups.values()], roots=roots, problems=list(loaded.problems),
         identity=loaded.identity_sources, notes=_notes(groups), ranks_unreadable=unreadable,
     )
+    if running is not None:
+        report.notes.append(running.note())
     if any(d.tail_only for d in dumps.values()):
         report.notes.append(f"large job: read the newest entries of each dump only (≥{tail_used} per rank, "
                             "more where a group's frontier needed it); older history was not compared")

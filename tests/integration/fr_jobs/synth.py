@@ -34,11 +34,15 @@ Classes (``CLASSES``; Gloo jobs have no pipeline stages, since Gloo records no p
     dump_missing         the culprit stopped and left no dump (the operator knows the world size)
     dump_unreadable      the culprit stopped and its dump cannot be read
     straggler_fr         NCCL with durations: the culprit computes 1.5x (its collectives take least)
+    healthy_live         healthy_timed, dumped while it runs: each rank's dump a moment (up to 2 steps) apart,
+                         so some show a collective in flight that others finished long ago
+    straggler_live       straggler_fr, dumped the same way (the agent's periodic dumps of a running job)
 """
 
 from __future__ import annotations
 
 import json
+import os
 import pickle
 import random
 from collections import defaultdict
@@ -48,15 +52,20 @@ from typing import Any
 
 CLASSES = ("healthy", "healthy_timed", "host_stuck", "skip", "size_mismatch", "dtype_mismatch", "type_mismatch",
            "coalesced_mismatch", "p2p_unmatched", "p2p_size_mismatch", "alltoall_split", "silent_then_stall",
-           "self_inconsistent", "same_named_groups", "gpu_stall", "dump_missing", "dump_unreadable", "straggler_fr")
+           "self_inconsistent", "same_named_groups", "gpu_stall", "dump_missing", "dump_unreadable", "straggler_fr",
+           "healthy_live", "straggler_live")
 VERDICTS = {"healthy": "healthy", "healthy_timed": "healthy", "host_stuck": "hang", "skip": "hang",
             "size_mismatch": "mismatch", "dtype_mismatch": "mismatch", "type_mismatch": "mismatch",
             "coalesced_mismatch": "mismatch", "p2p_unmatched": "hang", "p2p_size_mismatch": "mismatch",
             "alltoall_split": "mismatch", "silent_then_stall": "mismatch", "self_inconsistent": "mismatch",
             "same_named_groups": "hang", "gpu_stall": "hang", "dump_missing": "incomplete",
-            "dump_unreadable": "incomplete", "straggler_fr": "straggler"}
+            "dump_unreadable": "incomplete", "straggler_fr": "straggler",
+            "healthy_live": "healthy", "straggler_live": "straggler"}
 assert set(VERDICTS) == set(CLASSES)
-NCCL_ONLY = {"healthy_timed", "p2p_unmatched", "p2p_size_mismatch", "same_named_groups", "gpu_stall", "straggler_fr"}
+NCCL_ONLY = {"healthy_timed", "p2p_unmatched", "p2p_size_mismatch", "same_named_groups", "gpu_stall", "straggler_fr",
+             "healthy_live", "straggler_live"}
+TIMED = {"healthy_timed", "straggler_fr", "healthy_live", "straggler_live"}
+LIVE = {"healthy_live": "healthy_timed", "straggler_live": "straggler_fr"}  # live class -> the fault it plays
 PIPELINE = {"p2p_unmatched", "p2p_size_mismatch"}
 T0_NS = 1_790_000_000_000_000_000
 STEP_NS = 120_000_000
@@ -133,6 +142,8 @@ class Case:
     compute: dict[tuple[int, int], float] = field(default_factory=dict)  # (rank, step) -> seconds (timed cases)
     times: dict[tuple[int, int], tuple[float, float]] = field(default_factory=dict)  # (rank, op) -> (arrival, end)
     buffer: int = 2000
+    dumped_at: dict[int, float] = field(default_factory=dict)  # live cases: rank -> when its dump was written (s)
+    dump_plan: tuple[float, dict[int, float]] | None = None  # live: (share of the run, rank -> seconds earlier)
 
 
 # ------------------------------------------------------------------------------------------ the job
@@ -417,13 +428,15 @@ def _entry(case: Case, rank: int, o: Op, g: Group, pg: int, seq: int, p2p: int, 
         "time_discovered_completed_ns": t + 2000 if nccl and state == "completed" else 0,
         "thread_id": "140000000000000", "thread_name": "python3",
     }
-    if nccl and case.times and state == "completed" and (rank, index) in case.times:
+    if nccl and case.times and (rank, index) in case.times:
         # timed runs: the clock of the simulated run (an op lasts from this rank's arrival to the end)
         arrival, end = case.times[(rank, index)]
         e["time_created_ns"] = T0_NS + int(arrival * 1e9) - 20_000
-        e["time_discovered_started_ns"] = T0_NS + int(arrival * 1e9)
-        e["time_discovered_completed_ns"] = T0_NS + int(end * 1e9)
-        e["duration_ms"] = round(1000 * (end - arrival), 4)
+        if state in ("started", "completed"):
+            e["time_discovered_started_ns"] = T0_NS + int(arrival * 1e9)
+        if state == "completed":
+            e["time_discovered_completed_ns"] = T0_NS + int(end * 1e9)
+            e["duration_ms"] = round(1000 * (end - arrival), 4)
     return e
 
 
@@ -492,6 +505,11 @@ def write(case: Case, folder: Path) -> Path:
     played = play(case)
     if case.compute:
         case.times = timeline(case)
+    if case.dump_plan is not None:
+        share, earlier = case.dump_plan
+        newest = share * max(end for _, end in case.times.values())
+        case.dumped_at = {r: newest - earlier[r] for r in range(case.job.world)}
+        played = _dumped_while_running(case)
     root = folder / case.name
     dumps = root / "dumps"
     dumps.mkdir(parents=True, exist_ok=True)
@@ -519,8 +537,24 @@ def write(case: Case, folder: Path) -> Path:
         if rank in case.unreadable:
             data = data[: len(data) // 3]  # cut short, as a dump killed mid-write
         path.write_bytes(data)
+        if rank in case.dumped_at:  # the file was written when the rank dumped, as a live dump's is
+            ns = T0_NS + int(case.dumped_at[rank] * 1e9)
+            os.utime(path, ns=(ns, ns))
     (root / "expected.json").write_text(json.dumps(case.expected, indent=2, sort_keys=True) + "\n")
     return root
+
+
+def _dumped_while_running(case: Case) -> Played:
+    """What each rank's dump holds when written at ``case.dumped_at[rank]`` of a job that runs on: the ops its
+    host had reached by then, those finished by then completed (with their durations), the rest in flight."""
+    posted, done = [], []
+    for r, prog in enumerate(case.programs):
+        at = case.dumped_at[r]
+        times = [case.times[(r, i)] for i in range(len(prog))]
+        n = sum(1 for arrival, _ in times if arrival <= at)
+        posted.append(n)
+        done.append([end <= at for _, end in times[:n]] + [False] * (len(prog) - n))
+    return Played(posted=posted, done=done)
 
 
 # --------------------------------------------------------------------------------------- the faults
@@ -544,7 +578,7 @@ def make_case(rng: random.Random, klass: str, index: int) -> Case:
     pipeline: bool | None = None
     if klass in PIPELINE or (klass == "healthy" and backend == "nccl" and rng.random() < 0.3):
         pipeline = True
-    elif klass in ("straggler_fr", "healthy_timed"):
+    elif klass in TIMED:
         pipeline = False  # the simulated forward-only pipeline would put whole stages behind by design
     extra = "none"
     if klass == "healthy":
@@ -555,7 +589,7 @@ def make_case(rng: random.Random, klass: str, index: int) -> Case:
         extra = "coalesced_broadcast" if backend == "nccl" else "coalesced"
     elif klass == "self_inconsistent":
         extra = "fsdp" if backend == "nccl" else "none"
-    steps = 20 if klass in ("straggler_fr", "healthy_timed") else rng.randint(4, 8)
+    steps = (40 if klass in LIVE else 20) if klass in TIMED else rng.randint(4, 8)
     job = make_job(rng, backend, pipeline=pipeline, extra=extra, steps=steps,
                    same_names=klass == "same_named_groups")
     batched = bool(pipeline) and klass in ("p2p_unmatched", "healthy") and rng.random() < 0.5
@@ -564,8 +598,13 @@ def make_case(rng: random.Random, klass: str, index: int) -> Case:
     fault_step = rng.randint(1, max(1, steps - 2))
     case = Case(name=f"{index:04d}_{klass}", klass=klass, job=job, programs=programs,
                 fmt=rng.choice(("json", "pickle")), buffer=rng.choice((2000, 2000, 64, 40)))
-    why = _inject(rng, case, klass, culprit, fault_step)
-    roots = [] if klass in ("healthy", "healthy_timed") else [culprit]
+    why = _inject(rng, case, LIVE.get(klass, klass), culprit, fault_step)
+    if klass in LIVE:
+        # Dumped while the job runs, rank by rank: the newest a little after the middle of the run, each
+        # other up to two steps (0.1 s) earlier.
+        case.dump_plan = (rng.uniform(0.55, 0.85), {r: rng.uniform(0.0, 0.1) for r in range(job.world)})
+        why += "; dumped while running, each rank's dump up to 0.1 s before the newest"
+    roots = [] if klass in ("healthy", "healthy_timed", "healthy_live") else [culprit]
     verdict = VERDICTS[klass]
     case.expected = {"verdict": verdict, "root_ranks": roots, "root_code": klass, "why": why,
                      "made_by": f"synth.make_case(seed, {klass!r}, {index})", "backend": backend,

@@ -1,9 +1,11 @@
 """Dumps taken from a running job, a moment apart (the agent's periodic FIFO dumps, issue 15).
 
 Each rank's dump is written when its own process gets to it: rank 1's may show all_reduce #4434 in
-flight while rank 0's, written 180 ms later, shows #4434…#4465 done. That is not a stall. An
-all-reduce whose kernel ran to completion (NCCL timing: a measured duration under the timeout) was
-posted by every member, so a member whose dump ends before it was simply dumped earlier.
+flight while rank 0's, written 180 ms later, shows #4434…#4465 done. That is not a stall:
+- an all-reduce whose kernel ran to completion (NCCL timing: a measured duration under the timeout)
+  was posted by every member, so a member whose dump ends before it was simply dumped earlier;
+- a wait younger, at its rank's dump, than the job's ordinary pauses (and than 1 s) is not a hang —
+  whichever rank's dump came first, with or without timing (dump times from the file or its contents).
 """
 
 from __future__ import annotations
@@ -32,9 +34,11 @@ def test_real_live_dumps_of_a_running_job_are_not_a_hang() -> None:
     assert rep.headline is not None and rep.headline.evidence["rank"] == 0, rep.summary
 
 
-def _rank(n: int, *, last_state: str = "completed", timed: bool = True, duration_ms: float = 0.2) -> dict[str, Any]:
-    now = time.time_ns()  # a running job: its last collectives are milliseconds old
-    return dump([entry(s, state=last_state if s == n else "completed", created_ns=now - (60 - s) * 6_000_000,
+def _rank(n: int, *, last_state: str = "completed", timed: bool = True, duration_ms: float = 0.2,
+          age_s: float = 0.0) -> dict[str, Any]:
+    # Dumped ``age_s`` after the newest collective of the run (the files are written now): 0 is a running job.
+    now = time.time_ns() - int(age_s * 1e9)
+    return dump([entry(s, state=last_state if s == n else "completed", created_ns=now - (n - s) * 6_000_000,
                        duration_ms=duration_ms if timed and (s < n or last_state == "completed") else None)
                  for s in range(1, n + 1)], pg_config=WORLD4)
 
@@ -48,12 +52,38 @@ def test_a_rank_dumped_earlier_is_not_stuck(tmp_path: Path) -> None:
     assert all(r.kind is RootKind.BEHIND for r in rep.roots), rep.roots
 
 
-def test_without_timing_the_pending_op_is_still_reported(tmp_path: Path) -> None:
-    # No measured durations (TORCH_NCCL_ENABLE_TIMING unset, or Gloo): "completed" may mean ended by an
-    # error, so nothing is credited and the op that did not complete stays the story.
+def test_without_timing_a_young_wait_is_not_a_hang(tmp_path: Path) -> None:
     for r in (0, 1, 3):
         write_json(tmp_path, f"rank{r}.json", _rank(60, timed=False))
     write_json(tmp_path, "rank2.json", _rank(50, last_state="started", timed=False))
+    rep = triage(tmp_path)
+    assert rep.verdict is Verdict.HEALTHY, rep.summary
+    assert any("taken while the job ran" in n for n in rep.notes), rep.notes
+
+
+def test_a_rank_dumped_first_is_not_blamed_for_what_others_wait_in(tmp_path: Path) -> None:
+    # Reversed: ranks 0, 1, 3 were dumped later and wait in all_reduce #61 that rank 2, dumped 0.1 s
+    # before them, had not reached yet. Without the dump times this reads "rank 2 is stuck on the host".
+    for r in (0, 1, 3):
+        write_json(tmp_path, f"rank{r}.json", _rank(61, last_state="started", timed=False))
+    write_json(tmp_path, "rank2.json", _rank(60, timed=False, age_s=0.1))
+    rep = triage(tmp_path)
+    assert rep.verdict is Verdict.HEALTHY, rep.summary
+    # The same dumps, written two minutes after the collectives stopped: now rank 2 is the culprit.
+    old = tmp_path / "old"
+    for r in (0, 1, 3):
+        write_json(old, f"rank{r}.json", _rank(61, last_state="started", timed=False, age_s=120))
+    write_json(old, "rank2.json", _rank(60, timed=False, age_s=120.1))
+    rep = triage(old)
+    assert rep.verdict is Verdict.HANG and rep.roots[0].ranks == (2,), rep.summary
+
+
+def test_without_timing_a_wait_that_lasted_is_still_reported(tmp_path: Path) -> None:
+    # No measured durations (TORCH_NCCL_ENABLE_TIMING unset, or Gloo): "completed" may mean ended by an
+    # error, so nothing is credited, and a wait of two minutes is the story.
+    for r in (0, 1, 3):
+        write_json(tmp_path, f"rank{r}.json", _rank(60, timed=False, age_s=120))
+    write_json(tmp_path, "rank2.json", _rank(50, last_state="started", timed=False, age_s=120))
     rep = triage(tmp_path)
     assert rep.verdict is Verdict.HANG, rep.summary
     assert rep.roots[0].kind is RootKind.GPU_STALL and rep.roots[0].ranks == (2,)
@@ -62,7 +92,7 @@ def test_without_timing_the_pending_op_is_still_reported(tmp_path: Path) -> None
 def test_kernels_ended_by_an_abort_prove_nothing(tmp_path: Path) -> None:
     # Durations as long as the timeout: the watchdog aborted the communicator, the kernels ended then.
     for r in (0, 1, 3):
-        write_json(tmp_path, f"rank{r}.json", _rank(60, duration_ms=600_000.0))
-    write_json(tmp_path, "rank2.json", _rank(50, last_state="started", duration_ms=600_000.0))
+        write_json(tmp_path, f"rank{r}.json", _rank(60, duration_ms=600_000.0, age_s=120))
+    write_json(tmp_path, "rank2.json", _rank(50, last_state="started", duration_ms=600_000.0, age_s=120))
     rep = triage(tmp_path)
     assert rep.verdict is Verdict.HANG, rep.summary
