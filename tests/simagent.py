@@ -29,6 +29,21 @@ def step_batch_message(seq: int, job_id: str, ranks: Sequence[int], step: int, *
     return pb.AgentMessage(record=pb.Record(seq=seq, steps=batch)).SerializeToString()
 
 
+def screen_result(uuid: str, *, index: int = -1, finished_at: float = 1.7e9, duration_s: float = 30.0,
+                  level: str = "quick", result: str = "pass", reason: str = "", trigger: str = "schedule",
+                  digests: Sequence[tuple[str, str]] = ()) -> pb.ScreenResult:
+    """One GPU's screen as an agent reports it; ``digests``: (golden key, digest)."""
+    return pb.ScreenResult(gpu_uuid=uuid, gpu_index=index, started_at=finished_at - duration_s, finished_at=finished_at,
+                           level=level, result=result, reason=reason, trigger=trigger,
+                           digests=[pb.SdcDigest(gpu_uuid=uuid, key=k, digest=d, at=finished_at) for k, d in digests])
+
+
+def screens_message(seq: int, screens: Sequence[pb.ScreenResult]) -> bytes:
+    """One AgentMessage carrying ``screens`` (Record.screens)."""
+    return pb.AgentMessage(record=pb.Record(seq=seq, screens=pb.ScreenResults(screens=list(screens)))
+                           ).SerializeToString()
+
+
 class SimAgent:
     def __init__(self, address: str, node: str, *, incarnation: str = "sim", metadata: Sequence[tuple[str, str]] = (),
                  credentials: grpc.ChannelCredentials | None = None, gpus: int = 0,
@@ -43,6 +58,8 @@ class SimAgent:
         self.acked = 0
         self.acked_event = asyncio.Event()
         self.requests: list[pb.AgentRequest] = []
+        self.turns: list[tuple[float, pb.ScreenTurn]] = []  # (loop time received, turn), oldest first
+        self.turn_event = asyncio.Event()
         self.channel: grpc.aio.Channel | None = None
         self.call: Any = None
         self.session: pb.RegisterResponse | None = None
@@ -75,6 +92,9 @@ class SimAgent:
             if msg.WhichOneof("body") == "ack":
                 self.acked = max(self.acked, msg.ack.up_to_seq)
                 self.acked_event.set()
+            elif msg.WhichOneof("body") == "screen_turn":
+                self.turns.append((asyncio.get_running_loop().time(), msg.screen_turn))
+                self.turn_event.set()
             else:
                 self.requests.append(msg.request)
 
@@ -92,6 +112,32 @@ class SimAgent:
                     await asyncio.wait_for(self.acked_event.wait(), 0.5)
 
         await asyncio.wait_for(wait(), timeout_s)
+
+    def gpu_uuids(self) -> list[str]:
+        return [f"GPU-{self.node}-{i}" for i in range(self.gpus)]
+
+    @property
+    def turn(self) -> pb.ScreenTurn | None:
+        """The newest turn the coordinator sent (what an agent acts on)."""
+        return self.turns[-1][1] if self.turns else None
+
+    def holds_turn(self) -> bool:
+        """The newest turn opens now (``not_before`` 0) — the node may start a scheduled screen."""
+        return self.turn is not None and self.turn.not_before == 0.0 and self.turn.valid_for_s > 0
+
+    async def wait_turn(self, predicate: Any, timeout_s: float = 10.0) -> pb.ScreenTurn:
+        """Wait until the newest turn satisfies ``predicate(turn)``."""
+        async def wait() -> pb.ScreenTurn:
+            while self.turn is None or not predicate(self.turn):
+                self.turn_event.clear()
+                if self._reader is not None and self._reader.done():
+                    self._reader.result()
+                    raise ConnectionError("stream ended before the turn")
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self.turn_event.wait(), 0.5)
+            return self.turn
+
+        return await asyncio.wait_for(wait(), timeout_s)
 
     async def status(self) -> grpc.StatusCode:
         """Wait for the stream to end; its status code."""

@@ -75,6 +75,28 @@ class CoordinatorCollector(Collector):
         hangs_total = CounterMetricFamily(p + "hangs", "Hangs detected, all jobs.")
         hangs_total.add_metric([], s.get("hangs", 0))
         yield hangs_total
+        yield from _screening(s)
+
+
+def _screening(s: dict[str, Any]) -> Iterator[Metric]:
+    """Fleet screening (issue 18): coverage, the oldest screen, turns, screens received."""
+    f = "gpuhealth_fleet_"
+    yield _gauge(f + "screen_coverage_ratio", "GPUs with a completed (pass or fail) screen within the "
+                 "window (coordinator.screen_window_s, 24 h) / GPUs known from registrations; 1 when none is known.",
+                 s.get("screen_coverage_ratio", 1.0))
+    yield _gauge(f + "screen_oldest_age_seconds", "Seconds since the GPU screened longest ago completed "
+                 "a screen (a never-screened GPU counts from when the coordinator first saw it).",
+                 s.get("screen_oldest_age_s", 0.0))
+    yield _gauge(f + "gpus_unscreened", "GPUs known with no completed screen within the window.",
+                 s.get("gpus_unscreened", 0))
+    yield _gauge(f + "gpus", "GPUs known from registrations (of nodes heard from within the retention).",
+                 s.get("gpus_known", 0))
+    yield _gauge(f + "screen_turns", "Nodes holding a screening turn now.", s.get("screen_turns", 0))
+    screens = CounterMetricFamily(f + "screens", "Screens received from agents, by level and result.",
+                                  labels=["level", "result"])
+    for (level, result), n in sorted(s.get("screens", {}).items()):
+        screens.add_metric([level, result], n)
+    yield screens
 
 
 def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:

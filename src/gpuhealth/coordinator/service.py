@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import heapq
 import itertools
 import json
 import logging
@@ -39,6 +40,17 @@ from gpuhealth.coordinator.fleet import (
 )
 from gpuhealth.coordinator.jobs import JobState, JobTable, OnlineStragglerDetector
 from gpuhealth.coordinator.requests import PendingRequest, sdc_digests_of
+from gpuhealth.coordinator.screening import (
+    LEVELS,
+    RESULTS,
+    KnownGpu,
+    Offer,
+    Rotation,
+    ScreenBook,
+    coverage,
+    known_gpus,
+    screens_from_pb,
+)
 from gpuhealth.coordinator.store import Store
 from gpuhealth.coordinator.triage_wire import reply_to_dict
 from gpuhealth.model import Finding
@@ -56,6 +68,8 @@ log = logging.getLogger("gpuhealth.coordinator")
 
 GROUP_COMMIT_S = 0.005  # records wait at most this long for their commit (and ack)
 GROUP_COMMIT_RECORDS = 256  # or until this many records are in the group
+ROTATION_PERIOD_S = 1.0  # screening turns are expired and granted this often (and when a node connects or reports)
+LISTED_GPUS = 10  # the fleet view lists this many least recently screened GPUs
 
 
 @dataclass(eq=False)
@@ -71,11 +85,16 @@ class Session:
     ack_sent: int = -1
     wake: asyncio.Event = field(default_factory=asyncio.Event)
     outbox: list[pb.AgentRequest] = field(default_factory=list)
+    turn: pb.ScreenTurn | None = None  # the newest screening turn not yet sent (only the newest matters)
     closed: bool = False
     credential: str = "open"  # the credential it registered under (security.Caller.credential): its stream's too
 
     def push(self, request: pb.AgentRequest) -> None:
         self.outbox.append(request)
+        self.wake.set()
+
+    def offer(self, turn: pb.ScreenTurn) -> None:
+        self.turn = turn
         self.wake.set()
 
 
@@ -89,6 +108,7 @@ class Counters:
     hangs: int = 0
     verdicts: dict[str, int] = field(default_factory=dict)
     triage: dict[tuple[str, str], int] = field(default_factory=dict)  # (verdict, headline root kind) -> count
+    screens: dict[tuple[str, str], int] = field(default_factory=dict)  # (level, result) -> screens received
 
 
 class StreamRejected(Exception):
@@ -125,6 +145,11 @@ class Coordinator:
         self._pending: dict[Session, int] = {}
         self._pending_records = 0
         self._flush_handle: asyncio.TimerHandle | None = None
+        self.book = ScreenBook()
+        self.known: dict[str, list[KnownGpu]] = {}  # node -> its registered GPUs, as coverage counts them
+        self.rotation = Rotation(self.settings.screen_turn_s, self.settings.screen_concurrency)
+        self._rotation_planned = -float("inf")
+        self._rotation_soon = False
         self._load()
 
     # -- lifecycle -------------------------------------------------------------------------------
@@ -134,6 +159,13 @@ class Coordinator:
         now, mono = self.clock(), self.mono()
         for row in self.store.nodes():
             self.nodes[row.name] = NodeView(row.name, row.versions, row.gpus, last_seen=row.last_seen)
+        for view in self.nodes.values():
+            self.known[view.name] = known_gpus(view.name, view.gpus)
+        self.book.first_seen.update(self.store.gpus_first_seen())
+        for screen in self.store.screens_last():
+            self.book.add(screen)
+        turns = self.store.turns()
+        self.rotation.restore([t for t in turns if t.until > now], {t.node: t.started_at for t in turns})
         for node, (at, findings) in self.store.node_findings().items():
             self.nodes.setdefault(node, NodeView(node)).findings = findings
             self.nodes[node].findings_at = at
@@ -195,10 +227,15 @@ class Coordinator:
         gpus = [{"index": g.index, "uuid": g.uuid, "pci_bus_id": g.pci_bus_id, "name": g.name, "vbios": g.vbios,
                  "serial": g.serial} for g in req.gpus]
         versions = dict(req.versions)
+        known = known_gpus(node, gpus)
         with self.store.transaction():
             self.store.upsert_node(node, incarnation, now, req.agent_version, versions, gpus, req.topology_json)
+            self.store.note_gpus_seen(node, [g.uuid for g in known], now)
         view = self.nodes.setdefault(node, NodeView(node))
         view.versions, view.gpus, view.last_seen = versions, gpus, now
+        self.known[node] = known
+        for g in known:
+            self.book.seen(g, now)
         old = self.by_node.get(node)
         if old is not None:  # the agent reconnected: its old stream (if any) must go
             old.closed = True
@@ -265,6 +302,20 @@ class Coordinator:
                     self.store.set_acked(session.node, session.incarnation, seq, now)
                 view = self.nodes.setdefault(session.node, NodeView(session.node))
                 view.findings, view.findings_at = findings, rec.findings.at or now
+            elif kind == "screens":
+                screens = screens_from_pb(rec.screens, session.node, now)
+                self._begin_group()
+                with self.store.transaction():
+                    self.store.add_screens(screens, self.settings.screen_history)
+                    for sc in screens:  # their digests join the fleet-wide vote per golden key
+                        for key, digest in sc.digests:
+                            self.store.add_sdc_digest(session.node, sc.gpu_uuid, key, digest, sc.finished_at)
+                    self.store.set_acked(session.node, session.incarnation, seq, now)
+                for sc in screens:
+                    self.book.add(sc)
+                    self.counters.screens[(sc.level, sc.result)] = self.counters.screens.get((sc.level, sc.result),
+                                                                                            0) + 1
+                self._release_turn_if_screened(session.node, now)
             elif kind == "sdc":
                 digests = list(rec.sdc.digests)
                 for d in digests:
@@ -352,6 +403,8 @@ class Coordinator:
         session.connected = True
         session.ack_sent = -1
         self.nodes.setdefault(session.node, NodeView(session.node)).connected = True
+        self.rotation.forget_sent(session.node)  # a new stream: the agent hears its turn again
+        self._rotate_soon()
         session.wake.set()
 
     def stream_closed(self, session: Session) -> None:
@@ -372,9 +425,114 @@ class Coordinator:
                 return
             while session.outbox:
                 yield pb.CoordinatorMessage(request=session.outbox.pop(0))
+            if session.turn is not None:
+                turn, session.turn = session.turn, None
+                yield pb.CoordinatorMessage(screen_turn=turn)
             if session.acked != session.ack_sent:
                 session.ack_sent = session.acked
                 yield pb.CoordinatorMessage(ack=pb.Ack(up_to_seq=session.acked))
+
+    # -- screening -------------------------------------------------------------------------------
+
+    def _release_turn_if_screened(self, node: str, now: float) -> None:
+        turn = self.rotation.active.get(node)
+        if turn is not None and self.book.all_reported_since(node, self.known.get(node, []), turn.started_at):
+            self.rotation.release(node)
+            self.store.end_turn(node, now)
+            self._rotate_soon()
+
+    def _rotate_soon(self) -> None:
+        """Plan the rotation on the loop's next turn (coalesced: many connects, one plan)."""
+        if self._rotation_soon:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return  # direct use (tests, tools): the next tick plans
+        self._rotation_soon = True
+        loop.call_soon(self._rotate_logged)
+
+    def _rotate_logged(self) -> None:
+        try:
+            self.rotate()
+        except Exception:  # the rotation must not take the loop down; the next tick tries again
+            log.exception("screening rotation failed")
+
+    def rotate(self) -> dict[str, Offer]:
+        """Expire and grant screening turns; queue each connected node's turn on its stream. Returns
+        the offers made (empty with ``screen_rotation`` off: agents then keep their own schedules)."""
+        now = self.clock()
+        self._rotation_planned = now
+        self._rotation_soon = False
+        if not self.settings.screen_rotation:
+            return {}
+        connected = {n: self.book.node_screened_at(n, self.known.get(n, []))
+                     for n, s in self.by_node.items() if s.connected and not s.closed}
+        before = dict(self.rotation.active)
+        offers = self.rotation.plan(now, connected)
+        granted = [t for n, t in self.rotation.active.items() if before.get(n) is not t]
+        if granted:
+            with self.store.transaction():
+                for t in granted:
+                    self.store.set_turn(t)
+            for t in granted:
+                log.info("node %s: screening turn for %.0f s", t.node, t.until - t.started_at)
+        for node, offer in offers.items():
+            self.by_node[node].offer(pb.ScreenTurn(not_before=offer.not_before, valid_for_s=offer.valid_for_s))
+        return offers
+
+    def _counted_gpus(self, now: float) -> list[KnownGpu]:
+        """The GPUs coverage is owed for: those of every node heard from within the retention window
+        (a node gone longer than that was decommissioned, not left unscreened)."""
+        horizon = now - self.settings.retention_days * 86_400.0
+        return [g for name in sorted(self.known) if (v := self.nodes.get(name)) is not None and v.last_seen >= horizon
+                for g in self.known[name]]
+
+    def screening_doc(self) -> dict[str, Any]:
+        """Coverage, the least recently screened GPUs, failing screens and who holds a turn."""
+        now = self.clock()
+        gpus = self._counted_gpus(now)
+        cov = coverage(gpus, self.book, now, self.settings.screen_window_s)
+
+        def when(g: KnownGpu) -> float:
+            done = self.book.last_completed(g.node, g.uuid)
+            return done.screened_at if done is not None else self.book.first_seen.get((g.node, g.uuid), now)
+
+        def row(g: KnownGpu) -> dict[str, Any]:
+            done = self.book.last_completed(g.node, g.uuid)
+            last = self.book.last.get((g.node, g.uuid))
+            return {"node": g.node, "gpu": g.index, "uuid": g.uuid,
+                    "screened_at": done.screened_at if done is not None else None,
+                    "age_s": max(0.0, now - when(g)), "level": done.level if done is not None else None,
+                    "result": done.result if done is not None else None,
+                    "last_attempt": {"result": last.result, "reason": last.reason, "finished_at": last.finished_at,
+                                     "trigger": last.trigger} if last is not None else None}
+
+        oldest = heapq.nsmallest(LISTED_GPUS, gpus, key=lambda g: (when(g), self.book.last_completed(g.node, g.uuid)
+                                                                    is not None))
+        failed = []
+        for g in gpus:
+            done = self.book.last_completed(g.node, g.uuid)
+            if done is not None and done.result == "fail" and done.screened_at >= now - cov.window_s:
+                failed.append({"node": g.node, "gpu": g.index, "uuid": g.uuid, "level": done.level,
+                               "reason": done.reason, "finished_at": done.finished_at, "trigger": done.trigger})
+        connected = sum(1 for s in self.by_node.values() if s.connected)
+        return {
+            "window_s": cov.window_s, "gpus": cov.gpus, "screened": cov.screened, "unscreened": cov.unscreened,
+            "coverage_ratio": cov.ratio, "oldest_age_s": cov.oldest_age_s,
+            "oldest": row(cov.oldest) if cov.oldest is not None else None,
+            "least_recently_screened": [row(g) for g in oldest],
+            "failed": failed,
+            "rotation": {
+                "enabled": self.settings.screen_rotation, "turn_s": self.settings.screen_turn_s,
+                "slots": self.rotation.slots(connected) if connected else 0,
+                "turns": [{"node": t.node, "since": t.started_at, "until": t.until,
+                           "remaining_s": max(0.0, t.until - now)}
+                          for t in sorted(self.rotation.active.values(), key=lambda t: (t.until, t.node))],
+                "next": [{"node": n, "estimated_start": at} for n, at in
+                         sorted(self.rotation.estimates.items(), key=lambda kv: (kv[1], kv[0]))[:LISTED_GPUS]],
+            },
+        }
 
     # -- requests to agents ----------------------------------------------------------------------
 
@@ -416,6 +574,8 @@ class Coordinator:
         self.flush_group()
         self.store.prune(now, keep_days=self.settings.retention_days,
                          keep_steps_hours=self.settings.step_retention_hours)
+        self.store.prune_screens(now - self.settings.retention_days * 86_400.0,
+                                 {(g.node, g.uuid) for gpus in self.known.values() for g in gpus})
         cutoff = now - self.settings.retention_days * 86_400.0
         removed = 0
         root = Path(self.settings.resolved_evidence_dir())
@@ -427,6 +587,8 @@ class Coordinator:
         return removed
 
     def tick(self) -> None:
+        if self.clock() - self._rotation_planned >= ROTATION_PERIOD_S:
+            self.rotate()
         mono = self.mono()
         for job in list(self.jobs.jobs.values()):
             quiet_s = mono - max(job.last_record_at, job.progress_at)
@@ -611,6 +773,7 @@ class Coordinator:
             "sdc": [f.to_dict() for f in sdc_votes(unique.values())],
             "sdc_digests": {"votes": len(unique), "keys": len({v.key for v in unique.values()})},
             "unhealthy_gpus": unhealthy_gpus(nodes),
+            "screening": self.screening_doc(),
             "generated_at": self.clock(),
         }
 
@@ -628,7 +791,12 @@ class Coordinator:
                 "stalled_s": mono - job.progress_at if job.progress_at else 0.0,
             })
         c = self.counters
+        now = self.clock()
+        cov = coverage(self._counted_gpus(now), self.book, now, self.settings.screen_window_s)
         return {
+            "screen_coverage_ratio": cov.ratio, "screen_oldest_age_s": cov.oldest_age_s,
+            "gpus_unscreened": cov.unscreened, "gpus_known": cov.gpus, "screen_turns": len(self.rotation.active),
+            "screens": {(level, result): c.screens.get((level, result), 0) for level in LEVELS for result in RESULTS},
             "jobs": jobs, "connected": sum(1 for s in self.by_node.values() if s.connected),
             "nodes": len(self.nodes), "records": c.records, "step_records": c.step_records,
             "duplicates": c.duplicates, "rejected": c.rejected, "hangs": c.hangs, "verdicts": dict(c.verdicts),

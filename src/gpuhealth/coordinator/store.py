@@ -1,5 +1,7 @@
 """The coordinator's SQLite store (WAL): node inventory, acknowledged seqs, step batches, jobs and
-rank placement, current findings per node, SDC digests, verdicts and open straggler episodes.
+rank placement, current findings per node, SDC digests, verdicts, open straggler episodes, and the
+fleet's screens (per GPU the last screen of each level and result plus a bounded history, when each
+GPU was first seen, the screening turns).
 
 Durability contract: a record is acknowledged to an agent only after the transaction that wrote it
 *and* moved that agent's acked seq has committed, so a coordinator killed at any point loses no
@@ -21,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from gpuhealth.coordinator.screening import GpuKey, Screen, Turn
 from gpuhealth.model import Finding, RankIdentity
 
 MIGRATIONS: tuple[str, ...] = (
@@ -90,7 +93,39 @@ ADDITIVE: tuple[str, ...] = (
         PRIMARY KEY (job_id, rank)
     )
     """,
+    # Screens (issue 18): per GPU the newest screen of each level and result (at most 16 rows a GPU,
+    # what coverage and the fleet view read after a restart) and the last few screens whatever they were.
+    """
+    CREATE TABLE IF NOT EXISTS screen_last (
+        node TEXT NOT NULL, gpu_uuid TEXT NOT NULL, level TEXT NOT NULL, result TEXT NOT NULL,
+        gpu_index INTEGER, trigger TEXT NOT NULL, started_at REAL NOT NULL, finished_at REAL NOT NULL,
+        received_at REAL NOT NULL, reason TEXT NOT NULL, digests_json TEXT NOT NULL,
+        PRIMARY KEY (node, gpu_uuid, level, result)
+    )
+    """,
+    """
+    CREATE TABLE IF NOT EXISTS screen_history (
+        id INTEGER PRIMARY KEY, node TEXT NOT NULL, gpu_uuid TEXT NOT NULL, level TEXT NOT NULL,
+        result TEXT NOT NULL, gpu_index INTEGER, trigger TEXT NOT NULL, started_at REAL NOT NULL,
+        finished_at REAL NOT NULL, received_at REAL NOT NULL, reason TEXT NOT NULL, digests_json TEXT NOT NULL
+    )
+    """,
+    "CREATE INDEX IF NOT EXISTS screen_history_gpu ON screen_history (node, gpu_uuid, id)",
+    # When the coordinator first saw each GPU: a never-screened GPU's age counts from it.
+    """
+    CREATE TABLE IF NOT EXISTS gpus_seen (
+        node TEXT NOT NULL, gpu_uuid TEXT NOT NULL, first_seen REAL NOT NULL, PRIMARY KEY (node, gpu_uuid)
+    )
+    """,
+    # Each node's latest screening turn: a restarted coordinator continues the rotation.
+    """
+    CREATE TABLE IF NOT EXISTS screen_turns (
+        node TEXT PRIMARY KEY, started_at REAL NOT NULL, until REAL NOT NULL
+    )
+    """,
 )
+_SCREEN_COLUMNS = ("node, gpu_uuid, level, result, gpu_index, trigger, started_at, finished_at, received_at, reason,"
+                   " digests_json")
 
 
 class StoreError(RuntimeError):
@@ -326,6 +361,83 @@ class Store:
             rows = self._db.execute("SELECT node, gpu_uuid, key, digest, at FROM sdc_digests").fetchall()
         return [(r[0], r[1], r[2], r[3], float(r[4])) for r in rows]
 
+    # -- screens ---------------------------------------------------------------------------------
+
+    def add_screens(self, screens: Sequence[Screen], keep_history: int) -> None:
+        """Store screens (inside the caller's transaction): the newest per GPU, level and result, and the
+        history trimmed to the last ``keep_history`` screens of each GPU."""
+        marks = ",".join("?" * 11)
+        for s in screens:
+            row = (s.node, s.gpu_uuid, s.level, s.result, s.gpu_index, s.trigger, s.started_at, s.finished_at,
+                   s.received_at, s.reason, json.dumps(s.digests))
+            self._db.execute(
+                f"INSERT INTO screen_last ({_SCREEN_COLUMNS}) VALUES ({marks}) ON CONFLICT(node, gpu_uuid, level,"
+                " result) DO UPDATE SET gpu_index=excluded.gpu_index, trigger=excluded.trigger,"
+                " started_at=excluded.started_at, finished_at=excluded.finished_at, received_at=excluded.received_at,"
+                " reason=excluded.reason, digests_json=excluded.digests_json"
+                " WHERE excluded.finished_at >= screen_last.finished_at", row)
+            self._db.execute(f"INSERT INTO screen_history ({_SCREEN_COLUMNS}) VALUES ({marks})", row)
+        for node, uuid in sorted({(s.node, s.gpu_uuid) for s in screens}):
+            self._db.execute(
+                "DELETE FROM screen_history WHERE node=? AND gpu_uuid=? AND id <= (SELECT id FROM screen_history"
+                " WHERE node=? AND gpu_uuid=? ORDER BY id DESC LIMIT 1 OFFSET ?)",
+                (node, uuid, node, uuid, keep_history))
+
+    def screens_last(self) -> list[Screen]:
+        """The newest screen of each GPU, level and result."""
+        with self._lock:
+            rows = self._db.execute(f"SELECT {_SCREEN_COLUMNS} FROM screen_last").fetchall()
+        return [_screen_row(r) for r in rows]
+
+    def screen_history(self, node: str, gpu_uuid: str, limit: int = 100) -> list[Screen]:
+        """A GPU's screens, newest first."""
+        with self._lock:
+            rows = self._db.execute(f"SELECT {_SCREEN_COLUMNS} FROM screen_history WHERE node=? AND gpu_uuid=?"
+                                    " ORDER BY id DESC LIMIT ?", (node, gpu_uuid, limit)).fetchall()
+        return [_screen_row(r) for r in rows]
+
+    def note_gpus_seen(self, node: str, gpu_uuids: Sequence[str], now: float) -> None:
+        for uuid in gpu_uuids:
+            self._db.execute("INSERT OR IGNORE INTO gpus_seen (node, gpu_uuid, first_seen) VALUES (?,?,?)",
+                             (node, uuid, now))
+
+    def gpus_first_seen(self) -> dict[GpuKey, float]:
+        with self._lock:
+            rows = self._db.execute("SELECT node, gpu_uuid, first_seen FROM gpus_seen").fetchall()
+        return {(r[0], r[1]): float(r[2]) for r in rows}
+
+    def set_turn(self, turn: Turn) -> None:
+        self._db.execute("INSERT OR REPLACE INTO screen_turns (node, started_at, until) VALUES (?,?,?)",
+                         (turn.node, turn.started_at, turn.until))
+
+    def end_turn(self, node: str, now: float) -> None:
+        self._db.execute("UPDATE screen_turns SET until=MIN(until, ?) WHERE node=?", (now, node))
+
+    def turns(self) -> list[Turn]:
+        """Each node's latest turn (ended ones too: when a node last held one orders the rotation)."""
+        with self._lock:
+            rows = self._db.execute("SELECT node, started_at, until FROM screen_turns ORDER BY node").fetchall()
+        return [Turn(r[0], float(r[1]), float(r[2])) for r in rows]
+
+    def prune_screens(self, before: float, keep: set[GpuKey]) -> dict[str, int]:
+        """History older than ``before``; a GPU's last screens and first sighting only once the GPU is
+        gone from every registration (``keep``: the registered ones) and its rows are old."""
+        removed: dict[str, int] = {}
+        with self.transaction():
+            removed["screen_history"] = self._db.execute("DELETE FROM screen_history WHERE received_at<?",
+                                                         (before,)).rowcount
+            gone = [(n, u) for n, u, at in self._db.execute(
+                "SELECT node, gpu_uuid, MAX(received_at) FROM screen_last GROUP BY node, gpu_uuid").fetchall()
+                if (n, u) not in keep and float(at) < before]
+            gone += [(n, u) for n, u, at in self._db.execute("SELECT node, gpu_uuid, first_seen FROM gpus_seen")
+                     .fetchall() if (n, u) not in keep and float(at) < before]
+            for n, u in set(gone):
+                self._db.execute("DELETE FROM screen_last WHERE node=? AND gpu_uuid=?", (n, u))
+                self._db.execute("DELETE FROM gpus_seen WHERE node=? AND gpu_uuid=?", (n, u))
+            removed["screen_gpus"] = len(set(gone))
+            removed["screen_turns"] = self._db.execute("DELETE FROM screen_turns WHERE until<?", (before,)).rowcount
+        return removed
+
     # -- verdicts --------------------------------------------------------------------------------
 
     def add_verdict(self, job_id: str, kind: str, doc: dict[str, Any], now: float) -> int:
@@ -391,6 +503,13 @@ class Store:
                 self._db.execute("DELETE FROM jobs WHERE job_id=?", (job,))
             removed["jobs"] = len(old_jobs)
         return removed
+
+
+def _screen_row(r: Sequence[Any]) -> Screen:
+    digests = tuple((str(k), str(d)) for k, d in json.loads(r[10]))
+    return Screen(node=r[0], gpu_uuid=r[1], level=r[2], result=r[3], gpu_index=r[4], trigger=r[5],
+                  started_at=float(r[6]), finished_at=float(r[7]), received_at=float(r[8]), reason=r[9],
+                  digests=digests)
 
 
 def _split_sql(script: str) -> list[str]:
