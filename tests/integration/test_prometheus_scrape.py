@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
+import sys
 import time
 import urllib.parse
 from collections.abc import Iterator
@@ -143,3 +144,23 @@ def test_collector_health_and_simulated_flag_are_scraped(stack: tuple[AgentProce
     assert ok["pcie"] == "1"
     assert _query(prom, "gpuhealth_simulated == 1")
     assert _query(prom, 'gpuhealth_build_info{simulated="true"}')
+
+
+def test_the_readme_command_shows_the_xid_only_the_agent_sees(stack: tuple[AgentProcess, str]) -> None:
+    """README: `gpuhealth status --agent 127.0.0.1:9502` against an agent on faulty_node.yaml shows the
+    XID 79 on GPU 5 (which a one-shot status does not: tests/unit/test_readme_claims.py) — run as written,
+    on this agent's port, in the README's address form (no scheme)."""
+    readme = (Path(__file__).parents[2] / "README.md").read_text()
+    assert "`gpuhealth status --agent 127.0.0.1:9502`" in " ".join(readme.split())
+    agent, _ = stack
+    gpuhealth = str(Path(sys.executable).parent / "gpuhealth")
+    out = subprocess.run([gpuhealth, "status", "--agent", f"127.0.0.1:{agent.port}", "--json"],
+                         capture_output=True, text=True, timeout=60)
+    doc = json.loads(out.stdout)
+    assert doc["source"] == "agent", out.stderr  # the agent answered, not a fallback sweep
+    found = {(g["index"], f["code"]) for g in doc["gpus"] for f in g["findings"]}
+    assert (5, "xid.79") in found and (3, "pcie.link_degraded") in found and (1, "throttle.hw_slowdown") in found
+    assert out.returncode == 2  # unhealthy, in the default profile
+    human = subprocess.run([gpuhealth, "status", "--agent", f"127.0.0.1:{agent.port}"], capture_output=True,
+                           text=True, timeout=60)
+    assert "xid.79" in human.stdout
