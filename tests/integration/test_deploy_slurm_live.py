@@ -202,3 +202,54 @@ def test_without_nvml_the_reason_names_it(env: dict[str, str]) -> None:
     subprocess.run(["bash", str(SLURM / "gpuhealth-healthcheck.sh")], env=down, capture_output=True, text=True,
                    timeout=120)
     assert node(env) == {"state": "IDLE+DRAIN", "reason": "gpuhealth: nvml.unavailable"}
+
+
+# --- every rate fault the issue named, not only NVLink: SBE and PCIe-replay ramps ---------------
+
+SCENARIOS = REPO / "tests" / "fixtures" / "scenarios"
+# Rates need a window of history; the agent judges them over a shorter one here so the test takes
+# seconds, not the bundled minute (the same keys a site sets in collectors.thresholds_file).
+SHORT_WINDOWS = {"ecc": {"sbe_rate_min_window_s": 4.0}, "pcie": {"replay_window_s": 8.0}}
+
+
+@pytest.mark.parametrize(("scenario", "code", "gpu"), [("sbe_ramp.yaml", "ecc.sbe_rate", 1),
+                                                       ("pcie_replay_ramp.yaml", "pcie.replay_rate", 0)])
+def test_rate_warnings_only_the_agent_sees_reach_npd_and_leave_slurm_in_service(
+        env: dict[str, str], tmp_path: Path, scenario: str, code: str, gpu: int) -> None:
+    from agent_process import AgentProcess
+
+    thresholds = tmp_path / "thresholds.yaml"
+    thresholds.write_text(yaml.safe_dump(SHORT_WINDOWS))
+    cfg = tmp_path / "agent.yaml"
+    cfg.write_text(yaml.safe_dump({
+        "collectors": {"fast_interval_s": 1.0, "slow_interval_s": 1.0, "thresholds_file": str(thresholds)},
+        "agent": {"node_name": NODE, "socket_path": str(tmp_path / "agent.sock"), "state_dir": str(tmp_path / "st"),
+                  "pod_resources_socket": str(tmp_path / "none.sock")}}))
+    work = tmp_path / "agent"
+    work.mkdir()
+    agent = AgentProcess(work, ["--config", str(cfg), "--scenario", str(SCENARIOS / scenario)])
+    try:
+        agent.wait_ready()
+        deadline = time.monotonic() + 60
+        while not any(f["code"] == code for g in agent.health()["gpus"] for f in g["findings"]):
+            assert time.monotonic() < deadline, f"the agent never judged {scenario}:\n{agent.log()[-3000:]}"
+            time.sleep(0.5)
+        # checked once, the same scenario is healthy: a rate needs history
+        once = subprocess.run([str(BIN / "gpuhealth"), "status", "--exit-codes", "npd", "--json", "--nvml-snapshot",
+                               str(SCENARIOS / scenario)], capture_output=True, text=True, timeout=120, env=env)
+        assert once.returncode == 0 and json.loads(once.stdout)["node"]["health"] == "healthy"
+        # node-problem-detector's plugin, with its own arguments on this agent's port: a problem
+        args = list(json.loads(NPD_PLUGIN.read_text())["rules"][0]["args"])
+        args[args.index("--agent") + 1] = agent.url
+        npd = subprocess.run([str(BIN / "gpuhealth"), *args], capture_output=True, text=True, timeout=60, env=env)
+        assert npd.returncode == 1 and npd.stdout.startswith(f"gpuhealth: degraded: GPU {gpu} {code}"), npd.stdout
+        # Slurm: a degraded node is fit (exit-code profile slurm), so the health check drains nothing
+        check = subprocess.run(["bash", str(SLURM / "gpuhealth-healthcheck.sh")],
+                               env={**env, "GPUHEALTH_AGENT_URL": agent.url}, capture_output=True, text=True,
+                               timeout=120)
+        assert check.returncode == 0, check.stderr
+        assert node(env) == {"state": "IDLE"}
+        asked = [json.loads(line) for line in Path(env["STUB_LOG"]).read_text().splitlines()]
+        assert asked and all(a[0] == "show" for a in asked)  # it looked, and changed nothing
+    finally:
+        agent.stop()
