@@ -71,3 +71,15 @@ def test_piped_tables_keep_ids_whole(capsys: pytest.CaptureFixture[str]) -> None
     out = capsys.readouterr().out
     assert long_id in out and "…" not in out
     assert "gpu-node-0001.cluster.example.org,gpu-node-0002.cluster.example.org" in out
+
+
+def test_piped_status_keeps_every_finding_on_one_whole_line() -> None:
+    # what a cron job or `| grep` gets: a narrow COLUMNS (a terminal's setting inherited by the pipe)
+    # must not cut or fold a finding, the node's verdict or an id
+    scenario = Path(__file__).resolve().parents[1] / "fixtures" / "scenarios" / "faulty_node.yaml"
+    result = _run("status", "--nvml-snapshot", str(scenario), env={"COLUMNS": "40", "TERM": "xterm"})
+    lines = result.stdout.splitlines()
+    assert "…" not in result.stdout
+    assert any("critical pcie.link_degraded: GPU 3: PCIe link trained at x8, below its maximum x16 → drain" in line
+               for line in lines), result.stdout
+    assert any("00000000:48:00.0" in line and "unhealthy" in line for line in lines)
