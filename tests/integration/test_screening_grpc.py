@@ -1,0 +1,305 @@
+"""Fleet screening over the real wire (issue 18): simulated agents (tests/simagent.py) report screens over
+gRPC to a real coordinator; coverage is read back from its real /metrics and `GetFleet`; screening turns
+come down the Connect stream; garbage is refused with a status naming the field; a coordinator killed
+with SIGKILL and started again on the same database reports the same coverage and continues the turns."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+import grpc
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+from simagent import SimAgent, screen_result, screens_message
+
+from gpuhealth.config import CoordinatorConfig
+from gpuhealth.coordinator.query import fleet
+from gpuhealth.coordinator.security import AuthPolicy
+from gpuhealth.coordinator.server import CoordinatorServer
+from gpuhealth.coordinator.service import Coordinator
+from gpuhealth.coordinator.store import Store
+from gpuhealth.proto import gpuhealth_v1_pb2 as pb
+
+pytestmark = pytest.mark.integration
+
+KEY = "NVIDIA H100 80GB HBM3/132sm/cuda12.8/cublas/gemm-4096-bf16"
+
+
+def _scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """Every sample on the coordinator's /metrics: (name, sorted labels) -> value."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
+        text = resp.read().decode()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for fam in text_string_to_metric_families(text) for s in fam.samples}
+
+
+async def _scrape_until(port: int, cond: Callable[[dict], bool], timeout_s: float = 10.0) -> dict:  # type: ignore[type-arg]
+    deadline = time.monotonic() + timeout_s
+    while True:
+        samples = await asyncio.to_thread(_scrape, port)
+        if cond(samples) or time.monotonic() > deadline:
+            return samples
+        await asyncio.sleep(0.1)
+
+
+def _with_server(tmp_path: Path, body: Callable[[CoordinatorServer], Awaitable[None]], **settings: object) -> None:
+    async def main() -> None:
+        coord = Coordinator(Store(tmp_path / "c.db"), CoordinatorConfig(
+            evidence_dir=str(tmp_path / "ev"), tick_s=0.1, hang_floor_s=3600, **settings))  # type: ignore[arg-type]
+        srv = CoordinatorServer(coord, listen="127.0.0.1:0", metrics_listen="127.0.0.1:0", policy=AuthPolicy(),
+                                metrics_interval_s=0.1)
+        await srv.start()
+        try:
+            await asyncio.wait_for(body(srv), 60)
+        finally:
+            await srv.stop(0)
+
+    asyncio.run(main())
+
+
+def _addr(srv: CoordinatorServer) -> str:
+    assert srv.endpoints is not None
+    return f"127.0.0.1:{srv.endpoints.grpc_port}"
+
+
+async def _agents(addr: str, names: list[str], gpus: int) -> list[SimAgent]:
+    agents = [SimAgent(addr, n, gpus=gpus) for n in names]
+    for a in agents:
+        await a.register()
+        await a.connect()
+    return agents
+
+
+def test_coverage_from_simulated_agents_is_on_the_real_metrics_and_in_the_fleet_view(tmp_path: Path) -> None:
+    _with_server(tmp_path, _coverage)
+
+
+async def _coverage(srv: CoordinatorServer) -> None:
+    assert srv.endpoints is not None and srv.endpoints.metrics_port is not None
+    port = srv.endpoints.metrics_port
+    agents = await _agents(_addr(srv), ["n1", "n2", "n3", "n4"], gpus=2)
+    now = time.time()
+    n1, n2, n3, _n4 = agents
+    # n1: both GPUs pass; n2: GPU 0 fails (SDC), GPU 1 is aborted by a job; n3: screened two days ago.
+    await n1.send(screens_message(1, [screen_result(u, index=i, finished_at=now - 60, digests=[(KEY, "aa")])
+                                      for i, u in enumerate(n1.gpu_uuids())]))
+    await n2.send(screens_message(1, [
+        screen_result(n2.gpu_uuids()[0], index=0, finished_at=now - 30, result="fail", level="quick",
+                      trigger="epilog", reason="SDC: digest differs from the golden", digests=[(KEY, "bb")]),
+        screen_result(n2.gpu_uuids()[1], index=1, finished_at=now - 20, result="aborted",
+                      reason="a compute process appeared on the GPU")]))
+    await n3.send(screens_message(1, [screen_result(u, index=i, finished_at=now - 2 * 86_400, level="periodic",
+                                                    digests=[(KEY, "aa")]) for i, u in enumerate(n3.gpu_uuids())]))
+    for a in (n1, n2, n3):
+        await a.wait_acked(1)
+    samples = await _scrape_until(port, lambda s: s.get(("gpuhealth_fleet_screens_total", (("level", "periodic"),
+                                                                                            ("result", "pass")))) == 2)
+    assert samples[("gpuhealth_fleet_gpus", ())] == 8
+    assert samples[("gpuhealth_fleet_gpus_unscreened", ())] == 5  # n2 GPU 1 (aborted), n3 (old), n4 (never)
+    assert samples[("gpuhealth_fleet_screen_coverage_ratio", ())] == pytest.approx(3 / 8)
+    assert samples[("gpuhealth_fleet_screen_oldest_age_seconds", ())] == pytest.approx(2 * 86_400, abs=30)
+    assert samples[("gpuhealth_fleet_screens_total", (("level", "quick"), ("result", "pass")))] == 2
+    assert samples[("gpuhealth_fleet_screens_total", (("level", "quick"), ("result", "fail")))] == 1
+    assert samples[("gpuhealth_fleet_screens_total", (("level", "quick"), ("result", "aborted")))] == 1
+    assert samples[("gpuhealth_fleet_screens_total", (("level", "full"), ("result", "error")))] == 0
+    assert samples[("gpuhealth_fleet_screen_turns", ())] == 1  # 10 % of 4 nodes: at least one
+
+    doc = await asyncio.to_thread(fleet, _addr(srv))
+    scr = doc["screening"]
+    assert (scr["gpus"], scr["screened"], scr["unscreened"]) == (8, 3, 5)
+    assert [f["uuid"] for f in scr["failed"]] == ["GPU-n2-0"] and scr["failed"][0]["trigger"] == "epilog"
+    assert scr["oldest"]["node"] == "n3"
+    oldest = scr["least_recently_screened"]
+    # Longest ago first; the never-screened count from their registration (after the agents' screens of n1, n2).
+    assert [g["uuid"] for g in oldest] == ["GPU-n3-0", "GPU-n3-1", "GPU-n1-0", "GPU-n1-1", "GPU-n2-0", "GPU-n2-1",
+                                           "GPU-n4-0", "GPU-n4-1"]
+    assert oldest[5]["screened_at"] is None and oldest[5]["last_attempt"]["result"] == "aborted"
+    assert oldest[4]["result"] == "fail" and oldest[6]["last_attempt"] is None
+    # The digests voted fleet-wide per golden key: n2's GPU 0 disagrees with the four others.
+    assert [(f["code"], f["entity"]["id"]) for f in doc["sdc"]] == [("sdc.mismatch", "GPU-n2-0")]
+    for a in agents:
+        await a.close()
+
+
+def test_turns_rotate_over_the_stream(tmp_path: Path) -> None:
+    _with_server(tmp_path, _turns, screen_concurrency=0.25, screen_turn_s=600)
+
+
+async def _turns(srv: CoordinatorServer) -> None:
+    names = [f"node{i}" for i in range(8)]
+    agents = await _agents(_addr(srv), names, gpus=2)
+    for a in agents:  # every connected node hears a turn: now, or its slot later
+        await a.wait_turn(lambda t: True)
+    await asyncio.sleep(0.3)
+    holders = sorted(a.node for a in agents if a.holds_turn())
+    assert len(holders) == 2, holders  # 25 % of 8
+    waiting = [a for a in agents if not a.holds_turn()]
+    assert all(a.turn is not None and a.turn.not_before > time.time() for a in waiting)
+    first = next(a for a in agents if a.node == holders[0])
+    # The holder reports both GPUs screened: its turn ends, the next node in line gets one at once.
+    await first.send(screens_message(1, [screen_result(u, index=i, finished_at=time.time())
+                                         for i, u in enumerate(first.gpu_uuids())]))
+    await first.wait_acked(1)
+    await first.wait_turn(lambda t: t.not_before > 0)  # told to wait for its next turn
+    await asyncio.sleep(0.3)
+    now_holders = sorted(a.node for a in agents if a.holds_turn())
+    assert len(now_holders) == 2 and holders[0] not in now_holders and holders[1] in now_holders
+    # A holder that reconnects hears its turn again, with what is left of it.
+    second = next(a for a in agents if a.node == holders[1])
+    await second.close()
+    again = SimAgent(_addr(srv), holders[1], gpus=2)
+    await again.register()
+    await again.connect()
+    turn = await again.wait_turn(lambda t: True)
+    assert turn.not_before == 0 and 590 < turn.valid_for_s <= 600
+    doc = await asyncio.to_thread(fleet, _addr(srv))
+    assert sorted(t["node"] for t in doc["screening"]["rotation"]["turns"]) == sorted(now_holders)
+    for a in [*agents, again]:
+        await a.close()
+
+
+def test_garbage_screens_get_a_clear_status_and_nothing_else_is_lost(tmp_path: Path) -> None:
+    _with_server(tmp_path, _garbage)
+
+
+async def _garbage(srv: CoordinatorServer) -> None:
+    assert srv.endpoints is not None and srv.endpoints.metrics_port is not None
+    addr = _addr(srv)
+    [good] = await _agents(addr, ["n1"], gpus=2)
+    uuid = good.gpu_uuids()[0]
+    await good.send(screens_message(1, [screen_result(uuid, finished_at=time.time() - 5)]))
+    await good.wait_acked(1)
+    await good.close()
+    now = time.time()
+    garbage = [
+        (screen_result(uuid, finished_at=float("nan")), "started_at: nan is not a time"),
+        (screen_result(uuid, finished_at=now, result="ok"), "result: 'ok' is not one of pass, fail, aborted, error"),
+        (screen_result(uuid, finished_at=now, result="fail", reason="r" * 10_000_000), "reason: 10000000 characters"),
+    ]
+    seq = 2
+    for screen, message in garbage:
+        agent = SimAgent(addr, "n1", gpus=2)
+        await agent.register()
+        await agent.connect()
+        await agent.send(screens_message(seq, [screen]))
+        assert await agent.status() is grpc.StatusCode.INVALID_ARGUMENT
+        details = await agent.call.details()
+        assert message in details and f"record seq {seq}: screens[0]" in details, details
+        await agent.close()
+        seq += 1
+    agent = SimAgent(addr, "n1", gpus=2)
+    await agent.register()
+    await agent.connect()
+    await agent.send(screens_message(seq, [screen_result(uuid, finished_at=now) for _ in range(100_000)]))
+    assert await agent.status() is grpc.StatusCode.INVALID_ARGUMENT
+    assert "100000 screens in one record is over 1024" in await agent.call.details()
+    await agent.close()
+    # The rejected seqs are consumed, the first screen is kept, the next record is taken.
+    last = SimAgent(addr, "n1", gpus=2)
+    assert (await last.register()).acked_seq == seq
+    await last.connect()
+    await last.send(screens_message(seq + 1, [screen_result(last.gpu_uuids()[1], finished_at=time.time())]))
+    await last.wait_acked(seq + 1)
+    samples = await _scrape_until(srv.endpoints.metrics_port,
+                                  lambda s: s.get(("gpuhealth_fleet_gpus_unscreened", ())) == 0)
+    assert samples[("gpuhealth_fleet_gpus_unscreened", ())] == 0
+    assert samples[("gpuhealth_fleet_screens_total", (("level", "quick"), ("result", "pass")))] == 2
+    assert samples[("gpuhealth_coordinator_rejected_records_total", ())] == 4
+    await last.close()
+
+
+# -- a real restart: the coordinator process killed and started again on its database ----------------
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _start(db: Path, port: int, metrics_port: int) -> subprocess.Popen[bytes]:
+    ready = db.parent / "ready.json"
+    ready.unlink(missing_ok=True)
+    config = db.parent / "coordinator.yaml"
+    config.write_text("coordinator:\n  screen_concurrency: 0.5\n  screen_turn_s: 900\n")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "gpuhealth.cli.main", "coordinator", "--config", str(config),
+         "--listen", f"127.0.0.1:{port}", "--metrics-listen", f"127.0.0.1:{metrics_port}", "--db", str(db),
+         "--ready-file", str(ready), "--hang-floor", "3600"],
+        stdout=subprocess.DEVNULL, stderr=open(db.parent / "coordinator.log", "ab"))  # noqa: SIM115
+    deadline = time.monotonic() + 30
+    while not ready.exists():
+        if time.monotonic() > deadline or proc.poll() is not None:
+            proc.kill()
+            raise AssertionError("the coordinator did not start: " + (db.parent / "coordinator.log").read_text())
+        time.sleep(0.05)
+    assert json.loads(ready.read_text())["grpc_port"] == port
+    return proc
+
+
+@pytest.mark.timeout(120)
+def test_a_killed_and_restarted_coordinator_keeps_coverage_and_turns(tmp_path: Path) -> None:
+    db, port, metrics_port = tmp_path / "coord.db", _free_port(), _free_port()
+    proc = _start(db, port, metrics_port)
+    try:
+        asyncio.run(_before_kill(f"127.0.0.1:{port}", metrics_port))
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
+        proc = _start(db, port, metrics_port)
+        asyncio.run(_after_restart(f"127.0.0.1:{port}", metrics_port))
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(10)
+
+
+async def _before_kill(addr: str, metrics_port: int) -> None:
+    agents = await _agents(addr, ["a", "b", "c", "d"], gpus=4)
+    for a in agents:
+        await a.wait_turn(lambda t: True)
+    await asyncio.sleep(0.3)
+    holders = sorted(a.node for a in agents if a.holds_turn())
+    assert holders == ["a", "b"]  # 50 % of 4, never screened, by name
+    now = time.time()
+    c = agents[2]
+    await c.send(screens_message(1, [screen_result(u, index=i, finished_at=now - 10)
+                                     for i, u in enumerate(c.gpu_uuids())]))
+    await c.wait_acked(1)
+    samples = await _scrape_until(metrics_port, lambda s: s.get(("gpuhealth_fleet_gpus_unscreened", ())) == 12)
+    assert samples[("gpuhealth_fleet_screen_coverage_ratio", ())] == 0.25
+    for a in agents:
+        await a.close()
+
+
+async def _after_restart(addr: str, metrics_port: int) -> None:
+    samples = await _scrape_until(metrics_port, lambda s: s.get(("gpuhealth_fleet_gpus", ())) == 16)
+    assert samples[("gpuhealth_fleet_gpus", ())] == 16
+    assert samples[("gpuhealth_fleet_gpus_unscreened", ())] == 12
+    assert samples[("gpuhealth_fleet_screen_coverage_ratio", ())] == 0.25
+    assert samples[("gpuhealth_fleet_screen_oldest_age_seconds", ())] > 0  # from the first sighting, before the kill
+    assert samples[("gpuhealth_fleet_screen_turns", ())] == 2  # the turns held before the kill continue
+    agents = await _agents(addr, ["a", "b", "c", "d"], gpus=4)
+    for a in agents:
+        await a.wait_turn(lambda t: True)
+    await asyncio.sleep(0.3)
+    assert sorted(a.node for a in agents if a.holds_turn()) == ["a", "b"]
+    b = agents[1]
+    assert b.turn is not None and 800 < b.turn.valid_for_s < 900  # what is left of it, not a new one
+    for a in agents:
+        await a.close()
+
+
+def test_a_screen_message_is_what_the_proto_says() -> None:
+    # The helper the tests use builds the wire message the agent sends (Record payload 14).
+    rec = pb.AgentMessage.FromString(screens_message(7, [screen_result("GPU-x", digests=[(KEY, "d")])])).record
+    assert rec.seq == 7 and rec.WhichOneof("payload") == "screens"
+    assert rec.screens.screens[0].digests[0].gpu_uuid == "GPU-x"
