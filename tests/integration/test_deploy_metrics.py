@@ -42,9 +42,6 @@ GPU0 = "GPU-00000000-1111-2222-3333-444444444440"
 GPU1 = "GPU-00000001-1111-2222-3333-444444444441"
 # Names Prometheus makes itself (not exposed by any target).
 SYNTHETIC = {"up"}
-# Coordinator families issue 18 is adding now, which an alert already names (the same list as
-# tests/unit/deploy/test_deploy_prometheus.py's AWAITED_FAMILIES; drop them once the coordinator serves them).
-AWAITED_FAMILIES = {"gpuhealth_fleet_screen_coverage_ratio", "gpuhealth_fleet_screen_oldest_age_seconds"}
 PROMQL_WORDS = {"by", "without", "on", "ignoring", "group_left", "group_right", "and", "or", "unless", "bool",
                 "offset", "sum", "max", "min", "avg", "count", "rate", "increase", "time", "vector",
                 "label_values", "topk", "bottomk", "abs", "inf", "nan"}
@@ -316,7 +313,7 @@ def test_every_metric_used_is_exposed_by_a_running_agent_or_coordinator(stack: S
         for name in metric_names(expr):
             used.setdefault(name, set()).add(where)
     assert len(used) >= 30  # the parser found the names (a broken regex would find none)
-    missing = {name: sorted(where) for name, where in used.items() if name not in exposed | AWAITED_FAMILIES}
+    missing = {name: sorted(where) for name, where in used.items() if name not in exposed}
     assert missing == {}, f"used but not exposed: {missing}"
 
 
@@ -477,3 +474,24 @@ def test_kubernetes_probe_targets_answer(stack: Stack) -> None:
     with grpc.insecure_channel(f"127.0.0.1:{stack.coord_port}") as channel:
         reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""), timeout=5)
     assert reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_screening_coverage_alert_reads_what_the_coordinator_exports(stack: Stack) -> None:
+    """The coordinator knows the agent's 2 GPUs, none screened yet: coverage 0, so the rule matches
+    the real series and its alert is pending (it fires only after 6 h); its description's query
+    finds the oldest-age series."""
+    [coverage] = wait_for(lambda: stack.promql("gpuhealth_fleet_screen_coverage_ratio")["data"]["result"],
+                          "the coordinator's coverage in Prometheus")
+    assert float(coverage["value"][1]) == 0.0 and coverage["metric"]["job"] == "gpuhealth-coordinator"
+    instance = coverage["metric"]["instance"]
+    [age] = stack.promql(f'max(gpuhealth_fleet_screen_oldest_age_seconds{{instance="{instance}"}})')["data"]["result"]
+    assert float(age["value"][1]) >= 0
+
+    def pending() -> list[dict[str, Any]]:
+        body = json.loads(http_get(f"http://127.0.0.1:{stack.prom_port}/api/v1/alerts")[1])
+        return [a for a in body["data"]["alerts"] if a["labels"]["alertname"] == "GpuhealthScreeningCoverageLow"]
+
+    [alert] = wait_for(pending, "GpuhealthScreeningCoverageLow pending")
+    assert alert["state"] == "pending" and alert["labels"]["instance"] == instance
+    description = alert["annotations"]["description"]
+    assert description.startswith("Only 0% of the GPUs the coordinator") and " ago." in description, description

@@ -114,14 +114,6 @@ def test_alerts_route_on_catalog_finding_codes_and_can_fire() -> None:
     assert checked >= 8
 
 
-# Families another issue's code is adding right now, named by an alert before they land: their catalog
-# rows come with that code. Only names listed here may be missing; drop a name once the catalog has it.
-AWAITED_FAMILIES = {
-    "gpuhealth_fleet_screen_coverage_ratio": "issue 18 (coordinator screening coverage)",
-    "gpuhealth_fleet_screen_oldest_age_seconds": "issue 18 (coordinator screening coverage)",
-}
-
-
 def metric_names_in(rule: dict[str, Any]) -> set[str]:
     """Every gpuhealth/process family a rule reads: its expression and the queries in its annotations."""
     text = " ".join([rule["expr"], *map(str, (rule.get("annotations") or {}).values())])
@@ -132,8 +124,7 @@ def test_alerts_use_only_catalog_metrics() -> None:
     families = metric_families()
     for a in alerts():
         for name in metric_names_in(a):
-            assert name in families or name in AWAITED_FAMILIES, \
-                f"{a['alert']}: {name} is in no row of src/gpuhealth/catalog/metrics.csv"
+            assert name in families, f"{a['alert']}: {name} is in no row of src/gpuhealth/catalog/metrics.csv"
 
 
 def test_example_prometheus_config_is_valid_and_names_the_jobs_the_rules_use() -> None:
