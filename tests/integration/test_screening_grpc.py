@@ -125,6 +125,24 @@ async def _coverage(srv: CoordinatorServer) -> None:
     assert oldest[4]["result"] == "fail" and oldest[6]["last_attempt"] is None
     # The digests voted fleet-wide per golden key: n2's GPU 0 disagrees with the four others.
     assert [(f["code"], f["entity"]["id"]) for f in doc["sdc"]] == [("sdc.mismatch", "GPU-n2-0")]
+
+    # `gpuhealth fleet` says it in words, and a failed screen makes the exit code 1.
+    from click.testing import CliRunner
+
+    from gpuhealth.cli.main import cli
+
+    res = await asyncio.to_thread(CliRunner().invoke, cli, ["fleet", "--coordinator", _addr(srv)])
+    assert res.exit_code == 1, res.output
+    text = " ".join(res.output.split())
+    assert "screening: 3 of 8 GPUs (37.5 %) screened within 24.0 h; 5 not" in text
+    assert "least recently screened: node n3 GPU 0 (GPU-n3-0): screened 2.0 d ago (periodic, pass)" in text
+    assert "least recently screened: node n2 GPU 0 (GPU-n2-0): screened 30 s ago (quick, fail)" in text
+    assert ("screen FAILED: node n2 GPU 0 (GPU-n2-0), quick (epilog), 30 s ago: SDC: digest differs from the "
+            "golden") in text
+    holder = scr["rotation"]["turns"][0]["node"]
+    # n1 reported every GPU screened: its turn went to n2 (a GPU never completed), then the never-screened n4.
+    assert holder == "n2" and "screening turns (1 of 1 slots, 30 min each): n2 (30 min left)" in text
+    assert "next: n4 (in 30 min), n3 (in 60 min), n1 (in 90 min)" in text
     for a in agents:
         await a.close()
 

@@ -1,9 +1,11 @@
-"""``gpuhealth fleet``: version drift, SDC votes and unhealthy GPUs across the nodes."""
+"""``gpuhealth fleet``: version drift, SDC votes, unhealthy GPUs and screening coverage across the nodes."""
 
 from __future__ import annotations
 
 import json
 import sys
+import time
+from typing import Any
 
 import click
 
@@ -21,8 +23,9 @@ def command(address: str | None, config_path: str | None, token: str | None,
             token_file: str | None, tls_cert: str | None,
             tls_key: str | None, tls_ca: str | None, as_json: bool, run_sdc: bool, device: str | None,
             nodes: tuple[str, ...], timeout_s: float) -> None:
-    """Fleet view from the coordinator. Exit 0 when clean, 1 on drift/SDC/unhealthy GPUs, 3 when
-    the coordinator could not be asked."""
+    """Fleet view from the coordinator: nodes, version drift, SDC votes, unhealthy GPUs, and screening
+    (coverage, the GPUs screened longest ago, failed screens, who holds a screening turn). Exit 0 when
+    clean, 1 on drift/SDC/unhealthy GPUs or a failed screen, 3 when the coordinator could not be asked."""
     from gpuhealth.coordinator.query import CoordinatorQueryError, fleet, run_diagnostic
 
     addr, tok, tls = resolve(config_path, address, token, tls_cert, tls_key, tls_ca, token_file)
@@ -61,8 +64,58 @@ def command(address: str | None, config_path: str | None, token: str | None,
         for g in doc.get("unhealthy_gpus", []):
             console.print(f"[red]{g['health']}: node {g['node']} GPU {g['gpu']} ({g['uuid']}): "
                           f"{', '.join(g['codes'])} → {g['action']}[/red]")
-    bad = doc.get("version_drift") or doc.get("sdc") or doc.get("unhealthy_gpus")
+        for line in _screening_lines(doc.get("screening"), doc.get("generated_at") or time.time()):
+            console.print(line, markup=False, highlight=False)
+    bad = (doc.get("version_drift") or doc.get("sdc") or doc.get("unhealthy_gpus")
+           or (doc.get("screening") or {}).get("failed"))
     sys.exit(1 if bad else 0)
+
+
+def _screening_lines(scr: dict[str, Any] | None, now: float) -> list[str]:
+    """The screening part of the fleet view, in words."""
+    if not scr:
+        return []  # an older coordinator
+    window = _ago(scr["window_s"])
+    lines = [f"screening: {scr['screened']} of {scr['gpus']} GPUs ({100 * scr['coverage_ratio']:.1f} %) screened "
+             f"within {window}; {scr['unscreened']} not"]
+    oldest = scr.get("least_recently_screened") or []
+    for g in oldest[:5]:
+        gpu = f"node {g['node']} GPU {g['gpu'] if g['gpu'] is not None else '?'} ({g['uuid']})"
+        if g["screened_at"] is None:
+            what = f"never screened (known for {_ago(g['age_s'])})"
+        else:
+            what = f"screened {_ago(g['age_s'])} ago ({g['level']}, {g['result']})"
+        last = g.get("last_attempt")
+        if last and last["result"] not in ("pass", "fail"):
+            what += f"; last attempt {last['result']}" + (f": {last['reason']}" if last["reason"] else "")
+        lines.append(f"  least recently screened: {gpu}: {what}")
+    for f in scr.get("failed") or []:
+        ago = _ago(max(0.0, now - f["finished_at"]))
+        lines.append(f"  screen FAILED: node {f['node']} GPU {f['gpu']} ({f['uuid']}), {f['level']} ({f['trigger']}), "
+                     f"{ago} ago: {f['reason'] or 'no reason given'}")
+    rot = scr.get("rotation") or {}
+    if not rot.get("enabled", True):
+        lines.append("  rotation off (coordinator.screen_rotation): every agent keeps its own schedule")
+        return lines
+    turns = rot.get("turns") or []
+    held = ", ".join(f"{t['node']} ({_ago(t['remaining_s'])} left)" for t in turns) or "none"
+    lines.append(f"  screening turns ({len(turns)} of {rot.get('slots', 0)} slots, {_ago(rot['turn_s'])} each): {held}")
+    upcoming = rot.get("next") or []
+    if upcoming:
+        lines.append("  next: " + ", ".join(f"{n['node']} (in {_ago(max(0.0, n['estimated_start'] - now))})"
+                                            for n in upcoming[:5]))
+    return lines
+
+
+def _ago(seconds: float) -> str:
+    """A duration as people say it: 45 s, 12 min, 5.0 h, 2.0 d."""
+    if seconds < 90:
+        return f"{seconds:.0f} s"
+    if seconds < 5400:
+        return f"{seconds / 60:.0f} min"
+    if seconds < 172_800:
+        return f"{seconds / 3600:.1f} h"
+    return f"{seconds / 86_400:.1f} d"
 
 
 __all__ = ["command"]

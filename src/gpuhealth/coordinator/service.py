@@ -316,6 +316,7 @@ class Coordinator:
                     self.counters.screens[(sc.level, sc.result)] = self.counters.screens.get((sc.level, sc.result),
                                                                                             0) + 1
                 self._release_turn_if_screened(session.node, now)
+                self._rotate_soon()  # the queue's order changed
             elif kind == "sdc":
                 digests = list(rec.sdc.digests)
                 for d in digests:
@@ -439,7 +440,6 @@ class Coordinator:
         if turn is not None and self.book.all_reported_since(node, self.known.get(node, []), turn.started_at):
             self.rotation.release(node)
             self.store.end_turn(node, now)
-            self._rotate_soon()
 
     def _rotate_soon(self) -> None:
         """Plan the rotation on the loop's next turn (coalesced: many connects, one plan)."""
