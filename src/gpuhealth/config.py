@@ -54,8 +54,10 @@ class AgentConfig:
 
 @dataclass(slots=True)
 class DiagConfig:
-    enabled: bool = False  # periodic diagnostics from the agent
-    interval_s: float = 3600.0
+    # Screening from the agent (docs/diagnostics.md): idle GPUs only, within the budget below, aborted when a
+    # job starts; never on a simulated backend. ``enabled: false`` turns it off.
+    enabled: bool = True
+    interval_s: float = 3600.0  # a scheduled screen (SDC + memory bandwidth) this often
     gpu_seconds_per_hour: float = 10.0  # per-GPU GPU-time budget
     run_on_busy_gpus: bool = False
     golden_dir: str = "/var/lib/gpuhealth/golden"
@@ -66,6 +68,9 @@ class DiagConfig:
     busbw_judge_min_bytes: int = 64 * 1024 * 1024  # judge only sizes this large (small ones are latency)
     bandwidth_hbm_fraction: float = 0.85  # bandwidth.low below this fraction of the model's copy bandwidth
     bandwidth_pcie_fraction: float = 0.75  # ... of what the slot's max PCIe speed × width carries
+    # A file here (the Slurm prolog writes job-<id>) aborts a running screen and holds off new ones;
+    # "" = no block directory (idle-only still applies)
+    screen_block_dir: str = "/run/gpuhealth/screen-block"
 
 
 @dataclass(slots=True)

@@ -37,6 +37,7 @@ if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
 
     from gpuhealth.config import Config
+    from gpuhealth.diag.screen import ScreenResult
 
 log = logging.getLogger("gpuhealth.agent.coordinator")
 
@@ -86,7 +87,9 @@ class CoordinatorLink:
                            backoff_initial_s=settings.backoff_initial_s, backoff_max_s=settings.backoff_max_s,
                            max_inflight=settings.max_inflight),
             self.spool, register=self.register_request, heartbeat=self.health_summary,
-            on_request=self.requests.submit, ready=self._agent_ready, wait_ready_s=settings.wait_ready_s)
+            on_request=self.requests.submit, ready=self._agent_ready, wait_ready_s=settings.wait_ready_s,
+            on_screen_turn=self._on_screen_turn)
+        self._turn_listeners: list[Callable[[float, float], None]] = []
 
     # -- extension protocol ----------------------------------------------------------------------
 
@@ -119,6 +122,18 @@ class CoordinatorLink:
 
     def buffered(self) -> int:
         return self.stream.buffered()
+
+    def on_screens(self, results: Sequence[ScreenResult]) -> None:
+        """Screen results (one per GPU screened) go up as one ``screens`` record."""
+        self.stream.on_screens(results)
+
+    def add_turn_listener(self, callback: Callable[[float, float], None]) -> None:
+        """``callback(not_before, valid_for_s)`` for every ScreenTurn the coordinator sends (screening)."""
+        self._turn_listeners.append(callback)
+
+    def _on_screen_turn(self, not_before: float, valid_for_s: float) -> None:
+        for cb in list(self._turn_listeners):
+            cb(not_before, valid_for_s)
 
     def register_request(self, incarnation: str | None = None) -> pb.RegisterRequest:
         return build_register_request(self.agent, incarnation if incarnation is not None else self.spool.incarnation)

@@ -1,7 +1,7 @@
 """The agent's one gRPC stream to the coordinator, with the disk spool behind it.
 
-Up: rank identities, step records and findings snapshots are handed in (``on_identity``,
-``on_steps``, ``on_findings``: quick, from any thread), packed into records every
+Up: rank identities, step records, findings snapshots and screen results are handed in (``on_identity``,
+``on_steps``, ``on_findings``, ``on_screens``: quick, from any thread), packed into records every
 ``batch_interval_s`` and written to the ``Spool`` first; then they go over ONE ``Connect`` stream,
 and a record leaves the spool only when the coordinator acknowledges its seq. Step records reach
 the disk sooner: the ``StepJournal`` group-commits them every ``spool_commit_s`` (50 ms), so an
@@ -11,7 +11,8 @@ answers to requests (``emit``) go up the same stream. While the coordinator is u
 accumulate (bounded) and the stream reconnects with exponential backoff and jitter, then resends
 from the first unacknowledged seq (the coordinator ignores the ones it already has).
 
-Down: acknowledgements, and requests, handed to ``on_request`` (the executors) untouched.
+Down: acknowledgements, requests, handed to ``on_request`` (the executors) untouched, and the node's
+screening turn (ScreenTurn), handed to ``on_screen_turn(not_before, valid_for_s)``.
 
 Everything runs on the stream's own thread and event loop; ``start`` returns at once. What to
 register with and what a heartbeat says are the owner's (``coordinator_link``): passed in.
@@ -35,6 +36,7 @@ import grpc
 from gpuhealth.agent.coordinator_requests import Emit
 from gpuhealth.agent.spool import Spool, SpoolStats
 from gpuhealth.agent.step_journal import JournalError, StepJournal, Taken, journal_path_for
+from gpuhealth.diag.screen import ScreenResult
 from gpuhealth.model import Finding, RankIdentity, StepRecord
 from gpuhealth.proto import gpuhealth_v1_pb2 as pb
 from gpuhealth.proto.convert import finding_to_pb, identity_to_pb, steps_to_pb
@@ -81,6 +83,7 @@ class CoordinatorStream:
         on_request: Callable[[pb.AgentRequest, Emit], None],
         ready: Callable[[], bool] = lambda: True,
         wait_ready_s: float = 15.0,
+        on_screen_turn: Callable[[float, float], None] | None = None,
     ) -> None:
         self.settings = settings
         self.spool = spool
@@ -93,8 +96,10 @@ class CoordinatorStream:
         self._on_request = on_request
         self._ready = ready
         self._wait_ready_s = wait_ready_s
+        self._on_screen_turn = on_screen_turn
         self._idents: list[RankIdentity] = []
         self._findings: list[Finding] | None = None
+        self._screens: list[ScreenResult] = []
         self._buf_lock = threading.Lock()
         self._flush_lock = threading.Lock()  # held while buffered records move into the spool
         self._thread: threading.Thread | None = None
@@ -140,6 +145,12 @@ class CoordinatorStream:
             self._findings = list(findings)
         self._poke()
 
+    def on_screens(self, results: Sequence[ScreenResult]) -> None:
+        """One screen's results (one per GPU it screened): one ``screens`` record."""
+        with self._buf_lock:
+            self._screens.extend(results)
+        self._poke()
+
     def emit(self, result: pb.RequestResult) -> threading.Event:
         """Queue a result for the coordinator; the event is set once it is written to the stream."""
         written = threading.Event()
@@ -154,7 +165,7 @@ class CoordinatorStream:
     def buffered(self) -> int:
         """Records handed in but not yet in the spool (they get there within one batch interval)."""
         with self._flush_lock, self._buf_lock:
-            return self.journal.pending() + len(self._idents) + (self._findings is not None)
+            return self.journal.pending() + len(self._idents) + (self._findings is not None) + bool(self._screens)
 
     def _poke(self) -> None:
         loop, wake = self._loop, self._wake
@@ -173,6 +184,7 @@ class CoordinatorStream:
         with self._buf_lock:
             idents, self._idents = self._idents, []
             findings, self._findings = self._findings, None
+            screens, self._screens = self._screens, []
         now = time.time()
         n = 0
         if idents:
@@ -186,6 +198,10 @@ class CoordinatorStream:
         if findings is not None:
             snap = pb.FindingsSnapshot(at=now, findings=[finding_to_pb(f) for f in findings])
             self.spool.append("findings", now, lambda seq: _record(seq, now, findings=snap))
+            n += 1
+        if screens:
+            batch = pb.ScreenResults(screens=[screen_to_pb(r) for r in screens])
+            self.spool.append("screens", now, lambda seq: _record(seq, now, screens=batch))
             n += 1
         return n
 
@@ -347,6 +363,13 @@ class CoordinatorStream:
             elif body == "request":
                 self.stats["requests"] += 1
                 self._on_request(msg.request, self.emit)
+            elif body == "screen_turn":
+                self.stats["screen_turns"] += 1
+                if self._on_screen_turn is not None:
+                    try:
+                        self._on_screen_turn(msg.screen_turn.not_before, msg.screen_turn.valid_for_s)
+                    except Exception:  # a turn that cannot be taken must not end the stream
+                        log.exception("screen turn not applied")
 
     async def _write(self, call: Any, window: int, reader: asyncio.Task[None]) -> None:
         assert self._stop_event is not None and self._wake is not None and self._results is not None
@@ -376,6 +399,14 @@ class CoordinatorStream:
             return
         with contextlib.suppress(Exception):
             await call.done_writing()
+
+
+def screen_to_pb(r: ScreenResult) -> pb.ScreenResult:
+    return pb.ScreenResult(gpu_uuid=r.gpu_uuid, gpu_index=r.gpu_index, started_at=r.started_at,
+                           finished_at=r.finished_at, level=r.level, result=r.result, reason=r.reason,
+                           trigger=r.trigger,
+                           digests=[pb.SdcDigest(gpu_uuid=r.gpu_uuid, key=k, digest=d, at=r.finished_at)
+                                    for k, d in r.digests])
 
 
 def _record(seq: int, now: float, **payload: Any) -> bytes:

@@ -4,8 +4,12 @@
 - ``agent.coordinator`` set: a ``CoordinatorLink`` streams findings and step records to the
   coordinator and serves its requests through that same rank hub, handed to it here (needs
   ``gpuhealth[coordinator]``).
-- ``diag.enabled``: periodic SDC and bandwidth checks in a child process under the per-GPU
-  GPU-time budget; their findings are published into the agent's findings and ``/metrics``.
+- ``diag.enabled`` (on by default; never on a simulated backend): screening (``diag/periodic.py``) —
+  SDC and bandwidth checks in a child process on idle GPUs under the per-GPU GPU-time budget, aborted
+  when a job starts. Their findings join the agent's findings; each GPU's latest screen is on
+  ``/metrics`` and, with a coordinator link, goes up the stream as ``ScreenResults``, while the
+  coordinator's ``ScreenTurn`` comes down to it. The HTTP API's ``POST /screen`` (loopback only: the
+  Slurm epilog) asks for a screen, ``GET /screen`` shows them.
 - zero-code discovery (on unless its settings say otherwise; idle on simulated GPUs): a
   ``zerocode.ZeroCodeWatcher`` finds and watches the PyTorch/NCCL jobs on the node's GPUs that import
   nothing of ours. With a coordinator link, the link serves discovered ranks too (``CombinedRanks``).
@@ -15,7 +19,9 @@ An extension that fails to start is logged by the agent, which keeps running wit
 
 from __future__ import annotations
 
+import ipaddress
 import logging
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from gpuhealth.agent.view import AgentExtension, AgentView
@@ -23,9 +29,11 @@ from gpuhealth.agent.view import AgentExtension, AgentView
 if TYPE_CHECKING:
     from gpuhealth.agent.ranks import RankHub
     from gpuhealth.config import Config
+    from gpuhealth.diag.screen import ScreenResult
     from gpuhealth.model import Finding, Sample
 
 log = logging.getLogger("gpuhealth.agent")
+TURN_GRACE_S = 120.0  # an agent with a coordinator waits this long after start for its screening turn
 
 
 class _RankHubGuard:
@@ -57,14 +65,25 @@ class _RankHubGuard:
 
 
 class _PeriodicDiagnostics:
-    """Runs ``gpuhealth.diag.periodic`` and publishes each cycle's findings through the agent."""
+    """Runs ``gpuhealth.diag.periodic`` (screening) and publishes each screen's findings through the
+    agent; routes ``/screen`` on the agent's HTTP server; hands screen results to ``on_screens``."""
 
     name = "diagnostics"
 
-    def __init__(self, interval_s: float) -> None:
+    def __init__(self, interval_s: float, *, periodic: Any = None, first_delay_s: float = 0.0) -> None:
         self.interval_s = interval_s
-        self.periodic: Any = None
+        self.periodic: Any = periodic
         self.agent: AgentView | None = None
+        self._first_delay_s = first_delay_s
+        self._screen_listeners: list[Callable[[list[ScreenResult]], None]] = []
+
+    def add_screens_listener(self, callback: Callable[[list[ScreenResult]], None]) -> None:
+        """``callback(results)`` after every screen that screened a GPU (the coordinator link)."""
+        self._screen_listeners.append(callback)
+
+    def set_turn(self, not_before: float, valid_for_s: float) -> None:
+        if self.periodic is not None:
+            self.periodic.set_turn(not_before, valid_for_s)
 
     def start(self, agent: AgentView) -> None:
         from gpuhealth.diag.periodic import PeriodicDiagnostics  # torch-free: the checks run in a child
@@ -73,21 +92,56 @@ class _PeriodicDiagnostics:
             agent.publish_findings(self.name, findings, interval_s=self.interval_s)
 
         self.agent = agent
-        self.periodic = PeriodicDiagnostics(on_findings=on_findings)
+        if self.periodic is None:
+            self.periodic = PeriodicDiagnostics(first_delay_s=self._first_delay_s)
+        self.periodic.on_findings = on_findings
+        self.periodic.on_screens = self._screens
+        http = getattr(agent, "http", None)  # the running agent's server (started before extensions)
+        if http is not None and hasattr(http, "route"):
+            http.route("/screen", self.http_screen)
         self.periodic.start(agent)
 
+    def _screens(self, results: list[ScreenResult]) -> None:
+        for cb in list(self._screen_listeners):
+            try:
+                cb(results)
+            except Exception:
+                log.exception("screen results listener failed")
+
+    def http_screen(self, method: str, query: Mapping[str, str], client: str) -> tuple[int, dict[str, Any]]:
+        """``GET /screen``: the screens' state. ``POST /screen?level=quick&trigger=epilog``: ask for one —
+        from this node only (a loopback client), 202 when queued, 409 when refused (with the reason)."""
+        if self.periodic is None:
+            return 503, {"error": "screening has not started"}
+        if method == "GET":
+            return 200, self.periodic.status()
+        if not _is_loopback(client):
+            return 403, {"error": "POST /screen is taken from this node only (a loopback address)"}
+        level = query.get("level", "quick")
+        trigger = query.get("trigger", "operator")
+        accepted, why = self.periodic.request_screen(level, trigger)
+        return (202 if accepted else 409), {"accepted": accepted, "reason": why, "level": level, "trigger": trigger}
+
     def samples(self) -> list[Sample]:
-        """The numbers behind the findings (bandwidths, GPU time, last run), for /metrics."""
+        """The numbers behind the findings (bandwidths, GPU time, last run, each GPU's last screen)."""
         if self.periodic is None or self.agent is None:
             return []
-        from gpuhealth.diag.metrics import diag_samples
+        from gpuhealth.diag.metrics import diag_samples, screen_samples
 
-        return diag_samples(self.periodic.measured(), self.periodic.finished_at(),
-                            {g.uuid: g.index for g in self.agent.gpus})
+        gpu_index = {g.uuid: g.index for g in self.agent.gpus}
+        return [*diag_samples(self.periodic.measured(), self.periodic.finished_at(), gpu_index),
+                *screen_samples(self.periodic.screens(), gpu_index)]
 
     def stop(self) -> None:
         if self.periodic is not None:
             self.periodic.stop()
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host.split("%", 1)[0]).is_loopback
+    except ValueError:
+        return False
 
 
 def default_extensions(config: Config) -> list[AgentExtension]:
@@ -96,6 +150,7 @@ def default_extensions(config: Config) -> list[AgentExtension]:
 
     extensions: list[AgentExtension] = []
     hub = None
+    link: Any = None
     if config.agent.socket_path:
         from gpuhealth.agent.ranks import RankHub
 
@@ -121,7 +176,13 @@ def default_extensions(config: Config) -> list[AgentExtension]:
             if link is not None:
                 extensions.append(link)
     if config.diag.enabled:
-        extensions.append(_PeriodicDiagnostics(config.diag.interval_s))
+        # with a coordinator, the first scheduled screen waits a little for the node's turn to arrive
+        diag = _PeriodicDiagnostics(config.diag.interval_s,
+                                    first_delay_s=TURN_GRACE_S if config.agent.coordinator else 0.0)
+        if link is not None:
+            diag.add_screens_listener(link.on_screens)
+            link.add_turn_listener(diag.set_turn)
+        extensions.append(diag)
     return extensions
 
 

@@ -8,13 +8,16 @@ connects.
 - ``GET /ready``: 200 once every collector completed its first run, 503 before.
 - ``GET /healthz``: 200 while the process serves (a liveness probe that never depends on GPUs).
 - ``GET /``: a short index.
+- routes an extension adds (``AgentHttpServer.route``): ``GET``/``POST /screen`` (screening,
+  ``agent/extensions.py``). A POST carries its parameters in the query string, never a body.
 
 The server (``_HttpLoop``): one thread waits on every connection with a selector and hands a request
 to a fixed pool of worker threads only once its headers are complete. A connection costs a socket
 and at most ``MAX_HEADER_BYTES`` until then, never a thread; it must send its headers within
 ``header_timeout_s`` of its first byte (slowloris: 1,019 threads before, a fixed few now), an idle
 keep-alive connection goes after ``idle_timeout_s``, and at most ``max_connections`` are open (a
-new one pushes out the oldest that has not finished a request). Only GET and HEAD are served.
+new one pushes out the oldest that has not finished a request). GET and HEAD are served, and POST
+on a route that takes it; the connection closes after a POST.
 """
 
 from __future__ import annotations
@@ -30,9 +33,11 @@ import selectors
 import socket
 import threading
 import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler
 from typing import TYPE_CHECKING, Any
+from urllib.parse import parse_qsl
 
 from gpuhealth.exporters.prometheus import MetricsEndpoint
 
@@ -42,6 +47,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 MAX_HEADER_BYTES = 64 * 1024  # a GET's request line and headers; more is not a scrape
+# an extension's route: (method, query parameters, client address) → (status, JSON document)
+Route = Callable[[str, Mapping[str, str], str], tuple[int, Any]]
 
 
 def parse_listen(listen: str) -> tuple[str, int]:
@@ -87,6 +94,8 @@ class _Handler(BaseHTTPRequestHandler):
                 self._json(200, {"status": "ok"})
             elif path == "/":
                 self._send(200, _INDEX.encode(), "text/html; charset=utf-8")
+            elif path in owner.routes:
+                self._route(owner.routes[path], "GET")
             else:
                 self._json(404, {"error": f"no such endpoint: {path}"})
         except BrokenPipeError:
@@ -94,6 +103,27 @@ class _Handler(BaseHTTPRequestHandler):
         except Exception:  # a rendering bug answers 500; it never kills the server thread
             log.exception("error serving %s", path)
             self._json(500, {"error": "internal error; see the agent log"})
+
+    def do_POST(self) -> None:
+        path = self.path.split("?", 1)[0]
+        try:
+            route = self.server.owner.routes.get(path)
+            if route is None:
+                self._json(405 if path in _GET_ONLY else 404, {"error": f"no POST endpoint: {path}"})
+            elif (self.headers.get("Content-Length") or "0").strip() != "0" or self.headers.get("Transfer-Encoding"):
+                self._json(400, {"error": "no request body expected: pass parameters in the query string"})
+            else:
+                self._route(route, "POST")
+        except BrokenPipeError:
+            pass
+        except Exception:
+            log.exception("error serving POST %s", path)
+            self._json(500, {"error": "internal error; see the agent log"})
+
+    def _route(self, route: Route, method: str) -> None:
+        query = dict(parse_qsl(self.path.partition("?")[2][:2048], max_num_fields=16))
+        code, payload = route(method, query, str(self.client_address[0]) if self.client_address else "")
+        self._json(code, payload)
 
     def _json(self, code: int, payload: Any) -> None:
         self._send(code, json.dumps(payload, indent=1, default=str).encode(), "application/json")
@@ -378,6 +408,9 @@ class _HttpLoop:
         return not handler.close_connection
 
 
+_GET_ONLY = frozenset({"/metrics", "/health", "/ready", "/healthz", "/"})
+
+
 def _head_end(buf: bytearray) -> int:
     """Where a request's head ends in ``buf`` (after its blank line), or -1."""
     for sep in (b"\r\n\r\n", b"\n\n"):
@@ -400,6 +433,7 @@ class AgentHttpServer:
                  max_connections: int = 256, header_timeout_s: float = 10.0, idle_timeout_s: float = 30.0) -> None:
         self.agent = agent
         self.metrics = MetricsEndpoint(agent.snapshot, dcgm_compat=dcgm_compat)
+        self.routes: dict[str, Route] = {}
         self._server = _HttpLoop(parse_listen(listen), self, workers=workers, max_connections=max_connections,
                                  header_timeout_s=header_timeout_s, idle_timeout_s=idle_timeout_s)
 
@@ -416,6 +450,12 @@ class AgentHttpServer:
     @property
     def stats(self) -> dict[str, int]:
         return dict(self._server.stats)
+
+    def route(self, path: str, handler: Route) -> None:
+        """Serve ``path`` (GET, and POST) from an extension; the built-in endpoints cannot be replaced."""
+        if path in _GET_ONLY:
+            raise ValueError(f"{path} is a built-in endpoint")
+        self.routes[path] = handler
 
     def set_dcgm_compat(self, enabled: bool) -> None:
         self.metrics.dcgm_compat = enabled

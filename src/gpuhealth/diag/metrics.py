@@ -8,7 +8,9 @@ these are the measured numbers behind them, for trends per node and GPU in Grafa
 - ``gpuhealth_diag_last_run_timestamp_seconds{diag}``;
 - ``gpuhealth_diag_gpu_seconds{diag}`` per GPU: GPU time the last run used (what the budget charges);
 - ``gpuhealth_diag_busbw_bytes_per_second{collective, size_bytes, ranks}``: bus bandwidth per collective and size;
-- ``gpuhealth_diag_memory_bandwidth_bytes_per_second{direction}`` per GPU: device copy, pinned host↔device.
+- ``gpuhealth_diag_memory_bandwidth_bytes_per_second{direction}`` per GPU: device copy, pinned host↔device;
+- ``gpuhealth_gpu_screen_last_timestamp_seconds{level, result}`` per GPU: when its latest screen ended
+  (one series per GPU: the latest screen's level and result are its labels).
 """
 
 from __future__ import annotations
@@ -47,6 +49,19 @@ def diag_samples(latest: Mapping[str, Any], finished_at: Mapping[str, float],
             out += _busbw(outcome.result)
         elif diag == "bandwidth":
             out += _bandwidth(outcome.result, gpu_index)
+    return out
+
+
+def screen_samples(screens: Mapping[str, Any], gpu_index: Mapping[str, int]) -> list[Sample]:
+    """``screens``: GPU UUID → its latest ``ScreenResult``; GPUs the agent no longer lists are left out."""
+    out = []
+    for uuid, r in sorted(screens.items()):
+        if uuid not in gpu_index:
+            continue
+        out.append(Sample("gpu_screen_last_timestamp_seconds", float(r.finished_at),
+                          "When the GPU's latest screen ended (seconds since the epoch); labels: its level and "
+                          "result (pass, fail, aborted, error)", gpu=gpu_index[uuid],
+                          labels=(("level", r.level), ("result", r.result))))
     return out
 
 

@@ -180,8 +180,8 @@ def run_quick_rank(plan: QuickPlan, init_method: str) -> dict[str, Any] | None:
             phases["host_copy"] = 0.0
         # 4. the collectives, everyone together
         points: list[Any] = []
-        if world >= 2:
-            rank_plan = busbw.RankPlan(tuple(c for c in plan.collectives.split(",") if c),
+        if world >= 2 and _collectives(plan):
+            rank_plan = busbw.RankPlan(_collectives(plan),
                                        tuple(int(s) for s in plan.sizes.split(",")), warmup=plan.warmup,
                                        iters=plan.iters, replays=plan.replays)
             points = busbw.measure_rank(torch, dist, rank_plan, rank, world, device)
@@ -216,6 +216,12 @@ def run_quick_rank(plan: QuickPlan, init_method: str) -> dict[str, Any] | None:
         return doc
     finally:
         dist.destroy_process_group()
+
+
+def _collectives(plan: QuickPlan) -> tuple[str, ...]:
+    """The plan's collectives; none (``--collectives ''``): a screen on a node some of whose GPUs run a
+    job measures no bus bandwidth (its traffic would cross the job's links and switches)."""
+    return tuple(c for c in plan.collectives.split(",") if c)
 
 
 def _collective_rerun(dist: Any, asked: list[tuple[str, str]] | None, spec: Any, case_by_id: Mapping[str, Any],
@@ -258,9 +264,10 @@ def _document(report: Any, gathered: Sequence[Mapping[str, Any]], points: Sequen
         bw_doc = {"diag": "bandwidth", "status": "ok", "reason": "CUDA not used: host memory copy only",
                   "result": {"cpu_copy_gbps": gathered[0]["bandwidth"]["cpu_copy_gbps"], "gpus": []},
                   "findings": [], "gpu_seconds": {}}
-    if world < 2:
-        bb_doc = {"diag": "busbw", "status": "skipped", "reason": "needs at least 2 GPUs", "result": {},
-                  "findings": [], "gpu_seconds": {}}
+    if world < 2 or not _collectives(plan):
+        why = "needs at least 2 GPUs" if world < 2 else "no collectives asked for (--collectives '')"
+        bb_doc = {"diag": "busbw", "status": "skipped", "reason": why, "result": {}, "findings": [],
+                  "gpu_seconds": {}}
     else:
         topology = plan.topology or busbw.detect_topology(world, False, cuda)
         curves = busbw.load_curves(plan.thresholds_file) if plan.thresholds_file else busbw.REFERENCE_CURVES

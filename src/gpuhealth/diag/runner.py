@@ -6,7 +6,10 @@ The agent and the CLI never import torch: they call ``DiagRunner.run``, which
 2. drops GPUs whose GPU-time budget (``diag.gpu_seconds_per_hour``, a sliding hour) cannot pay
    for the run's estimate,
 3. takes a non-blocking file lock per GPU (two diagnostics never share a GPU, across processes),
-4. starts ``python -m gpuhealth.diag …`` with a timeout (its whole process group is killed past it),
+4. starts ``python -m gpuhealth.diag …`` in its own process group, with a timeout (the whole group is
+   killed past it) and, for a screen, a ``watch`` polled every ``POLL_S`` (``diag/screen.py``): a reason
+   from it stops the child at once (SIGTERM to the group, SIGKILL after ``TERM_GRACE_S``) and the
+   outcome is ``aborted`` with that reason, charged its wall time,
 5. reads the one JSON document it prints and charges each GPU the GPU-seconds it reports
    (the wall time, when the child died before saying).
 """
@@ -20,6 +23,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -33,14 +37,20 @@ from gpuhealth.config import DiagConfig
 from gpuhealth.model import Finding
 
 WINDOW_S = 3600.0
-# GPU-seconds a run is expected to cost per GPU before one has been measured on this node.
-DEFAULT_ESTIMATE_S = {"sdc": 1.0, "busbw": 20.0, "bandwidth": 2.0, "probe": 0.0, "quick": 23.0}
+# GPU-seconds a run is expected to cost per GPU before one has been measured on this node. quick: what
+# its child reports (the SDC phase on each GPU; copies and collectives are charged nothing), ~3 s per GPU.
+DEFAULT_ESTIMATE_S = {"sdc": 1.0, "busbw": 20.0, "bandwidth": 2.0, "probe": 0.0, "quick": 5.0}
+POLL_S = 0.1  # how often a watched child's watch is asked
+TERM_GRACE_S = 0.3  # SIGTERM → SIGKILL: a rank in a CUDA call may not die on SIGTERM; the GPU must be free in 1 s
+# ``watch(child_pid, gpus)`` → a reason to stop the child now, or None (``diag/screen.py``: ``ScreenWatch``);
+# child_pid None: asked once before the child starts
+Watch = Callable[[int | None, Sequence[GpuIdentity]], str | None]
 
 
 @dataclass(slots=True)
 class DiagOutcome:
     diag: str
-    status: str  # ok | failed | skipped | timeout
+    status: str  # ok | failed | skipped | timeout | aborted
     reason: str = ""
     findings: list[Finding] = field(default_factory=list)
     result: dict[str, Any] = field(default_factory=dict)
@@ -197,14 +207,16 @@ class DiagRunner:
         timeout_s: float = 300.0,
         min_gpus: int = 1,
         enforce_budget: bool = True,
+        watch: Watch | None = None,
     ) -> DiagOutcome:
         """``gpus`` None: a CPU run (no lock, no budget). Otherwise the child gets ``--device
         cuda:i,…`` (CUDA enumerated in PCI order, as NVML does) or, for busbw, CUDA_VISIBLE_DEVICES.
         ``enforce_budget`` False (a person asked for this run: CLI, qualify): the run is charged
-        to the budget but never refused by it."""
+        to the budget but never refused by it. ``watch`` (a screen): asked every ``POLL_S`` while the
+        child runs; a reason ends the run as ``aborted``."""
         t0 = time.monotonic()
         if gpus is None:
-            return self._spawn(diag, list(args), [], {}, timeout_s, t0)
+            return self._spawn(diag, list(args), [], {}, timeout_s, t0, watch)
         chosen, skipped = self.select(diag, gpus, force, enforce_budget)
         with self.locks.hold([g.uuid for g in chosen]) as (locked, busy):
             for uuid in busy:
@@ -220,32 +232,39 @@ class DiagRunner:
                 extra = ["--world", str(len(run_on))]
             else:
                 extra = ["--device", ",".join(f"cuda:{g.index}" for g in run_on)]
-            outcome = self._spawn(diag, [*args, *extra], run_on, env, timeout_s, t0)
+            if watch is not None:
+                stop = watch(None, run_on)  # a job may have started while the GPUs were picked
+                if stop:
+                    return DiagOutcome(diag, "skipped", stop, skipped_gpus=skipped, wall_s=time.monotonic() - t0)
+            outcome = self._spawn(diag, [*args, *extra], run_on, env, timeout_s, t0, watch)
             outcome.skipped_gpus.update(skipped)
             return outcome
 
     def _spawn(self, diag: str, args: list[str], gpus: Sequence[GpuIdentity], env_extra: Mapping[str, str],
-               timeout_s: float, t0: float) -> DiagOutcome:
+               timeout_s: float, t0: float, watch: Watch | None = None) -> DiagOutcome:
         cmd = [self.python, "-m", "gpuhealth.diag", diag, *args]
         env = {**self.env, **env_extra}
         uuids = [g.uuid for g in gpus]
-        try:
-            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                                    start_new_session=True)
-        except OSError as exc:
-            return DiagOutcome(diag, "failed", f"cannot start {self.python}: {exc}", wall_s=time.monotonic() - t0)
-        try:
-            out, err = proc.communicate(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)  # the child and any ranks it started
-            proc.communicate()
-            wall = time.monotonic() - t0
+        # files, not pipes: the loop below polls the watch instead of draining pipes, and a child that
+        # writes a lot must never block on a full pipe meanwhile
+        with tempfile.TemporaryFile("w+") as out_f, tempfile.TemporaryFile("w+") as err_f:
+            try:
+                proc = subprocess.Popen(cmd, stdout=out_f, stderr=err_f, text=True, env=env, start_new_session=True)
+            except OSError as exc:
+                return DiagOutcome(diag, "failed", f"cannot start {self.python}: {exc}", wall_s=time.monotonic() - t0)
+            stopped = _wait_watched(proc, timeout_s, t0, watch, gpus)
+            out_f.seek(0)
+            err_f.seek(0)
+            out, err = out_f.read(), err_f.read()
+        wall = time.monotonic() - t0
+        if stopped is not None:
             for u in uuids:
                 self.budget.charge(diag, u, wall)
-            return DiagOutcome(diag, "timeout", f"no result within {timeout_s:.0f} s (killed)", gpus=uuids,
-                               gpu_seconds={u: wall for u in uuids}, wall_s=wall)
-        wall = time.monotonic() - t0
+            if stopped == _TIMEOUT:
+                return DiagOutcome(diag, "timeout", f"no result within {timeout_s:.0f} s (killed)", gpus=uuids,
+                                   gpu_seconds={u: wall for u in uuids}, wall_s=wall)
+            return DiagOutcome(diag, "aborted", stopped, gpus=uuids, gpu_seconds={u: wall for u in uuids},
+                               wall_s=wall)
         doc = _last_json(out)
         if doc is None:
             for u in uuids:
@@ -263,6 +282,84 @@ class DiagRunner:
                 findings.append(Finding.from_dict(f))
         return DiagOutcome(diag, str(doc.get("status", "failed")), str(doc.get("reason", "")), findings,
                            dict(doc.get("result") or {}), gpu_seconds, gpus=uuids, wall_s=wall)
+
+
+_TIMEOUT = "\0timeout"
+
+
+def _wait_watched(proc: subprocess.Popen[str], timeout_s: float, t0: float, watch: Watch | None,
+                  gpus: Sequence[GpuIdentity]) -> str | None:
+    """Wait for the child; None when it exited by itself, else why it was stopped (``_TIMEOUT`` or
+    the watch's reason) — by then its whole process group is gone."""
+    deadline = t0 + timeout_s
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            kill_group(proc, grace_s=0.0)
+            return _TIMEOUT
+        try:
+            proc.wait(timeout=min(POLL_S, left) if watch is not None else left)
+            return None
+        except subprocess.TimeoutExpired:
+            pass
+        if watch is None:
+            continue
+        try:
+            why = watch(proc.pid, gpus)
+        except Exception as exc:  # a watch that cannot look must not leave a GPU held without one
+            why = f"the screen's watch failed: {type(exc).__name__}: {exc}"
+        if why:
+            kill_group(proc)
+            return why
+
+
+def kill_group(proc: subprocess.Popen[Any], grace_s: float = TERM_GRACE_S) -> None:
+    """SIGTERM the child's process group (it and every rank it started), SIGKILL what is left after
+    ``grace_s``, and reap the child. Ranks die with it too (``PR_SET_PDEATHSIG`` in ``child.py``)."""
+    if grace_s > 0:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        end = time.monotonic() + grace_s
+        while time.monotonic() < end and _group_alive(proc):
+            time.sleep(0.01)
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    end = time.monotonic() + 1.0
+    while _group_alive(proc) and time.monotonic() < end:  # ranks of the group that outlived the child
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        time.sleep(0.005)
+
+
+def _group_alive(proc: subprocess.Popen[Any]) -> bool:
+    """Is a process of the child's group still running? ``poll`` reaps the child itself once dead;
+    ranks it left behind may linger as zombies until init reaps them, which hold no GPU."""
+    proc.poll()
+    try:
+        os.killpg(proc.pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return proc.returncode is None or _live_members(proc.pid)
+
+
+def _live_members(pgid: int) -> bool:
+    """Any process of group ``pgid`` that is not a zombie (from ``/proc/<pid>/stat``)."""
+    try:
+        entries = [e.name for e in os.scandir("/proc") if e.name.isdigit()]
+    except OSError:
+        return True  # cannot look: assume the worst
+    for name in entries:
+        try:
+            with open(f"/proc/{name}/stat", "rb") as fh:
+                stat = fh.read().rsplit(b")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if len(stat) > 2 and int(stat[2]) == pgid and stat[0] != b"Z":
+            return True
+    return False
 
 
 def _last_json(text: str) -> dict[str, Any] | None:

@@ -16,7 +16,10 @@ from gpuhealth.runtime.sdnotify import SystemdNotifier
 def test_default_extensions_follow_the_config(tmp_path: Any) -> None:
     cfg = fast_config()
     cfg.agent.socket_path = ""
-    assert [e.name for e in default_extensions(cfg)] == ["zerocode"]  # zero-code discovery needs no config
+    # zero-code discovery and screening need no config (screening never runs on a simulated backend)
+    assert [e.name for e in default_extensions(cfg)] == ["zerocode", "diagnostics"]
+    cfg.diag.enabled = False  # the one line that turns screening off
+    assert [e.name for e in default_extensions(cfg)] == ["zerocode"]
     cfg.agent.socket_path = str(tmp_path / "agent.sock")
     cfg.agent.coordinator = "127.0.0.1:1"
     cfg.agent.state_dir = str(tmp_path / "state")

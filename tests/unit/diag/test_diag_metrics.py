@@ -54,7 +54,7 @@ def test_the_agents_diagnostics_extension_exports_them() -> None:
 
     ext = _PeriodicDiagnostics(3600)
     assert ext.samples() == []  # not started: nothing to say
-    ext.periodic = SimpleNamespace(measured=_outcomes, finished_at=lambda: {"sdc": 1.0})
+    ext.periodic = SimpleNamespace(measured=_outcomes, finished_at=lambda: {"sdc": 1.0}, screens=lambda: {})
     ext.agent = SimpleNamespace(gpus=[SimpleNamespace(uuid=g["uuid"], index=g["index"]) for g in DOC["gpus"]])
     names = {s.name for s in ext.samples()}
     assert {"diag_success", BUSBW, BW, "diag_gpu_seconds"} <= names
