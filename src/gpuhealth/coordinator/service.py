@@ -165,7 +165,8 @@ class Coordinator:
         for screen in self.store.screens_last():
             self.book.add(screen)
         turns = self.store.turns()
-        self.rotation.restore([t for t in turns if t.until > now], {t.node: t.started_at for t in turns})
+        if self.settings.screen_rotation:
+            self.rotation.restore([t for t in turns if t.until > now], {t.node: t.started_at for t in turns})
         for node, (at, findings) in self.store.node_findings().items():
             self.nodes.setdefault(node, NodeView(node)).findings = findings
             self.nodes[node].findings_at = at
@@ -588,7 +589,7 @@ class Coordinator:
 
     def tick(self) -> None:
         if self.clock() - self._rotation_planned >= ROTATION_PERIOD_S:
-            self.rotate()
+            self._rotate_logged()  # its own failure must not cost the jobs their detection
         mono = self.mono()
         for job in list(self.jobs.jobs.values()):
             quiet_s = mono - max(job.last_record_at, job.progress_at)

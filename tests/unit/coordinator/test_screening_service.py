@@ -156,3 +156,21 @@ def test_rotation_off_sends_no_turns(tmp_path: Path) -> None:
     s = _connect(coord, "n1")
     assert coord.rotate() == {} and s.turn is None and coord.rotation.active == {}
     coord.store.close()
+
+
+def test_retention_drops_old_history_but_keeps_the_last_screens_of_registered_gpus(tmp_path: Path) -> None:
+    clock = Clock(NOW - 40 * 86_400)
+    coord = _coordinator(tmp_path / "c.db", clock, retention_days=30, evidence_dir=str(tmp_path / "ev"))
+    s1, s2 = _connect(coord, "n1", gpus=1), _connect(coord, "n2", gpus=1)
+    _send(coord, s1, _screen("n1", 0, clock.t - 10))
+    _send(coord, s2, _screen("n2", 0, clock.t - 10))
+    clock.t = NOW
+    _send(coord, s1, _screen("n1", 0, NOW - 10, level="full"))
+    # n2 comes back with another GPU: its old one is gone from every registration.
+    coord.register(pb.RegisterRequest(node_name="n2", incarnation="i2", gpus=[pb.GpuInfo(index=0, uuid="GPU-new")]))
+    coord.prune(NOW)
+    assert [s.level for s in coord.store.screen_history("n1", "GPU-n1-0")] == ["full"]  # the 40-day-old one went
+    assert {(s.gpu_uuid, s.level) for s in coord.store.screens_last()} == {("GPU-n1-0", "quick"),
+                                                                          ("GPU-n1-0", "full")}
+    assert set(coord.store.gpus_first_seen()) == {("n1", "GPU-n1-0"), ("n2", "GPU-new")}
+    coord.store.close()
