@@ -7,7 +7,13 @@
 #      XIDs, ECC and fallen-off GPUs the job left behind); not fit -> drain with reason
 #      "gpuhealth: <codes>". The epilog itself exits 0: the drain is ours, so the health check
 #      can resume the node once it is fit again (an epilog failure would drain as "Epilog error").
+#   3. releases this job's screen lock (the prolog took it) and hands the idle node to a screen: it
+#      asks the running agent (POST $GPUHEALTH_AGENT_URL/screen?level=quick&trigger=epilog, 2 s at
+#      most), which runs it on idle GPUs within its budget and aborts it when the next job's prolog
+#      takes the lock. An SDC or bandwidth fault it finds becomes an agent finding, so the next
+#      health check or prolog drains the node. The agent down: no screen, only a log line.
 # GPUHEALTH_EPILOG_ARGS replaces the check's arguments; set it to "" to skip the check.
+# GPUHEALTH_EPILOG_SCREEN: the screen's level (quick, periodic; "" = none).
 set -u
 . "$(dirname "$(readlink -f "$0")")/gpuhealth-slurm-lib.sh"
 
@@ -37,6 +43,8 @@ main() {
         gh_handle_result "$node" epilog
         gh_cleanup
     fi
+    gh_screen_release "${SLURM_JOB_ID:-}"
+    gh_request_screen "$GPUHEALTH_EPILOG_SCREEN"
     return 0
 }
 

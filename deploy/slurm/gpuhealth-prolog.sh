@@ -1,6 +1,9 @@
 #!/bin/bash
 # Slurm Prolog (slurm.conf: Prolog=/etc/slurm/gpuhealth-prolog.sh, PrologFlags=Alloc recommended).
 # Runs as root on each node of a job before it starts:
+#   0. takes the screen lock for this job (GPUHEALTH_SCREEN_BLOCK_DIR/job-<id>): a screen the agent is
+#      running between jobs is aborted and its GPUs are free within ~0.5 s; waits up to
+#      GPUHEALTH_SCREEN_WAIT_S (2 s) for the per-GPU diagnostic locks to say so. The epilog releases it;
 #   1. what the running agent knows (`gpuhealth status` asks it: rates over its history, XIDs),
 #      then a quick qualification (`gpuhealth qualify --exit-codes slurm`: 0 fit, 1 not fit);
 #      not fit -> drain the node with reason "gpuhealth: <finding codes>" and exit 1, so Slurm
@@ -49,6 +52,8 @@ main() {
     local node job rc args
     node=$(gh_node_name)
     job=${SLURM_JOB_ID:-}
+    gh_screen_block "$job"
+    gh_wait_gpus_free || true  # a run we cannot stop (an operator's) is logged; the job still starts
     for args in "$GPUHEALTH_PROLOG_STATUS_ARGS" "$GPUHEALTH_PROLOG_ARGS"; do
         [ -n "$args" ] || continue
         # shellcheck disable=SC2086  # the arguments are a word list on purpose
@@ -57,6 +62,7 @@ main() {
         rc=$?
         gh_cleanup
         if [ "$rc" -eq 1 ]; then
+            gh_screen_release "$job"  # no job runs here: the drained node may be screened
             return 1
         fi
     done

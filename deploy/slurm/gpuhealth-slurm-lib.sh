@@ -15,6 +15,16 @@
 #   GPUHEALTH_AGENT_TIMEOUT_S  how long to wait for the agent (default: 5)
 #   GPUHEALTH_ON_ERROR       what a check that could not run (crash, timeout, missing binary)
 #                            does: "ignore" (log, node stays in service; default) or "drain"
+#   Screening between jobs (docs/diagnostics.md):
+#   GPUHEALTH_SCREEN_BLOCK_DIR  the agent's block directory   (default: /run/gpuhealth/screen-block;
+#                            must equal diag.screen_block_dir): the prolog writes job-<id> there, which
+#                            aborts a running screen and holds off new ones; the epilog removes it
+#   GPUHEALTH_SCREEN_BLOCK_TTL_S  a block file stops counting this long after the prolog wrote it, in
+#                            case its epilog never runs (default: 604800, a week; /run empties at boot)
+#   GPUHEALTH_DIAG_LOCK_DIR  the per-GPU diagnostic locks    (default: /var/lib/gpuhealth/diag/locks;
+#                            <diag.state_dir>/locks): the prolog waits on them for the GPUs to be free
+#   GPUHEALTH_SCREEN_WAIT_S  how long the prolog waits for that (default: 2)
+#   GPUHEALTH_EPILOG_SCREEN  the screen the epilog asks the agent for: quick (default), periodic, "" = none
 #
 # Only the reason prefix "gpuhealth:" marks a drain as ours: we resume only those, and never
 # overwrite a drain (or down) someone else set.
@@ -31,6 +41,11 @@ GPUHEALTH_TIMEOUT_S=${GPUHEALTH_TIMEOUT_S:-120}
 GPUHEALTH_ON_ERROR=${GPUHEALTH_ON_ERROR:-ignore}
 GPUHEALTH_AGENT_URL=${GPUHEALTH_AGENT_URL-http://127.0.0.1:9502}
 GPUHEALTH_AGENT_TIMEOUT_S=${GPUHEALTH_AGENT_TIMEOUT_S:-5}
+GPUHEALTH_SCREEN_BLOCK_DIR=${GPUHEALTH_SCREEN_BLOCK_DIR:-/run/gpuhealth/screen-block}
+GPUHEALTH_SCREEN_BLOCK_TTL_S=${GPUHEALTH_SCREEN_BLOCK_TTL_S:-604800}
+GPUHEALTH_DIAG_LOCK_DIR=${GPUHEALTH_DIAG_LOCK_DIR:-/var/lib/gpuhealth/diag/locks}
+GPUHEALTH_SCREEN_WAIT_S=${GPUHEALTH_SCREEN_WAIT_S:-2}
+GPUHEALTH_EPILOG_SCREEN=${GPUHEALTH_EPILOG_SCREEN-quick}
 # `gpuhealth status` reads these (an empty URL: never ask the agent)
 if [ -n "$GPUHEALTH_AGENT_URL" ]; then
     export GPUHEALTH_AGENT_URL GPUHEALTH_AGENT_TIMEOUT_S
@@ -190,4 +205,77 @@ gh_handle_result() {
             return 2
             ;;
     esac
+}
+
+# ------------------------------------------------------------------ screening between jobs
+
+# gh_block_name JOB : the block file's name for a job (digits, letters, '_' and '.' only)
+gh_block_name() {
+    printf 'job-%s\n' "$(printf '%s' "${1:-unknown}" | tr -c 'A-Za-z0-9._' '_' | cut -c1-64)"
+}
+
+# gh_screen_block JOB : hold screening off for this job (aborts a running screen within ~0.5 s)
+gh_screen_block() {
+    local name now
+    name=$(gh_block_name "$1")
+    now=$(date +%s)
+    mkdir -p "$GPUHEALTH_SCREEN_BLOCK_DIR" 2>/dev/null && chmod 0755 "$GPUHEALTH_SCREEN_BLOCK_DIR" 2>/dev/null || {
+        gh_log "cannot create $GPUHEALTH_SCREEN_BLOCK_DIR; a screen is then stopped only by the job's processes"
+        return 0
+    }
+    # write then rename: the agent never reads a half-written file (it skips dot files)
+    printf '{"holder": "prolog of job %s", "at": %s, "expires": %s}\n' "${name#job-}" "$now" \
+        "$((now + GPUHEALTH_SCREEN_BLOCK_TTL_S))" > "$GPUHEALTH_SCREEN_BLOCK_DIR/.$name.tmp" &&
+        mv -f "$GPUHEALTH_SCREEN_BLOCK_DIR/.$name.tmp" "$GPUHEALTH_SCREEN_BLOCK_DIR/$name"
+    return 0
+}
+
+# gh_screen_release JOB : this job no longer holds screening off
+gh_screen_release() {
+    rm -f "$GPUHEALTH_SCREEN_BLOCK_DIR/$(gh_block_name "$1")"
+    return 0
+}
+
+# gh_wait_gpus_free : wait up to GPUHEALTH_SCREEN_WAIT_S for every per-GPU diagnostic lock (a screen
+# holds its GPUs' locks until its processes are gone). Returns 1 (and logs) when one is still held.
+gh_wait_gpus_free() {
+    local f start_ms left_ms now_ms held=""
+    command -v flock >/dev/null 2>&1 || { gh_log "no flock(1): not waiting for a screen to end"; return 0; }
+    start_ms=$(date +%s%3N)
+    for f in "$GPUHEALTH_DIAG_LOCK_DIR"/gpu-*.lock; do
+        [ -f "$f" ] || continue
+        now_ms=$(date +%s%3N)
+        left_ms=$((GPUHEALTH_SCREEN_WAIT_S * 1000 - (now_ms - start_ms)))
+        [ "$left_ms" -gt 0 ] || left_ms=0
+        if ! flock -s -w "$((left_ms / 1000)).$(printf '%03d' $((left_ms % 1000)))" "$f" true 2>/dev/null; then
+            held="$held ${f##*/}"
+        fi
+    done
+    if [ -n "$held" ]; then
+        gh_log "GPUs still held by a diagnostic after ${GPUHEALTH_SCREEN_WAIT_S}s:$held (not a screen: an operator's run?)"
+        return 1
+    fi
+    return 0
+}
+
+# gh_request_screen LEVEL : ask the running agent to screen the idle node now (it owns the run, the
+# locks and the budget). Never blocks the caller for long; the agent being down is only logged.
+gh_request_screen() {
+    local level=$1 answer
+    [ -n "$level" ] && [ -n "${GPUHEALTH_AGENT_URL:-}" ] || return 0
+    command -v python3 >/dev/null 2>&1 || { gh_log "no python3: no screen asked for"; return 0; }
+    answer=$(timeout 5 python3 - "${GPUHEALTH_AGENT_URL%/}/screen?level=$level&trigger=epilog" <<'PY' 2>&1
+import sys, urllib.error, urllib.request
+req = urllib.request.Request(sys.argv[1], data=b"", method="POST")
+try:
+    with urllib.request.urlopen(req, timeout=2) as resp:
+        print(resp.status, resp.read(300).decode(errors="replace").replace("\n", " "))
+except urllib.error.HTTPError as exc:
+    print(exc.code, exc.read(300).decode(errors="replace").replace("\n", " "))
+except Exception as exc:
+    print("agent down:", exc)
+PY
+    )
+    gh_log "screen ($level) asked of the agent: ${answer:-no answer}"
+    return 0
 }

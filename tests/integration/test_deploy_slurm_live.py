@@ -58,6 +58,8 @@ def env(tmp_path: Path) -> dict[str, str]:
         "SLURMD_NODENAME": NODE,
         "GPUHEALTH_SLURM_ENV": str(tmp_path / "none.env"),
         "GPUHEALTH_SLURM_JOB_DIR": str(tmp_path / "jobs"),
+        "GPUHEALTH_SCREEN_BLOCK_DIR": str(tmp_path / "screen-block"),
+        "GPUHEALTH_DIAG_LOCK_DIR": str(tmp_path / "diag-locks"),
         "TMPDIR": str(tmp_path),
         "NVIDIA_SMI": "absent-nvidia-smi",
         "HEALTHY": str(REPO / "src/gpuhealth/data/nvml_h200x2.json"),

@@ -126,6 +126,9 @@ def slurm(tmp_path: Path) -> Slurm:
         "SLURMD_NODENAME": NODE,
         "GPUHEALTH_SLURM_ENV": str(tmp_path / "absent.env"),
         "GPUHEALTH_SLURM_JOB_DIR": str(tmp_path / "jobs"),
+        "GPUHEALTH_SCREEN_BLOCK_DIR": str(tmp_path / "screen-block"),
+        "GPUHEALTH_DIAG_LOCK_DIR": str(tmp_path / "diag-locks"),
+        "GPUHEALTH_AGENT_URL": "",  # the stub gpuhealth is the agent here: no screen to ask for
         "TMPDIR": str(tmp_path),
         "NVIDIA_SMI": "nvidia-smi-not-installed",
     }
