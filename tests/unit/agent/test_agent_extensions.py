@@ -24,7 +24,10 @@ def test_default_extensions_follow_the_config(tmp_path: Any) -> None:
     cfg.agent.coordinator = "127.0.0.1:1"
     cfg.agent.state_dir = str(tmp_path / "state")
     cfg.diag.enabled = True
-    assert [e.name for e in default_extensions(cfg)] == ["ranks", "zerocode", "coordinator_link", "diagnostics"]
+    extensions = default_extensions(cfg)
+    assert [e.name for e in extensions] == ["ranks", "zerocode", "coordinator_link", "diagnostics"]
+    # with a coordinator, the first scheduled screen waits for this node's turn to arrive
+    assert extensions[-1]._first_delay_s == 120.0  # type: ignore[attr-defined]
 
 
 def test_published_diagnostic_findings_join_health_and_metrics(tmp_path: Any) -> None:

@@ -1,0 +1,105 @@
+#!/usr/bin/env bash
+# Issue 18 on real GPUs (2-4 H100/H200; NOT RUN yet: no GPU time was left when it was written).
+# A quick screen (one warm rank per GPU, NCCL) is running when a job starts on the node; the screen's
+# watch (live NVML, the same ScreenWatch the agent uses) sees the job's compute process and kills the
+# screen. Measured, per trial, against the same job started on idle GPUs:
+#   free_s     job start -> no screen process left in NVML's lists (the GPUs free)
+#   delay_s    the job's first all_reduce completing, minus the same on idle GPUs (goal: <= 1 s)
+# Usage (repository root, torch with CUDA installed): OUT=/tmp/out bash scripts/device/screen_abort_gpu.sh [TRIALS]
+set -o pipefail
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 PYTHONPATH=src${PYTHONPATH:+:$PYTHONPATH}
+OUT=${OUT:-$(mktemp -d)}
+TRIALS=${1:-5}
+W=$(mktemp -d)
+cat > "$W/job.py" <<'PY'
+# the "job": one rank per GPU; prints the seconds from its launch to its first all_reduce completing
+import os, sys, time
+t0 = float(os.environ["JOB_T0"])
+import torch, torch.distributed as dist
+rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+torch.cuda.set_device(rank)
+dist.init_process_group("nccl", device_id=torch.device("cuda", rank))
+x = torch.ones(64 << 20, device="cuda")
+dist.all_reduce(x)
+torch.cuda.synchronize()
+if rank == 0:
+    print(f"FIRST_COLLECTIVE_S {time.time() - t0:.3f}", flush=True)
+dist.destroy_process_group()
+PY
+cat > "$W/trial.py" <<'PY'
+import json, os, subprocess, sys, threading, time
+from gpuhealth.collectors.runner import enumerate_gpus
+from gpuhealth.config import Config
+from gpuhealth.diag.qualify import plan
+from gpuhealth.diag.runner import DiagRunner
+from gpuhealth.diag.screen import ScreenWatch, gpu_pids
+from gpuhealth.node import open_backend
+
+mode, work = sys.argv[1], sys.argv[2]
+backend = open_backend(None)
+gpus = enumerate_gpus(backend)
+world = len(gpus)
+
+def job() -> tuple[float, float]:
+    env = {**os.environ, "JOB_T0": repr(time.time()), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29517",
+           "WORLD_SIZE": str(world)}
+    t0 = time.time()
+    procs = [subprocess.Popen([sys.executable, f"{work}/job.py"], env={**env, "RANK": str(r)},
+                              stdout=subprocess.PIPE, text=True) for r in range(world)]
+    out = procs[0].communicate(timeout=300)[0]
+    for p in procs[1:]:
+        p.wait(timeout=300)
+    return t0, float(out.split("FIRST_COLLECTIVE_S")[1].split()[0])
+
+if mode == "idle":
+    print(json.dumps({"mode": "idle", "first_collective_s": job()[1]}))
+    sys.exit(0)
+cfg = Config()
+cfg.diag.state_dir = f"{work}/diag"
+runner = DiagRunner(cfg.diag, state_dir=cfg.diag.state_dir, backend=backend)
+box = []
+screen_pids: set[int] = set()
+def screen() -> None:
+    step = plan("quick", cfg)[0]
+    box.append(runner.run("quick", [*step.args, "--golden-dir", f"{work}/gold"], gpus=gpus, timeout_s=300,
+                          enforce_budget=False, watch=ScreenWatch(None, backend, also=gpus)))
+th = threading.Thread(target=screen)
+th.start()
+deadline = time.time() + 120
+while time.time() < deadline:  # wait until every GPU runs a screen rank (CUDA contexts made)
+    seen = [gpu_pids(backend, g.index) or [] for g in gpus]
+    if all(seen):
+        screen_pids = {p for s in seen for p in s}
+        break
+    time.sleep(0.05)
+time.sleep(float(sys.argv[3]))  # into the SDC / copies / collectives
+free_at: list[float] = []
+def watch_free() -> None:
+    while any(set(gpu_pids(backend, g.index) or []) & screen_pids for g in gpus):
+        time.sleep(0.005)
+    free_at.append(time.time())
+w = threading.Thread(target=watch_free)
+w.start()
+t0, first = job()
+th.join(); w.join()
+print(json.dumps({"mode": "screen", "first_collective_s": first, "free_s": round(free_at[0] - t0, 3),
+                  "screen": box[0].status, "reason": box[0].reason}))
+PY
+{
+date -u; nvidia-smi -L
+python3 -c "import torch; print('torch', torch.__version__, 'nccl', torch.cuda.nccl.version())"
+for i in $(seq "$TRIALS"); do
+  timeout 400 python3 "$W/trial.py" idle "$W"
+  timeout 400 python3 "$W/trial.py" screen "$W" "$(python3 -c "import random; print(round(random.uniform(0.5, 4), 2))")"
+done
+} 2>&1 | tee "$OUT/screen_abort_gpu.txt"
+python3 - "$OUT/screen_abort_gpu.txt" <<'PY'
+import json, statistics, sys
+rows = [json.loads(l) for l in open(sys.argv[1]) if l.startswith("{")]
+idle = [r["first_collective_s"] for r in rows if r["mode"] == "idle"]
+scr = [r for r in rows if r["mode"] == "screen"]
+base = statistics.median(idle)
+print(json.dumps({"idle_first_collective_median_s": base,
+                  "delay_s": [round(r["first_collective_s"] - base, 3) for r in scr],
+                  "free_s": [r["free_s"] for r in scr], "screens": [r["screen"] for r in scr]}, indent=1))
+PY
