@@ -321,3 +321,72 @@ def test_a_screen_message_is_what_the_proto_says() -> None:
     rec = pb.AgentMessage.FromString(screens_message(7, [screen_result("GPU-x", digests=[(KEY, "d")])])).record
     assert rec.seq == 7 and rec.WhichOneof("payload") == "screens"
     assert rec.screens.screens[0].digests[0].gpu_uuid == "GPU-x"
+
+
+# -- the agent's own link (gpuhealth.agent.coordinator_link) against the coordinator: the two halves agree --
+
+
+class _NodeView:
+    """What the link reads of an agent: its name, its GPUs, its findings (none). The GPUs are the hardware
+    boundary: two H100s by identity; the link, its spool and stream, and the coordinator are the real ones."""
+
+    def __init__(self, name: str, uuids: list[str]) -> None:
+        from gpuhealth.collectors.base import GpuIdentity
+
+        self.node_name = name
+        self.gpus = [GpuIdentity(i, u, "NVIDIA H100 80GB HBM3", f"00000000:{i + 0x18:02x}:00.0")
+                     for i, u in enumerate(uuids)]
+        self.config = None
+
+    def node_report(self) -> dict[str, object]:
+        return {"node": {"driver_version": "580.159.04"}}
+
+    def current_findings(self) -> list[object]:
+        return []
+
+    def add_findings_listener(self, _callback: object) -> None:
+        pass
+
+
+def test_the_agents_link_reports_screens_and_hears_its_turns(tmp_path: Path) -> None:
+    _with_server(tmp_path, lambda srv: _agent_link(srv, tmp_path), screen_turn_s=600)
+
+
+async def _agent_link(srv: CoordinatorServer, tmp_path: Path) -> None:
+    from gpuhealth.agent.coordinator_link import CoordinatorLink, LinkSettings
+    from gpuhealth.diag.screen import ScreenResult
+
+    assert srv.endpoints is not None and srv.endpoints.metrics_port is not None
+    uuids = ["GPU-5e0c7d2a-0000", "GPU-5e0c7d2a-0001"]
+    link = CoordinatorLink(LinkSettings(address=_addr(srv), spool_path=str(tmp_path / "spool.db"),
+                                        batch_interval_s=0.05, backoff_initial_s=0.2, backoff_max_s=1.0))
+    turns: list[tuple[float, float]] = []
+    link.add_turn_listener(lambda nb, valid: turns.append((nb, valid)))
+    link.start(_NodeView("real-link", uuids))  # type: ignore[arg-type]
+    try:
+        async def until(cond: Callable[[], bool], what: str) -> None:
+            deadline = time.monotonic() + 20
+            while not cond():
+                assert time.monotonic() < deadline, f"timed out waiting for {what}"
+                await asyncio.sleep(0.05)
+
+        await until(lambda: bool(turns), "the first turn")
+        assert turns[-1] == (0.0, pytest.approx(600, abs=2))  # the only node: its turn is now
+        [other] = await _agents(_addr(srv), ["other"], gpus=1)
+        assert (await other.wait_turn(lambda t: True)).not_before > time.time()  # it waits for the link's turn
+        now = time.time()
+        link.on_screens([ScreenResult(u, i, now - 40, now - 1, "periodic", "pass", "", "schedule",
+                                      ((KEY + "/case0", "c0ffee"),)) for i, u in enumerate(uuids)])
+        await until(lambda: len(turns) >= 2, "the next turn after the screens")
+        assert turns[-1][0] > time.time()  # every GPU reported: the turn ended, the next one is later
+        await other.wait_turn(lambda t: t.not_before == 0)  # and the other node's turn is now
+        samples = await _scrape_until(srv.endpoints.metrics_port,
+                                      lambda s: s.get(("gpuhealth_fleet_gpus_unscreened", ())) == 1)
+        assert samples[("gpuhealth_fleet_gpus", ())] == 3
+        assert samples[("gpuhealth_fleet_screen_coverage_ratio", ())] == pytest.approx(2 / 3)
+        assert samples[("gpuhealth_fleet_screens_total", (("level", "periodic"), ("result", "pass")))] == 2
+        stored = srv.coord.store.screen_history("real-link", uuids[1])
+        assert [(s.level, s.result, s.digests) for s in stored] == [("periodic", "pass", ((KEY + "/case0", "c0ffee"),))]
+        await other.close()
+    finally:
+        await asyncio.to_thread(link.stop)
