@@ -108,8 +108,8 @@ class _Handler(BaseHTTPRequestHandler):
         path = self.path.split("?", 1)[0]
         try:
             route = self.server.owner.routes.get(path)
-            if route is None:
-                self._json(405 if path in _GET_ONLY else 404, {"error": f"no POST endpoint: {path}"})
+            if route is None:  # as for any method no endpoint takes
+                self._json(501, {"error": f"Unsupported method ('POST') for {path}"})
             elif (self.headers.get("Content-Length") or "0").strip() != "0" or self.headers.get("Transfer-Encoding"):
                 self._json(400, {"error": "no request body expected: pass parameters in the query string"})
             else:

@@ -78,8 +78,8 @@ def test_screen_endpoint(tmp_path: Path) -> None:
         assert code == 200 and (doc["running"] or doc["pending"])["level"] == "quick"
         assert _ask(view.http, "POST", "/screen?level=fast")[0] == 409
         assert _ask(view.http, "POST", "/screen?level=quick", body=b"level=quick")[0] == 400  # no bodies
-        assert _ask(view.http, "POST", "/metrics")[0] == 405
-        assert _ask(view.http, "POST", "/nothing")[0] == 404
+        assert _ask(view.http, "POST", "/metrics")[0] == 501  # only /screen takes a POST
+        assert _ask(view.http, "POST", "/nothing")[0] == 501
         # from another host: refused (only the node's own epilog may hand it the GPUs)
         assert ext.http_screen("POST", {"level": "quick"}, "10.1.2.3")[0] == 403
         assert ext.http_screen("POST", {"level": "quick"}, "::1")[0] == 409  # loopback, but one is running
