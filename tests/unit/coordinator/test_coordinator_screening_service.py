@@ -1,6 +1,7 @@
 """The coordinator's side of fleet screening, on a real SQLite store without the network: screens stored
 (bounded) and kept across a restart, their SDC digests voted fleet-wide, turns handed out and released,
-a bad record refused with nothing else lost. The gRPC and /metrics path: tests/integration/test_coordinator_screening_grpc.py."""
+a bad record refused with nothing else lost. The gRPC and /metrics path:
+tests/integration/test_coordinator_screening_grpc.py."""
 
 from __future__ import annotations
 
