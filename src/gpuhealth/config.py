@@ -38,7 +38,7 @@ class CollectorsConfig:
 
 @dataclass(slots=True)
 class AgentConfig:
-    listen: str = "0.0.0.0:9400"
+    listen: str = "0.0.0.0:9502"  # not 9400: dcgm-exporter's, so both run side by side
     node_name: str = ""  # default: hostname
     json_logs: bool = False
     log_level: str = "info"
