@@ -170,7 +170,7 @@ own `DCGM_EXP_*` series (its clock-event and XID windows, health and P2P status)
 NVLink series: by default per GPU (`gpuhealth_gpu_nvlink_errors_total{counter}` summed over links,
 `gpuhealth_gpu_nvlink_links{which}`; a link that is down is named by its `nvlink.link_down` finding),
 which keeps an 8-GPU Hopper node at about half the series. Per-link series (`link` label, and
-`gpuhealth_gpu_nvlink_state`) are there on demand (`MetricsEndpoint(nvlink_per_link=True)`).
+`gpuhealth_gpu_nvlink_state`) are there on demand: `agent.nvlink_per_link: true` (or `gpuhealth agent --nvlink-per-link`; SIGHUP applies it), or for one scrape `/metrics?nvlink=link`.
 The dcgm-exporter NVLink totals are the same either way.
 """
 

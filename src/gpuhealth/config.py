@@ -43,6 +43,9 @@ class AgentConfig:
     json_logs: bool = False
     log_level: str = "info"
     dcgm_compat: bool = False
+    # NVLink series per link (18 links x 4 families a GPU) instead of summed per GPU; /metrics?nvlink=link
+    # gives one scrape the per-link view either way.
+    nvlink_per_link: bool = False
     nvml_snapshot: str | None = None  # recording or scenario → simulated backend
     coordinator: str | None = None  # host:port of the coordinator, None = standalone
     state_dir: str = "/var/lib/gpuhealth"

@@ -185,7 +185,8 @@ class Agent:
         if self._serve_http:
             from gpuhealth.agent.http import AgentHttpServer
 
-            self.http = AgentHttpServer(self, self.config.agent.listen, dcgm_compat=self.config.agent.dcgm_compat)
+            self.http = AgentHttpServer(self, self.config.agent.listen, dcgm_compat=self.config.agent.dcgm_compat,
+                                        nvlink_per_link=self.config.agent.nvlink_per_link)
             self.http.start()
             log.info("serving /metrics, /health, /ready on %s", self.http.url)
         # Extensions start before the first sweep, so their listeners see every change from the start.
@@ -274,6 +275,7 @@ class Agent:
         self.runner.timeout_s = config.collectors.timeout_s
         if self.http is not None:
             self.http.set_dcgm_compat(config.agent.dcgm_compat)
+            self.http.set_nvlink_per_link(config.agent.nvlink_per_link)
         self.cache.update_facts(node_name=config.node_name)
         self._prepare_context()
         logging.getLogger("gpuhealth").setLevel(level)

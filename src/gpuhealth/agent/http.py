@@ -3,7 +3,8 @@ connects.
 
 - ``GET /metrics``: Prometheus text format 0.0.4, or OpenMetrics 1.0 when the scraper's
   ``Accept`` asks for it; gzip when its ``Accept-Encoding`` allows (Prometheus always asks: the
-  text shrinks ~10×); rendered from the cache, never from NVML.
+  text shrinks ~10×); rendered from the cache, never from NVML. NVLink counters are summed per GPU
+  unless ``agent.nvlink_per_link`` (or this scrape's ``?nvlink=link``) asks for every link.
 - ``GET /health``: JSON, the ``gpuhealth status --json`` shape (node verdict, GPUs, findings).
 - ``GET /ready``: 200 once every collector completed its first run, 503 before.
 - ``GET /healthz``: 200 while the process serves (a liveness probe that never depends on GPUs).
@@ -76,10 +77,12 @@ class _Handler(BaseHTTPRequestHandler):
 
     def do_GET(self) -> None:
         owner = self.server.owner
-        path = self.path.split("?", 1)[0]
+        path, _, query = self.path.partition("?")
         try:
             if path == "/metrics":
-                body, ctype = owner.metrics.render(self.headers.get("Accept"))
+                view = dict(parse_qsl(query)).get("nvlink", "")  # ?nvlink=link | gpu: this scrape's NVLink view
+                per_link = {"link": True, "gpu": False}.get(view)
+                body, ctype = owner.metrics.render(self.headers.get("Accept"), nvlink_per_link=per_link)
                 encoding = "gzip" if accepts_gzip(self.headers.get("Accept-Encoding")) else None
                 if encoding:
                     body = gzip.compress(body, compresslevel=GZIP_LEVEL, mtime=0)
@@ -429,10 +432,11 @@ _INDEX = """<html><head><title>gpuhealth agent</title></head><body><h1>gpuhealth
 class AgentHttpServer:
     """Serves one agent. ``start`` binds (raises OSError when the address is taken) and returns."""
 
-    def __init__(self, agent: AgentView, listen: str, *, dcgm_compat: bool = False, workers: int = 4,
-                 max_connections: int = 256, header_timeout_s: float = 10.0, idle_timeout_s: float = 30.0) -> None:
+    def __init__(self, agent: AgentView, listen: str, *, dcgm_compat: bool = False, nvlink_per_link: bool = False,
+                 workers: int = 4, max_connections: int = 256, header_timeout_s: float = 10.0,
+                 idle_timeout_s: float = 30.0) -> None:
         self.agent = agent
-        self.metrics = MetricsEndpoint(agent.snapshot, dcgm_compat=dcgm_compat)
+        self.metrics = MetricsEndpoint(agent.snapshot, dcgm_compat=dcgm_compat, nvlink_per_link=nvlink_per_link)
         self.routes: dict[str, Route] = {}
         self._server = _HttpLoop(parse_listen(listen), self, workers=workers, max_connections=max_connections,
                                  header_timeout_s=header_timeout_s, idle_timeout_s=idle_timeout_s)
@@ -459,6 +463,9 @@ class AgentHttpServer:
 
     def set_dcgm_compat(self, enabled: bool) -> None:
         self.metrics.dcgm_compat = enabled
+
+    def set_nvlink_per_link(self, enabled: bool) -> None:
+        self.metrics.nvlink_per_link = enabled
 
     def start(self) -> None:
         self._server.start()

@@ -12,9 +12,11 @@ from gpuhealth.config import AgentConfig, Config, ConfigError, load_config
 
 
 def _overrides(listen: str | None, dcgm_compat: bool | None, json_logs: bool | None, snapshot: str | None,
-               node_name: str | None, log_level: str | None) -> dict[str, dict[str, Any]]:
+               node_name: str | None, log_level: str | None,
+               nvlink_per_link: bool | None = None) -> dict[str, dict[str, Any]]:
     return {"agent": {"listen": listen, "dcgm_compat": dcgm_compat, "json_logs": json_logs,
-                      "nvml_snapshot": snapshot, "node_name": node_name, "log_level": log_level}}
+                      "nvml_snapshot": snapshot, "node_name": node_name, "log_level": log_level,
+                      "nvlink_per_link": nvlink_per_link}}
 
 
 @click.command(name="agent")
@@ -25,14 +27,18 @@ def _overrides(listen: str | None, dcgm_compat: bool | None, json_logs: bool | N
               help="Replay an NVML recording or scenario instead of the live driver (SIMULATED).")
 @click.option("--dcgm-compat/--no-dcgm-compat", default=None,
               help="Also expose the readings under dcgm-exporter's metric names and labels.")
+@click.option("--nvlink-per-link/--nvlink-per-gpu", default=None,
+              help="NVLink series for every link instead of summed per GPU (default: agent.nvlink_per_link, per "
+                   "GPU; one scrape can ask /metrics?nvlink=link).")
 @click.option("--json-logs/--text-logs", default=None, help="Log JSON lines instead of text.")
 @click.option("--node-name", help="Node name in reports and the dcgm-compat hostname label (default: hostname).")
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default=None,
               help="Least severe log records written (default: agent.log_level, info).")
 def command(config_file: str | None, listen: str | None, snapshot: str | None, dcgm_compat: bool | None,
-            json_logs: bool | None, node_name: str | None, log_level: str | None) -> None:
+            nvlink_per_link: bool | None, json_logs: bool | None, node_name: str | None,
+            log_level: str | None) -> None:
     """Run the per-node agent: collectors on a schedule, /metrics (Prometheus), /health, /ready."""
-    overrides = _overrides(listen, dcgm_compat, json_logs, snapshot, node_name, log_level)
+    overrides = _overrides(listen, dcgm_compat, json_logs, snapshot, node_name, log_level, nvlink_per_link)
 
     def load() -> Config:
         return load_config(config_file, overrides=overrides)

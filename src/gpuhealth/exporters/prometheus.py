@@ -317,20 +317,22 @@ class MetricsEndpoint:
     def nvlink_per_link(self, enabled: bool) -> None:
         self.collector.nvlink_per_link = enabled
 
-    def render(self, accept_header: str | None = None) -> tuple[bytes, str]:
-        """Text format 0.0.4 by default; OpenMetrics when ``Accept`` asks for it. The snapshot part
-        is cached per snapshot, so scrapes between two collector runs (a second Prometheus, a
-        curl) cost only the process metrics."""
+    def render(self, accept_header: str | None = None, *, nvlink_per_link: bool | None = None) -> tuple[bytes, str]:
+        """Text format 0.0.4 by default; OpenMetrics when ``Accept`` asks for it. ``nvlink_per_link``
+        overrides the endpoint's NVLink view for this scrape. The snapshot part is cached per
+        snapshot, so scrapes between two collector runs (a second Prometheus, a curl) cost only the
+        process metrics."""
         _, content_type = choose_encoder(accept_header or "")
         openmetrics = content_type.startswith("application/openmetrics-text")
+        per_link = self.collector.nvlink_per_link if nvlink_per_link is None else nvlink_per_link
         snap = self.collector.source()
-        key = (id(snap), self.collector.dcgm_compat, openmetrics, self.collector.nvlink_per_link)
+        key = (id(snap), self.collector.dcgm_compat, openmetrics, per_link)
         cached = self._cached
         if cached is not None and cached[0] is snap and cached[1] == key:
             body = cached[2]
         else:
             body = encode_text(build_families(snap, dcgm_compat=self.collector.dcgm_compat,
-                                              nvlink_per_link=self.collector.nvlink_per_link),
+                                              nvlink_per_link=per_link),
                                openmetrics=openmetrics, end=False)
             self._cached = (snap, key, body)
         tail = b"# EOF\n" if openmetrics else b""

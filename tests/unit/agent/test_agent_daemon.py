@@ -279,3 +279,19 @@ def test_systemd_hears_ready_even_when_nvml_cannot_start(agents: list[Agent], cl
     assert _get(agent, "/ready")[0] == 503  # readiness still says: no GPU data
     assert [f["code"] for f in agent.node_report()["findings"]] == [NVML_UNAVAILABLE]
     listener.close()
+
+
+def test_nvlink_series_per_gpu_by_default_per_link_from_config_reload_or_one_scrape(agents: list[Agent],
+                                                                                    clock: Any) -> None:
+    agent = _start(agents, Agent(fast_config(), _scenario_backend(clock, []), collectors=all_collectors(),
+                                 extensions=[], notifier=QUIET))
+    wait_for(lambda: agent.ready, what="first sweep")
+    per_link = b"gpuhealth_gpu_nvlink_state{"
+    assert per_link not in _get(agent, "/metrics")[1]
+    assert b"gpuhealth_gpu_nvlink_errors_total{" in _get(agent, "/metrics")[1]  # summed per GPU
+    assert per_link in _get(agent, "/metrics?nvlink=link")[1]  # one scrape asks for every link
+    cfg = fast_config()
+    cfg.agent.nvlink_per_link = True
+    agent.reload(cfg)  # what SIGHUP does with the edited file
+    assert per_link in _get(agent, "/metrics")[1]
+    assert per_link not in _get(agent, "/metrics?nvlink=gpu")[1]
