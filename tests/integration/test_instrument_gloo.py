@@ -204,7 +204,9 @@ def test_gloo_job_steps_straggler_dump_and_stacks(sock_dir: Path, tmp_path: Path
             return not isinstance(res, Exception) and "wait_in_allreduce" in _main_frames(res)
 
         _until(others_blocked, 30, "rank 0 to block in the all_reduce")
-        time.sleep(0.3)
+        # A hang is a wait that lasted: triage calls no wait under a second a hang (the dumps of a running
+        # job land up to a second apart), and nobody dumps a hang sooner than that.
+        time.sleep(1.5)
 
         dump_dir = tmp_path / "fr"
         dump_dir.mkdir()

@@ -17,7 +17,7 @@ import numpy as np
 
 from gpuhealth.flightrec.load import RankDump
 
-FLOOR_S = 1.0  # a wait shorter than this is never called a hang
+FLOOR_S = 1.0  # a wait shorter than this is never called a hang (FIFO dumps of one job land up to ~1 s apart)
 QUIET_FACTOR = 2.0  # ... nor one shorter than this many times the job's usual longest pause
 _QUIET_PERCENTILE = 99  # the usual longest pause: not the rare checkpoint or first-dump stall
 
