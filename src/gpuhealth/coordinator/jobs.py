@@ -33,6 +33,10 @@ class OnlineStragglerDetector(Protocol):
         """Continue episodes that were open before a coordinator restart (not announced again)."""
         ...
 
+    def slowdown(self) -> Finding | None:
+        """The whole job's open slowdown (``job.slowdown``), else None: never a straggler."""
+        ...
+
     def scores(self) -> dict[int, float]:
         """Per-rank slowness score (≈ compute time / cross-rank median; 1.0 is typical)."""
         ...
@@ -75,6 +79,7 @@ class JobState:
     hang_open: bool = False  # a hang verdict was issued and no progress since
     hangs: int = 0
     stragglers: dict[int, Finding] = field(default_factory=dict)
+    slowdown: Finding | None = None  # the whole job slower than its own best pace (job.slowdown)
     episodes_stored: set[int] | None = None  # ranks whose open episode is in the store; None: not read yet
     detector: OnlineStragglerDetector | None = None
     new_detector: Callable[[], OnlineStragglerDetector] | None = None  # a fresh one for a restarted run
@@ -195,6 +200,9 @@ class JobState:
             "state": "finished" if self.finished else ("hung" if self.hang_open else "running"),
             "hangs": self.hangs,
             "stragglers": sorted(self.stragglers),
+            "slowdown": None if self.slowdown is None else {
+                "ratio": self.slowdown.evidence.get("ratio_to_history"),
+                "since_step": self.slowdown.evidence.get("onset_step"), "message": self.slowdown.message},
         }
 
 

@@ -56,6 +56,9 @@ class CoordinatorCollector(Collector):
                                    labels=["job_id", "rank"])
         stragglers = GaugeMetricFamily(p + "job_stragglers", "Ranks currently flagged as stragglers.",
                                        labels=["job_id"])
+        slowdown = GaugeMetricFamily(p + "job_slowdown_ratio", "The whole job's step compute against its own best "
+                                     "pace while a job.slowdown is open (every rank slower together: never a "
+                                     "straggler); 1 otherwise.", labels=["job_id"])
         hangs = CounterMetricFamily(p + "job_hangs", "Hangs detected per job.", labels=["job_id"])
         stalled = GaugeMetricFamily(p + "job_seconds_since_progress", "Seconds since any rank finished a step.",
                                     labels=["job_id"])
@@ -69,9 +72,10 @@ class CoordinatorCollector(Collector):
             for rank, score in job["scores"]:
                 scores.add_metric([jid, str(rank)], score)
             stragglers.add_metric([jid], job["stragglers"])
+            slowdown.add_metric([jid], job.get("slowdown_ratio", 1.0))
             hangs.add_metric([jid], job["hangs"])
             stalled.add_metric([jid], job["stalled_s"])
-        yield from (records, quant, scores, stragglers, hangs, stalled)
+        yield from (records, quant, scores, stragglers, slowdown, hangs, stalled)
         hangs_total = CounterMetricFamily(p + "hangs", "Hangs detected, all jobs.")
         hangs_total.add_metric([], s.get("hangs", 0))
         yield hangs_total

@@ -629,6 +629,10 @@ class Coordinator:
                 self.store.set_straggler_episodes(job.job_id, current, self.clock())
             job.episodes_stored = set(current)
         job.stragglers = current
+        slowdown = job.detector.slowdown()
+        if slowdown is not None and job.slowdown is None:
+            log.warning("job %s: %s", job.job_id, slowdown.message)
+        job.slowdown = slowdown
 
     def culprit(self, job: JobState, rank: int) -> dict[str, Any]:
         """Rank → node/GPU and that GPU's current findings."""
@@ -789,6 +793,8 @@ class Coordinator:
                 "job_id": job.job_id, "quantiles": job.step_quantiles(), "scores": top,
                 "step_count": len(job.step_samples), "step_sum": sum(job.step_samples),
                 "stragglers": len(job.stragglers), "hangs": job.hangs, "records": job.records,
+                "slowdown_ratio": float(job.slowdown.evidence.get("ratio_to_history") or 1.0)
+                if job.slowdown is not None else 1.0,
                 "stalled_s": mono - job.progress_at if job.progress_at else 0.0,
             })
         c = self.counters

@@ -113,6 +113,10 @@ class BudgetedStragglerFeed:
         """Current ``rank.straggler`` findings (ranks in an open episode)."""
         return self.detector.active_findings()
 
+    def slowdown(self) -> Finding | None:
+        """The whole job's open slowdown (``job.slowdown``: every rank slower together), else None."""
+        return self.detector.slowdown()
+
     def resume(self, findings: Iterable[Finding]) -> None:
         """Continue episodes that were open before the coordinator restarted (not announced again)."""
         self.detector.resume(findings)

@@ -232,6 +232,11 @@ class StragglerDetector:
         """Current ``rank.straggler`` findings (ranks in an open episode)."""
         return [ep.finding for _, ep in sorted(self._episodes.items()) if ep.active and ep.finding is not None]
 
+    def slowdown(self) -> Finding | None:
+        """The whole job's open slowdown (``job.slowdown``, ``evidence.active``), else None."""
+        f = self._trend.finding if self._trend is not None else None
+        return f if f is not None and f.evidence.get("active") else None
+
     def findings(self) -> list[Finding]:
         """The latest episode of every rank that had one (``evidence.active`` False if it recovered),
         then the latest ``job.slowdown`` if the whole job slowed down."""

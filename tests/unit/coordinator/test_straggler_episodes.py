@@ -104,3 +104,25 @@ def test_above_its_budget_the_feed_judges_whole_runs_of_steps() -> None:
     found = feed.evaluate()
     assert [f.evidence["rank"] for f in found] == [5]
     assert 1.4 <= found[0].evidence["ratio_to_median"] <= 1.6
+
+
+def test_a_whole_job_slowdown_is_surfaced_and_never_a_straggler(tmp_path: Path) -> None:
+    coord = _coordinator(tmp_path)
+    agent = _Agent(coord, "a")
+    agent.steps(0, 80)
+    assert coord.jobs.jobs[JOB].slowdown is None
+    for step in range(80, 180):  # every rank 1.5x slower together (a slower dataset, a checkpoint writer)
+        agent.seq += 1
+        compute = [0.09 * (1 + 0.01 * ((r * 7 + step * 3) % 5 - 2)) for r in RANKS]
+        raw = step_batch_message(agent.seq, JOB, RANKS, step, wall_s=0.3, compute=compute)
+        coord.handle_record(agent.session, raw, pb.AgentMessage.FromString(raw).record)
+        if step % 4 == 3:
+            coord.tick()
+    job = coord.jobs.jobs[JOB]
+    assert job.slowdown is not None and job.slowdown.code == "job.slowdown", job.summary(0.0)
+    assert 1.4 < job.slowdown.evidence["ratio_to_history"] < 1.6
+    assert job.stragglers == {} and coord.store.verdicts(JOB) == []  # no rank is blamed
+    summary = job.summary(0.0)["slowdown"]
+    assert summary["ratio"] == job.slowdown.evidence["ratio_to_history"] and summary["since_step"] >= 70
+    [entry] = [j for j in coord.metrics_snapshot()["jobs"] if j["job_id"] == JOB]
+    assert entry["slowdown_ratio"] == job.slowdown.evidence["ratio_to_history"]
