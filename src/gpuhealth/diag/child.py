@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 import traceback
@@ -294,9 +295,17 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+PARENT_ENV = "GPUHEALTH_DIAG_PARENT_PID"  # the PID that started this child (runner, launcher): see below
+
+
 def _die_with_parent() -> None:
     """Ask Linux to SIGKILL this process when its parent dies, so a killed agent (or a timed-out
-    launcher) never leaves ranks spinning in NCCL kernels on the GPUs."""
+    launcher) never leaves ranks spinning in NCCL kernels on the GPUs.
+
+    The request only covers deaths after it is made: a parent killed while this interpreter was still
+    starting has already gone, and this process — reparented, holding no lock — would run its whole
+    diagnostic on GPUs a job may have taken by then. So a child told its parent's PID
+    (``PARENT_ENV``) that finds another parent exits at once; its own children are told its PID."""
     import ctypes
     import signal
 
@@ -305,6 +314,28 @@ def _die_with_parent() -> None:
         libc.prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):
         pass  # not Linux: the runner's process-group kill still applies
+    expected = os.environ.get(PARENT_ENV, "")
+    if expected.isdigit() and not _descends_from(int(expected)):
+        _log(f"the process that started this diagnostic (pid {expected}) is gone: not running it")
+        os._exit(3)
+    os.environ[PARENT_ENV] = str(os.getpid())  # ranks this process starts check against it
+
+
+def _descends_from(pid: int, depth: int = 8) -> bool:
+    """Is ``pid`` this process's parent, or a near ancestor (a ``diag.python`` wrapper script that does
+    not ``exec`` sits between)? True when it cannot be told (no ``/proc``): never refuse on a guess."""
+    current = os.getppid()
+    for _ in range(depth):
+        if current == pid:
+            return True
+        if current <= 1:
+            return False
+        try:
+            with open(f"/proc/{current}/stat", "rb") as fh:
+                current = int(fh.read().rsplit(b")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            return True
+    return False
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -243,7 +243,8 @@ class DiagRunner:
     def _spawn(self, diag: str, args: list[str], gpus: Sequence[GpuIdentity], env_extra: Mapping[str, str],
                timeout_s: float, t0: float, watch: Watch | None = None) -> DiagOutcome:
         cmd = [self.python, "-m", "gpuhealth.diag", diag, *args]
-        env = {**self.env, **env_extra}
+        # the child exits at once if it finds another parent: this process died while it was starting
+        env = {**self.env, **env_extra, "GPUHEALTH_DIAG_PARENT_PID": str(os.getpid())}
         uuids = [g.uuid for g in gpus]
         # files, not pipes: the loop below polls the watch instead of draining pipes, and a child that
         # writes a lot must never block on a full pipe meanwhile
