@@ -29,10 +29,13 @@ gh_gpu_uuid() {
 write_job_map() {
     local job=$1 gpus=$2 idx name
     [ -n "$gpus" ] || return 0
-    mkdir -p "$GPUHEALTH_SLURM_JOB_DIR" && chmod 0755 "$GPUHEALTH_SLURM_JOB_DIR" || {
-        gh_log "cannot create $GPUHEALTH_SLURM_JOB_DIR; GPU metrics will lack slurm_job_id"
-        return 0
-    }
+    if [ ! -d "$GPUHEALTH_SLURM_JOB_DIR" ]; then  # an existing one (another owner's) is used as it is
+        # shellcheck disable=SC2015  # either failing is the same failure
+        mkdir -p "$GPUHEALTH_SLURM_JOB_DIR" && chmod 0755 "$GPUHEALTH_SLURM_JOB_DIR" || {
+            gh_log "cannot create $GPUHEALTH_SLURM_JOB_DIR; GPU metrics will lack slurm_job_id"
+            return 0
+        }
+    fi
     GH_UUIDS=""
     if command -v "$NVIDIA_SMI" >/dev/null 2>&1; then
         GH_UUIDS=$("$NVIDIA_SMI" --query-gpu=index,uuid --format=csv,noheader 2>/dev/null || true)

@@ -209,6 +209,22 @@ gh_handle_result() {
 
 # ------------------------------------------------------------------ screening between jobs
 
+# gh_ms NAME VALUE DEFAULT_S : VALUE seconds ("2", "0.5", "08") as whole milliseconds. A value that is
+# not a number of seconds is logged and DEFAULT_S used instead: a typo in slurm.env must not fail every
+# prolog (Slurm drains a node whose prolog fails), and bash arithmetic must never see it (it would
+# evaluate it as an expression).
+gh_ms() {
+    local name=$1 value=$2 default=$3 whole frac
+    if [[ $value == *[0-9]* ]] && [[ $value =~ ^([0-9]{0,9})(\.([0-9]*))?$ ]]; then
+        whole=${BASH_REMATCH[1]:-0}
+        frac="${BASH_REMATCH[3]}000"
+        printf '%s\n' "$((10#$whole * 1000 + 10#${frac:0:3}))"
+        return 0
+    fi
+    gh_log "$name=$value is not a number of seconds; using $default"
+    gh_ms "$name" "$default" 0
+}
+
 # gh_block_name JOB : the block file's name for a job (digits, letters, '_' and '.' only)
 gh_block_name() {
     printf 'job-%s\n' "$(printf '%s' "${1:-unknown}" | tr -c 'A-Za-z0-9._' '_' | cut -c1-64)"
@@ -216,17 +232,22 @@ gh_block_name() {
 
 # gh_screen_block JOB : hold screening off for this job (aborts a running screen within ~0.5 s)
 gh_screen_block() {
-    local name now
+    local name now ttl_ms err
     name=$(gh_block_name "$1")
     now=$(date +%s)
-    mkdir -p "$GPUHEALTH_SCREEN_BLOCK_DIR" 2>/dev/null && chmod 0755 "$GPUHEALTH_SCREEN_BLOCK_DIR" 2>/dev/null || {
-        gh_log "cannot create $GPUHEALTH_SCREEN_BLOCK_DIR; a screen is then stopped only by the job's processes"
-        return 0
-    }
+    ttl_ms=$(gh_ms GPUHEALTH_SCREEN_BLOCK_TTL_S "$GPUHEALTH_SCREEN_BLOCK_TTL_S" 604800)
+    if [ ! -d "$GPUHEALTH_SCREEN_BLOCK_DIR" ]; then
+        # created here: world-readable, so an agent running as another user can read it
+        mkdir -p "$GPUHEALTH_SCREEN_BLOCK_DIR" 2>/dev/null && chmod 0755 "$GPUHEALTH_SCREEN_BLOCK_DIR" 2>/dev/null
+    fi
     # write then rename: the agent never reads a half-written file (it skips dot files)
-    printf '{"holder": "prolog of job %s", "at": %s, "expires": %s}\n' "${name#job-}" "$now" \
-        "$((now + GPUHEALTH_SCREEN_BLOCK_TTL_S))" > "$GPUHEALTH_SCREEN_BLOCK_DIR/.$name.tmp" &&
-        mv -f "$GPUHEALTH_SCREEN_BLOCK_DIR/.$name.tmp" "$GPUHEALTH_SCREEN_BLOCK_DIR/$name"
+    if ! err=$( { printf '{"holder": "prolog of job %s", "at": %s, "expires": %s}\n' "${name#job-}" "$now" \
+            "$((now + ttl_ms / 1000))" > "$GPUHEALTH_SCREEN_BLOCK_DIR/.$name.tmp" &&
+            mv -f "$GPUHEALTH_SCREEN_BLOCK_DIR/.$name.tmp" "$GPUHEALTH_SCREEN_BLOCK_DIR/$name"; } 2>&1 ); then
+        rm -f "$GPUHEALTH_SCREEN_BLOCK_DIR/.$name.tmp" 2>/dev/null
+        gh_log "cannot write the screen lock $GPUHEALTH_SCREEN_BLOCK_DIR/$name (${err:-unknown error});" \
+            "a screen is then stopped only by the job's processes (NVML)"
+    fi
     return 0
 }
 
@@ -239,20 +260,21 @@ gh_screen_release() {
 # gh_wait_gpus_free : wait up to GPUHEALTH_SCREEN_WAIT_S for every per-GPU diagnostic lock (a screen
 # holds its GPUs' locks until its processes are gone). Returns 1 (and logs) when one is still held.
 gh_wait_gpus_free() {
-    local f start_ms left_ms now_ms held=""
+    local f start_ms left_ms now_ms wait_ms held=""
     command -v flock >/dev/null 2>&1 || { gh_log "no flock(1): not waiting for a screen to end"; return 0; }
+    wait_ms=$(gh_ms GPUHEALTH_SCREEN_WAIT_S "$GPUHEALTH_SCREEN_WAIT_S" 2)
     start_ms=$(date +%s%3N)
     for f in "$GPUHEALTH_DIAG_LOCK_DIR"/gpu-*.lock; do
         [ -f "$f" ] || continue
         now_ms=$(date +%s%3N)
-        left_ms=$((GPUHEALTH_SCREEN_WAIT_S * 1000 - (now_ms - start_ms)))
+        left_ms=$((wait_ms - (now_ms - start_ms)))
         [ "$left_ms" -gt 0 ] || left_ms=0
         if ! flock -s -w "$((left_ms / 1000)).$(printf '%03d' $((left_ms % 1000)))" "$f" true 2>/dev/null; then
             held="$held ${f##*/}"
         fi
     done
     if [ -n "$held" ]; then
-        gh_log "GPUs still held by a diagnostic after ${GPUHEALTH_SCREEN_WAIT_S}s:$held (not a screen: an operator's run?)"
+        gh_log "GPUs still held by a diagnostic after $((wait_ms / 1000)).$(printf '%03d' $((wait_ms % 1000)))s:$held (not a screen: an operator's run?)"
         return 1
     fi
     return 0

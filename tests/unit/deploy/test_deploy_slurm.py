@@ -4,10 +4,12 @@ Reason, resume clears them), and a stub ``gpuhealth`` whose verdict each test ch
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -318,3 +320,58 @@ def test_scripts_are_executable_and_bash_syntax_clean() -> None:
         assert os.access(path, os.X_OK), name
         assert path.read_text().startswith("#!/bin/bash\n")
         subprocess.run(["bash", "-n", str(path)], check=True)
+
+
+# --- the screen lock (issue 18) ------------------------------------------------------------------
+
+@pytest.mark.parametrize("wait", ["abc", "1m", "-1", "a[$(touch pwned)]"])
+def test_prolog_survives_a_screen_setting_that_is_not_a_number(slurm: Slurm, wait: str) -> None:
+    """A typo in slurm.env must not fail the prolog (Slurm would drain the node and requeue every job),
+    nor reach bash arithmetic (which evaluates it): it is logged and the default used."""
+    result = slurm.run("gpuhealth-prolog.sh", SLURM_JOB_ID="41", SLURM_JOB_GPUS="0",
+                       GPUHEALTH_SCREEN_WAIT_S=wait, GPUHEALTH_SCREEN_BLOCK_TTL_S="1d")
+    assert result.returncode == 0, result.stderr
+    assert f"GPUHEALTH_SCREEN_WAIT_S={wait} is not a number of seconds; using 2" in result.stderr
+    assert "GPUHEALTH_SCREEN_BLOCK_TTL_S=1d is not a number of seconds; using 604800" in result.stderr
+    block = json.loads((slurm.root / "screen-block" / "job-41").read_text())
+    assert block["expires"] - block["at"] == 604800
+    assert not (slurm.root / "pwned").exists() and not Path("pwned").exists()
+
+
+def test_prolog_waits_a_fractional_screen_wait_for_a_held_diagnostic_lock(slurm: Slurm) -> None:
+    locks = slurm.root / "diag-locks"
+    locks.mkdir()
+    with open(locks / "gpu-GPU-0.lock", "a+") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)  # an operator's `gpuhealth diag` on GPU 0
+        t0 = time.monotonic()
+        result = slurm.run("gpuhealth-prolog.sh", SLURM_JOB_ID="42", GPUHEALTH_SCREEN_WAIT_S="0.5",
+                           GPUHEALTH_SCREEN_BLOCK_TTL_S="08")
+        took = time.monotonic() - t0
+    assert result.returncode == 0, result.stderr
+    assert 0.4 <= took < 3.0, f"the prolog took {took:.2f} s"
+    assert "GPUs still held by a diagnostic after 0.500s: gpu-GPU-0.lock" in result.stderr
+    block = json.loads((slurm.root / "screen-block" / "job-42").read_text())
+    assert block["expires"] - block["at"] == 8  # "08" is eight seconds, not an octal error
+
+
+def test_prolog_that_cannot_write_the_screen_lock_says_so_and_lets_the_job_start(slurm: Slurm) -> None:
+    (slurm.root / "screen-block").write_text("a file where the folder should be")
+    result = slurm.run("gpuhealth-prolog.sh", SLURM_JOB_ID="43", SLURM_JOB_GPUS="0")
+    assert result.returncode == 0, result.stderr
+    assert "cannot write the screen lock" in result.stderr and "job-43" in result.stderr
+    assert "stopped only by the job's processes" in result.stderr
+    assert (slurm.root / "jobs" / "0").read_text().strip() == "43"  # the job's map is still written
+
+
+def test_prolog_writes_the_screen_lock_into_an_existing_folder_it_does_not_own(slurm: Slurm) -> None:
+    """The folder exists (made by the agent or tmpfiles.d, maybe another owner): the prolog writes into it
+    and never needs to chmod it."""
+    folder = slurm.root / "screen-block with space"
+    folder.mkdir()
+    folder.chmod(0o1777)
+    result = slurm.run("gpuhealth-prolog.sh", SLURM_JOB_ID="44", GPUHEALTH_SCREEN_BLOCK_DIR=str(folder))
+    assert result.returncode == 0, result.stderr
+    assert json.loads((folder / "job-44").read_text())["holder"] == "prolog of job 44"
+    assert folder.stat().st_mode & 0o7777 == 0o1777
+    result = slurm.run("gpuhealth-epilog.sh", SLURM_JOB_ID="44", GPUHEALTH_SCREEN_BLOCK_DIR=str(folder))
+    assert result.returncode == 0 and not (folder / "job-44").exists()
