@@ -234,6 +234,43 @@ async def _garbage(srv: CoordinatorServer) -> None:
     await last.close()
 
 
+def test_screens_of_gpus_a_node_does_not_have_are_not_kept_nor_voted(tmp_path: Path) -> None:
+    _with_server(tmp_path, _foreign_gpus)
+
+
+async def _foreign_gpus(srv: CoordinatorServer) -> None:
+    """An agent that reports screens for GPUs it never registered (a bug, a swapped card's spooled screens,
+    an attacker with a node credential): its records are taken (its real screens count), but the others
+    neither grow the coordinator's memory and database nor outvote the fleet's digests."""
+    assert srv.endpoints is not None and srv.endpoints.metrics_port is not None
+    addr = _addr(srv)
+    coord = srv.coord
+    n1, n2, rogue = await _agents(addr, ["n1", "n2", "rogue"], gpus=2)
+    now = time.time()
+    for agent in (n1, n2):
+        await agent.send(screens_message(1, [screen_result(u, index=i, finished_at=now - 60, digests=[(KEY, "aa")])
+                                            for i, u in enumerate(agent.gpu_uuids())]))
+        await agent.wait_acked(1)
+    # rogue: its own GPU 0 passes; 5 records of 1,000 GPUs it does not have, all voting "bb"
+    own = screen_result(rogue.gpu_uuids()[0], index=0, finished_at=now - 10, digests=[(KEY, "aa")])
+    for seq in range(1, 6):
+        fakes = [screen_result(f"GPU-fake-{seq}-{i}", index=i % 8, finished_at=now - 5, digests=[(KEY, "bb")])
+                 for i in range(1_000)]
+        await rogue.send(screens_message(seq, ([own] if seq == 1 else []) + fakes))
+        await rogue.wait_acked(seq)
+    assert len(coord.book.last) == 5 and sum(len(v) for v in coord.book.completed.values()) == 5
+    assert len(coord.store.screens_last()) == 5
+    samples = await _scrape_until(srv.endpoints.metrics_port,
+                                  lambda s: s.get(("gpuhealth_fleet_gpus_unscreened", ())) == 1)
+    assert samples[("gpuhealth_fleet_gpus", ())] == 6
+    assert samples[("gpuhealth_fleet_gpus_unscreened", ())] == 1  # rogue's GPU 1
+    assert coord.counters.foreign_screens == 5_000
+    doc = await asyncio.to_thread(fleet, addr)
+    assert doc["sdc"] == []  # 5,000 made-up GPUs voting "bb" do not make the five real ones a mismatch
+    for a in (n1, n2, rogue):
+        await a.close()
+
+
 # -- a real restart: the coordinator process killed and started again on its database ----------------
 
 

@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import heapq
 import itertools
 import json
 import logging
+import math
 import re
 import secrets
 import shutil
@@ -46,6 +48,7 @@ from gpuhealth.coordinator.screening import (
     KnownGpu,
     Offer,
     Rotation,
+    Screen,
     ScreenBook,
     coverage,
     known_gpus,
@@ -109,6 +112,7 @@ class Counters:
     verdicts: dict[str, int] = field(default_factory=dict)
     triage: dict[tuple[str, str], int] = field(default_factory=dict)  # (verdict, headline root kind) -> count
     screens: dict[tuple[str, str], int] = field(default_factory=dict)  # (level, result) -> screens received
+    foreign_screens: int = 0  # screens of GPUs the reporting node has not registered: dropped
 
 
 class StreamRejected(Exception):
@@ -150,6 +154,7 @@ class Coordinator:
         self.rotation = Rotation(self.settings.screen_turn_s, self.settings.screen_concurrency)
         self._rotation_planned = -float("inf")
         self._rotation_soon = False
+        self._foreign_logged: dict[str, float] = {}  # node -> when its foreign screens were last logged
         self._load()
 
     # -- lifecycle -------------------------------------------------------------------------------
@@ -304,7 +309,7 @@ class Coordinator:
                 view = self.nodes.setdefault(session.node, NodeView(session.node))
                 view.findings, view.findings_at = findings, rec.findings.at or now
             elif kind == "screens":
-                screens = screens_from_pb(rec.screens, session.node, now)
+                screens = self._own_screens(session.node, screens_from_pb(rec.screens, session.node, now), now)
                 self._begin_group()
                 with self.store.transaction():
                     self.store.add_screens(screens, self.settings.screen_history)
@@ -435,6 +440,30 @@ class Coordinator:
                 yield pb.CoordinatorMessage(ack=pb.Ack(up_to_seq=session.acked))
 
     # -- screening -------------------------------------------------------------------------------
+
+    def _own_screens(self, node: str, screens: list[Screen], now: float) -> list[Screen]:
+        """The screens of GPUs this node registered; the rest are counted, logged (once a minute per
+        node) and dropped: kept, they would grow memory and the database without bound and their digests
+        would outvote the fleet's real GPUs. A GPU registered without a uuid (known as ``index:N``) takes
+        the screen of its index."""
+        known = self.known.get(node, [])
+        uuids = {g.uuid for g in known}
+        by_index = {g.index: g.uuid for g in known if g.uuid == f"index:{g.index}"}
+        own: list[Screen] = []
+        for sc in screens:
+            if sc.gpu_uuid in uuids:
+                own.append(sc)
+            elif sc.gpu_index is not None and sc.gpu_index in by_index:
+                own.append(dataclasses.replace(sc, gpu_uuid=by_index[sc.gpu_index]))
+        dropped = len(screens) - len(own)
+        if dropped:
+            self.counters.foreign_screens += dropped
+            if now - self._foreign_logged.get(node, -math.inf) >= 60.0:
+                self._foreign_logged[node] = now
+                first = next(sc for sc in screens if sc.gpu_uuid not in uuids)
+                log.warning("node %s: dropped %d screen(s) of GPUs it has not registered (first: %r; registered: "
+                            "%d GPUs)", node, dropped, first.gpu_uuid[:80], len(known))
+        return own
 
     def _release_turn_if_screened(self, node: str, now: float) -> None:
         turn = self.rotation.active.get(node)
