@@ -79,6 +79,9 @@ class GroupView:
     oldest_seq: dict[int, int] = field(default_factory=dict)  # oldest loaded seq per rank (ring buffer)
     p2p: dict[int, list[P2POp]] = field(default_factory=dict)  # rank -> its send/recv ops, in order
     whole_history: dict[int, bool] = field(default_factory=dict)  # rank -> its ring buffer still holds record 0
+    # The newest collective every member is proven to have posted (a kernel of it ran to completion
+    # somewhere: ``_credit_joined``); 0 when nothing proves it.
+    joined: int = 0
 
     def pending(self, rank: int) -> bool:
         return self.enqueued.get(rank, 0) > self.completed.get(rank, 0)
@@ -287,6 +290,7 @@ def _credit_joined(view: GroupView) -> None:
     if view.membership_source not in _KNOWN_MEMBERS or len(view.dumped) < 2:
         return
     joined = max((seq for calls in view.calls.values() for seq, c in calls.items() if _ran_whole(c)), default=0)
+    view.joined = joined
     for rank in view.dumped:
         enq = view.enqueued.get(rank, 0)
         if 0 < enq < joined:

@@ -41,7 +41,10 @@ def find_laggards(view: GroupView, idle_s: Mapping[int, float]) -> list[Laggard]
         timeout_s = min(timeouts) / 1000.0 if timeouts else None
         idles = [idle_s[r] for r in ahead if r in idle_s]
         idle = min(idles) if idles else None
-        timed_out = timeout_s is not None and idle is not None and len(idles) * 2 >= len(ahead) and idle >= timeout_s
+        # A rank proven to have posted this collective (``view.joined``: a kernel of a later one ran whole)
+        # was only dumped earlier, however old the dumps look (a copied file's mtime is when it was copied).
+        timed_out = (timeout_s is not None and idle is not None and len(idles) * 2 >= len(ahead)
+                     and idle >= timeout_s and seq > view.joined)
         created = min((e.created_ns for e in heads if e.created_ns), default=None)
         out.append(Laggard(view.name, seq, rank, ahead, timed_out, idle, timeout_s, created))
     return out

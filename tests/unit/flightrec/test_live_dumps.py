@@ -10,10 +10,13 @@ flight while rank 0's, written 180 ms later, shows #4434…#4465 done. That is n
 
 from __future__ import annotations
 
+import os
+import shutil
 import time
 from pathlib import Path
 from typing import Any
 
+import pytest
 from frbuild import dump, entry, write_json
 
 from gpuhealth.flightrec.report import RootKind, Verdict
@@ -23,8 +26,17 @@ LIVE = Path(__file__).resolve().parents[2] / "fixtures" / "zerocode" / "h200x2_n
 WORLD4 = {"0": {"name": "0", "desc": "default_pg", "ranks": "[0, 1, 2, 3]"}}
 
 
-def test_real_live_dumps_of_a_running_job_are_not_a_hang() -> None:
-    rep = triage(LIVE)
+@pytest.mark.parametrize("copied", [False, True])
+def test_real_live_dumps_of_a_running_job_are_not_a_hang(tmp_path: Path, copied: bool) -> None:
+    # ``copied``: the files as a copy leaves them, dated now (hours after the job ran): a rank proven to
+    # have gone on is not "timed out" however old the dumps look.
+    folder = LIVE
+    if copied:
+        folder = tmp_path / "copy"
+        shutil.copytree(LIVE, folder)
+        for f in folder.iterdir():
+            os.utime(f, (time.time() + 86_400, time.time() + 86_400))
+    rep = triage(folder)
     assert rep.verdict is Verdict.STRAGGLER, rep.summary
     assert not any(f.code == "collective.gpu_stall" for f in rep.findings), rep.summary
     # Which rank is slow, from the dumps themselves: NCCL records a collective's start after the rank's
