@@ -113,6 +113,7 @@ class PeriodicDiagnostics:
         self._running: dict[str, Any] | None = None
         self._agent: Any = None
         self._next_due = 0.0
+        self._wait_s = 0.0  # how long the next scheduled screen was meant to wait when it was set
         self.cycles = 0
         self.refusal = "diag.enabled is false"  # why request_screen refuses while the thread is not running
 
@@ -129,6 +130,7 @@ class PeriodicDiagnostics:
             return
         self._agent = agent
         self._next_due = self._clock() + self._first_delay_s
+        self._wait_s = self._first_delay_s
         self._thread = threading.Thread(target=self._loop, args=(agent,), name="gpuhealth-diag", daemon=True)
         self._thread.start()
 
@@ -304,6 +306,8 @@ class PeriodicDiagnostics:
     def _due(self, now: float) -> bool:
         with self._lock:
             turn = self._turn
+        if self._next_due > now + self._wait_s:  # the wall clock was stepped back: wait what was meant, no more
+            self._next_due = now + self._wait_s
         return now >= self._next_due and (turn is None or turn.allows(now))
 
     def _loop(self, agent: Any) -> None:
@@ -324,6 +328,7 @@ class PeriodicDiagnostics:
                         self._after(self.run_cycle(agent, backend), agent)
                 except Exception:  # a broken screen must never take the agent down
                     log.exception("screen failed")
+                    self._wait_s = RETRY_S
                     self._next_due = self._clock() + RETRY_S
                 self._wake.wait(self._tick_s)
                 self._wake.clear()
@@ -335,6 +340,7 @@ class PeriodicDiagnostics:
         that was aborted or found no idle GPU."""
         screened = any(r.result != "aborted" for r in results)
         wait = agent.config.diag.interval_s if screened else min(RETRY_S, agent.config.diag.interval_s)
+        self._wait_s = wait
         self._next_due = self._clock() + wait
 
 

@@ -37,6 +37,7 @@ from gpuhealth.config import DiagConfig
 from gpuhealth.model import Finding
 
 WINDOW_S = 3600.0
+CLOCK_SLACK_S = 60.0  # a charge dated further ahead than this: the wall clock was stepped back
 # GPU-seconds a run is expected to cost per GPU before one has been measured on this node. quick: what
 # its child reports (the SDC phase on each GPU; copies and collectives are charged nothing), ~3 s per GPU.
 DEFAULT_ESTIMATE_S = {"sdc": 1.0, "busbw": 20.0, "bandwidth": 2.0, "probe": 0.0, "quick": 5.0}
@@ -74,7 +75,19 @@ class GpuBudget:
         self.per_hour = per_hour
         self.clock = clock
 
-    def _load(self) -> dict[str, Any]:
+    @contextlib.contextmanager
+    def _exclusive(self) -> Iterator[None]:
+        """Read-modify-write under a lock shared by every process using this file (the agent's screens,
+        an operator's ``gpuhealth diag``): two charging at once must both be counted."""
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.path.with_name(self.path.name + ".lock"), "a") as fh:
+            fcntl.flock(fh, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(fh, fcntl.LOCK_UN)
+
+    def _read(self) -> dict[str, Any]:
         try:
             data = json.loads(self.path.read_text())
         except (OSError, json.JSONDecodeError):
@@ -83,6 +96,22 @@ class GpuBudget:
             return {"spent": {}, "last": {}}
         data.setdefault("spent", {})
         data.setdefault("last", {})
+        return data
+
+    def _load(self) -> dict[str, Any]:
+        """The file, with charges dated after now (the clock was stepped back) moved to now, persisted:
+        they count for one more hour from the step, not for as long as the step was (a day back would
+        otherwise starve every screen for a day)."""
+        data = self._read()
+        now = self.clock()
+        if not any(e[0] > now + CLOCK_SLACK_S for es in data["spent"].values() for e in es):
+            return data
+        with self._exclusive():
+            data = self._read()
+            for uuid, entries in data["spent"].items():
+                data["spent"][uuid] = [[min(t, now), s] for t, s in entries]
+            with contextlib.suppress(OSError):
+                self._save(data)
         return data
 
     def _save(self, data: Mapping[str, Any]) -> None:
@@ -103,13 +132,15 @@ class GpuBudget:
         return float(last) if last is not None else DEFAULT_ESTIMATE_S.get(diag, 1.0)
 
     def charge(self, diag: str, uuid: str, seconds: float) -> None:
-        now = self.clock()
-        data = self._load()
-        entries = [e for e in data["spent"].get(uuid, []) if now - e[0] < WINDOW_S]
-        entries.append([now, float(seconds)])
-        data["spent"][uuid] = entries
-        data["last"].setdefault(diag, {})[uuid] = float(seconds)
-        self._save(data)
+        self._load()  # a clock stepped back: dated charges moved to now first
+        with self._exclusive():
+            now = self.clock()
+            data = self._read()
+            entries = [e for e in data["spent"].get(uuid, []) if now - e[0] < WINDOW_S]
+            entries.append([now, float(seconds)])
+            data["spent"][uuid] = entries
+            data["last"].setdefault(diag, {})[uuid] = float(seconds)
+            self._save(data)
 
 
 class GpuLocks:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import subprocess
 import sys
 import textwrap
 from pathlib import Path
@@ -128,3 +129,29 @@ def test_a_child_that_skipped_costs_no_gpu_time(tmp_path: Path) -> None:
     out = runner.run("sdc", gpus=GPUS)
     assert out.status == "skipped" and out.reason == "CUDA is not available"
     assert runner.budget.spent("GPU-a") == 0.0
+
+
+def test_a_clock_stepped_back_holds_the_budget_for_an_hour_not_for_the_step(tmp_path: Path) -> None:
+    clock = Clock()
+    clock.t = 1_800_000_000.0
+    b = GpuBudget(tmp_path / "b.json", per_hour=10.0, clock=clock)
+    b.charge("sdc", "g", 10.0)
+    clock.t -= 86_400  # NTP steps the clock back a day
+    assert b.remaining("g") == 0.0  # what was spent still counts…
+    clock.t += 3601
+    assert b.remaining("g") == 10.0  # …for an hour from the step, not for a day
+    b.charge("sdc", "g", 3.0)
+    assert GpuBudget(tmp_path / "b.json", per_hour=10.0, clock=clock).remaining("g") == pytest.approx(7.0)
+
+
+def test_two_processes_charging_one_budget_at_once_are_both_counted(tmp_path: Path) -> None:
+    """The agent's screens and an operator's ``gpuhealth diag`` share ``diag-budget.json``."""
+    script = textwrap.dedent(f"""
+        from gpuhealth.diag.runner import GpuBudget
+        b = GpuBudget({str(tmp_path / 'diag-budget.json')!r}, per_hour=1e9)
+        for _ in range(150):
+            b.charge("sdc", "GPU-a", 0.01)
+    """)
+    procs = [subprocess.Popen([sys.executable, "-c", script]) for _ in range(2)]
+    assert [p.wait(timeout=120) for p in procs] == [0, 0]
+    assert GpuBudget(tmp_path / "diag-budget.json", per_hour=1e9).spent("GPU-a") == pytest.approx(3.0)

@@ -227,3 +227,22 @@ def test_one_screen_at_a_time_and_never_on_a_simulated_backend(tmp_path: Path) -
         assert second[0] is False and "already running or queued" in second[1]
     finally:
         busy.stop()
+
+
+def test_a_clock_stepped_back_does_not_postpone_the_schedule_by_the_step(tmp_path: Path) -> None:
+    cfg, child = _setup(tmp_path)
+    cfg.diag.interval_s = 3600.0
+    now = [1_800_000_000.0]
+    ext = PeriodicDiagnostics(python=child, backend_factory=_backend, clock=lambda: now[0], first_delay_s=3600,
+                              tick_s=0.05)
+    ext.start(StubAgent(cfg))
+    try:
+        time.sleep(0.3)
+        now[0] -= 86_400  # NTP steps the clock back a day
+        time.sleep(0.3)
+        assert ext.cycles == 0  # the hour it was to wait still holds…
+        now[0] += 3601
+        _wait(lambda: ext.cycles == 1, "the scheduled screen an hour after the step, not a day and an hour")
+        assert {r.trigger for r in ext.screens().values()} == {"schedule"}
+    finally:
+        ext.stop()
