@@ -131,7 +131,10 @@ class GpuBudget:
         last = self._load()["last"].get(diag, {}).get(uuid)
         return float(last) if last is not None else DEFAULT_ESTIMATE_S.get(diag, 1.0)
 
-    def charge(self, diag: str, uuid: str, seconds: float) -> None:
+    def charge(self, diag: str, uuid: str, seconds: float, *, complete: bool = True) -> None:
+        """Charge ``seconds``. A ``complete`` run's cost becomes the next estimate; a run cut short
+        (aborted, timed out, died) only raises it: 0.2 s of an aborted screen says nothing of what a
+        whole one costs, and taken as the estimate it would let a budget too low for one start it."""
         self._load()  # a clock stepped back: dated charges moved to now first
         with self._exclusive():
             now = self.clock()
@@ -139,7 +142,13 @@ class GpuBudget:
             entries = [e for e in data["spent"].get(uuid, []) if now - e[0] < WINDOW_S]
             entries.append([now, float(seconds)])
             data["spent"][uuid] = entries
-            data["last"].setdefault(diag, {})[uuid] = float(seconds)
+            last = data["last"].setdefault(diag, {})
+            if complete:
+                last[uuid] = float(seconds)
+            else:
+                before = last.get(uuid)
+                last[uuid] = max(float(seconds), float(before) if before is not None
+                                 else DEFAULT_ESTIMATE_S.get(diag, 1.0))
             self._save(data)
 
 
@@ -291,7 +300,7 @@ class DiagRunner:
         wall = time.monotonic() - t0
         if stopped is not None:
             for u in uuids:
-                self.budget.charge(diag, u, wall)
+                self.budget.charge(diag, u, wall, complete=False)
             if stopped == _TIMEOUT:
                 return DiagOutcome(diag, "timeout", f"no result within {timeout_s:.0f} s (killed)", gpus=uuids,
                                    gpu_seconds={u: wall for u in uuids}, wall_s=wall)
@@ -300,7 +309,7 @@ class DiagRunner:
         doc = _last_json(out)
         if doc is None:
             for u in uuids:
-                self.budget.charge(diag, u, wall)
+                self.budget.charge(diag, u, wall, complete=False)
             tail = (err or "").strip().splitlines()[-3:]
             return DiagOutcome(diag, "failed", f"child exited {proc.returncode} without a result: {' | '.join(tail)}",
                                gpus=uuids, wall_s=wall)

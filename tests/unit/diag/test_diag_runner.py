@@ -155,3 +155,30 @@ def test_two_processes_charging_one_budget_at_once_are_both_counted(tmp_path: Pa
     procs = [subprocess.Popen([sys.executable, "-c", script]) for _ in range(2)]
     assert [p.wait(timeout=120) for p in procs] == [0, 0]
     assert GpuBudget(tmp_path / "diag-budget.json", per_hour=1e9).spent("GPU-a") == pytest.approx(3.0)
+
+
+def test_an_aborted_run_does_not_make_a_whole_one_look_cheap(tmp_path: Path) -> None:
+    """A screen aborted 0.1 s in is charged what it held, but the next screen is still estimated at what a
+    whole one cost: a budget that cannot pay for that does not start it."""
+    child = fake_child(tmp_path, """
+if os.environ.get("SLOW"):
+    time.sleep(30)
+print(json.dumps({"diag": args[0], "status": "ok", "reason": "", "findings": [], "result": {},
+                  "gpu_seconds": {"GPU-a": 6.0}}))
+""")
+    clock = Clock()
+    runner = DiagRunner(DiagConfig(gpu_seconds_per_hour=10.0), state_dir=tmp_path, clock=clock, python=child)
+    assert runner.run("quick", gpus=GPUS[:1]).status == "ok"  # a whole screen: 6 GPU-s
+    clock.t += 3601  # a fresh hour
+    runner.env["SLOW"] = "1"
+    aborted = runner.run("quick", gpus=GPUS[:1], watch=lambda pid, _gpus: "a job started" if pid else None)
+    assert aborted.status == "aborted" and runner.budget.spent("GPU-a") < 6.0
+    assert runner.budget.estimate("quick", "GPU-a") == 6.0
+    del runner.env["SLOW"]
+    assert runner.run("quick", gpus=GPUS[:1]).status == "ok"  # 6 + the abort's fraction: within 10
+    refused = runner.run("quick", gpus=GPUS[:1])
+    assert refused.status == "skipped" and "the run needs ~6.0 s" in refused.reason
+    clock.t += 3601
+    runner.env["SLOW"] = "1"
+    assert runner.run("quick", gpus=GPUS[:1], timeout_s=0.5).status == "timeout"
+    assert runner.budget.estimate("quick", "GPU-a") == 6.0
