@@ -68,11 +68,18 @@ def measure(backend: NvmlBackend, sweeps: int, warmup: int, inline: bool) -> dic
     per_lane: dict[str, list[float]] = {Lane.FAST.value: [], Lane.SLOW.value: []}
     per_collector: dict[str, list[float]] = {c.name: [] for c in collectors}
     failures: dict[str, str] = {}
+    # Each lane's sweeps are stamped its interval apart, as the agent runs them: rate judgements compare a
+    # reading with one at least a window older, and sweeps stamped milliseconds apart would make every
+    # collector walk its whole history for one (a cost no agent pays).
+    interval = {Lane.FAST.value: config.collectors.fast_interval_s, Lane.SLOW.value: config.collectors.slow_interval_s}
+    start = time.time()
     for i in range(warmup + sweeps):
-        ctx = CollectContext(backend=backend, config=config, gpus=gpus, node_name="bench", now=time.time(),
-                             sysfs=sysfs, kmsg=kmsg, extras={"one_shot": True})
+        ctxs = {lane: CollectContext(backend=backend, config=config, gpus=gpus, node_name="bench",
+                                     now=start + i * every, sysfs=sysfs, kmsg=kmsg, extras={"one_shot": True})
+                for lane, every in interval.items()}
         lane_total = {Lane.FAST.value: 0.0, Lane.SLOW.value: 0.0}
         for c in collectors:
+            ctx = ctxs[c.lane.value]
             t0 = time.perf_counter()
             run = runner.run(c, ctx, histories[c.name])
             dt = time.perf_counter() - t0
