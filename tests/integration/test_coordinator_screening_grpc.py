@@ -265,6 +265,10 @@ async def _foreign_gpus(srv: CoordinatorServer) -> None:
     assert samples[("gpuhealth_fleet_gpus", ())] == 6
     assert samples[("gpuhealth_fleet_gpus_unscreened", ())] == 1  # rogue's GPU 1
     assert coord.counters.foreign_screens == 5_000
+    # what an operator sees: the dropped screens counted on /metrics
+    dropped = await _scrape_until(srv.endpoints.metrics_port,
+                                  lambda s: s.get(("gpuhealth_coordinator_foreign_screens_total", ())) == 5_000)
+    assert dropped[("gpuhealth_coordinator_foreign_screens_total", ())] == 5_000
     doc = await asyncio.to_thread(fleet, addr)
     assert doc["sdc"] == []  # 5,000 made-up GPUs voting "bb" do not make the five real ones a mismatch
     for a in (n1, n2, rogue):

@@ -139,9 +139,14 @@ class _PeriodicDiagnostics:
 
 def _is_loopback(host: str) -> bool:
     try:
-        return ipaddress.ip_address(host.split("%", 1)[0]).is_loopback
+        addr = ipaddress.ip_address(host.split("%", 1)[0])
     except ValueError:
         return False
+    # A dual-stack listener ([::]:9502) sees a local IPv4 client as ::ffff:127.0.0.1, which Python 3.11
+    # does not call loopback: the epilog's POST would be refused.
+    if isinstance(addr, ipaddress.IPv6Address) and addr.ipv4_mapped is not None:
+        return addr.ipv4_mapped.is_loopback
+    return addr.is_loopback
 
 
 def default_extensions(config: Config) -> list[AgentExtension]:

@@ -101,6 +101,8 @@ def _screening(s: dict[str, Any]) -> Iterator[Metric]:
     for (level, result), n in sorted(s.get("screens", {}).items()):
         screens.add_metric([level, result], n)
     yield screens
+    yield _counter("gpuhealth_coordinator_foreign_screens", "Screens an agent reported for GPUs its node has not "
+                   "registered: dropped, neither kept nor voted.", s.get("foreign_screens", 0))
 
 
 def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:

@@ -833,6 +833,7 @@ class Coordinator:
             "screen_coverage_ratio": cov.ratio, "screen_oldest_age_s": cov.oldest_age_s,
             "gpus_unscreened": cov.unscreened, "gpus_known": cov.gpus, "screen_turns": len(self.rotation.active),
             "screens": {(level, result): c.screens.get((level, result), 0) for level in LEVELS for result in RESULTS},
+            "foreign_screens": c.foreign_screens,
             "jobs": jobs, "connected": sum(1 for s in self.by_node.values() if s.connected),
             "nodes": len(self.nodes), "records": c.records, "step_records": c.step_records,
             "duplicates": c.duplicates, "rejected": c.rejected, "hangs": c.hangs, "verdicts": dict(c.verdicts),

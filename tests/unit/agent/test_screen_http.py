@@ -86,3 +86,11 @@ def test_screen_endpoint(tmp_path: Path) -> None:
     finally:
         ext.stop()
         view.http.stop()
+
+
+def test_a_local_client_of_a_dual_stack_listener_counts_as_loopback() -> None:
+    from gpuhealth.agent.extensions import _is_loopback
+
+    # [::]:9502 sees the epilog's 127.0.0.1 as ::ffff:127.0.0.1 (Python 3.11 calls that not loopback)
+    assert _is_loopback("127.0.0.1") and _is_loopback("::1") and _is_loopback("::ffff:127.0.0.1")
+    assert not _is_loopback("::ffff:10.0.0.5") and not _is_loopback("10.0.0.5") and not _is_loopback("nonsense")
