@@ -154,7 +154,8 @@ def test_300_connections_of_unfinished_lines_cost_one_budget_and_give_it_back(so
         after = hub.stats()
         assert after["buffered_bytes"] == 0
         # The memory came back (before: 2.40 GB stayed after they closed).
-        until(lambda: hub.stats()["VmRSS"] - base["VmRSS"] < 40 * MiB // 1024, 10, "RSS back near where it was")
+        # (30 s: on a loaded 2-core box the hub frees its last buffers seconds after the sockets close)
+        until(lambda: hub.stats()["VmRSS"] - base["VmRSS"] < 40 * MiB // 1024, 30, "RSS back near where it was")
         assert after["line_timeouts"] > 0 or after["budget_pauses"] > 0
         rank.sock.close()
     finally:

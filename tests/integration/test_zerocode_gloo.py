@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -126,9 +127,12 @@ def test_the_stuck_rank_of_an_unmodified_job_is_named_with_its_dumps_stacks_and_
 
 
 def test_a_job_without_ras_or_pipe_variables_is_listed_and_says_why(tmp_path: Path) -> None:
-    closed = FakeRas([{"json": ""}])
-    closed.close()  # nothing listens there now
-    job = TorchrunJob(tmp_path, {"NCCL_RAS_ADDR": f"127.0.0.1:{closed.port}"}, "--steps", "0", "--compute-s", "0.05")
+    # A port bound but not listening: connecting is refused, and nothing else (the job's own Gloo sockets
+    # take ephemeral ports) can take it while the test runs, as it could a port merely closed.
+    closed = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    closed.bind(("127.0.0.1", 0))
+    job = TorchrunJob(tmp_path, {"NCCL_RAS_ADDR": f"127.0.0.1:{closed.getsockname()[1]}"}, "--steps", "0",
+                      "--compute-s", "0.05")
     try:
         pids = job.pids()
         others = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])  # not a torch rank
@@ -153,3 +157,4 @@ def test_a_job_without_ras_or_pipe_variables_is_listed_and_says_why(tmp_path: Pa
             others.wait()
     finally:
         job.stop()
+        closed.close()
