@@ -290,6 +290,11 @@ class Rotation:
         """The node reported its screen: its turn ends now (another node may go)."""
         return self.active.pop(node, None)
 
+    def forget(self, node: str) -> None:
+        """A node gone past the retention: nothing of it is kept (node names churn on a large fleet)."""
+        for d in (self.active, self.last_turn, self._sent_active, self._sent_future, self.estimates):
+            d.pop(node, None)
+
     def forget_sent(self, node: str) -> None:
         """The node's stream is new: it must hear its turn again."""
         self._sent_active.pop(node, None)

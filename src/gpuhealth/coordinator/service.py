@@ -607,6 +607,9 @@ class Coordinator:
         self.store.prune_screens(now - self.settings.retention_days * 86_400.0,
                                  {(g.node, g.uuid) for gpus in self.known.values() for g in gpus})
         cutoff = now - self.settings.retention_days * 86_400.0
+        for name, view in list(self.nodes.items()):
+            if view.last_seen < cutoff:
+                self.rotation.forget(name)
         removed = 0
         root = Path(self.settings.resolved_evidence_dir())
         for folder in root.glob("*/*") if root.is_dir() else ():

@@ -175,3 +175,19 @@ def test_retention_drops_old_history_but_keeps_the_last_screens_of_registered_gp
                                                                           ("GPU-n1-0", "full")}
     assert set(coord.store.gpus_first_seen()) == {("n1", "GPU-n1-0"), ("n2", "GPU-new")}
     coord.store.close()
+
+
+def test_retention_forgets_the_rotation_state_of_nodes_gone_that_long(tmp_path: Path) -> None:
+    clock = Clock(NOW - 40 * 86_400)
+    coord = _coordinator(tmp_path / "c.db", clock, retention_days=30, evidence_dir=str(tmp_path / "ev"))
+    _connect(coord, "gone", gpus=1)
+    coord.rotate()
+    assert "gone" in coord.rotation.last_turn
+    clock.t = NOW
+    _connect(coord, "here", gpus=1)
+    coord.rotate()
+    coord.prune(NOW)
+    rot = coord.rotation
+    assert all("gone" not in d for d in (rot.active, rot.last_turn, rot.estimates))  # node names churn
+    assert "here" in rot.last_turn
+    coord.store.close()
