@@ -612,6 +612,7 @@ def _peer_votes(groups: Mapping[str, GroupView], blamed: Mapping[int, Sequence[N
     rank's program runs (g, s) first: the candidate went past it. Too little history for the rank's own
     pattern, the job's other ranks still vote. {rank: (need, votes, the op it went on to)}."""
     out: dict[int, tuple[Need, int, str]] = {}
+    family = _sibling_families(groups)
     for rank, needs in blamed.items():
         best: tuple[Need, int, str] | None = None
         for n in needs:
@@ -625,13 +626,34 @@ def _peer_votes(groups: Mapping[str, GroupView], blamed: Mapping[int, Sequence[N
             since = [(name, c) for name, h in groups.items() if name != w.group
                      for c in h.calls.get(rank, {}).values() if c.record_id > prev.record_id]
             for name, c in since:
-                h = groups[name]
-                voters = {r for r in g.dumped if r != rank and g.enqueued.get(r, 0) >= w.seq and r in h.members
-                          and h.enqueued.get(r, 0) < c.seq}
+                # Voters in g and the group of the op it went on to — and, the program being the same on every
+                # rank, in their sibling groups (every TP group runs its #3 at the same point): in a TP pair the
+                # only other member cannot outvote the candidate, the other pairs can.
+                voters = {r for g2 in family.get(w.group, (w.group,)) for h2 in family.get(name, (name,))
+                          for r in _voters(groups[g2], groups[h2], rank, w.seq, c.seq)}
                 if voters and (best is None or len(voters) > best[1]):
                     best = (n, len(voters), f"{c.name} #{c.seq} of group {name}")
         if best is not None:
             out[rank] = best
+    return out
+
+
+def _voters(g: GroupView, h: GroupView, rank: int, seq: int, went_on_to: int) -> set[int]:
+    """Ranks of both groups other than ``rank`` that posted g#seq and have not reached h#went_on_to."""
+    return {r for r in g.dumped if r != rank and g.enqueued.get(r, 0) >= seq and r in h.members
+            and h.enqueued.get(r, 0) < went_on_to}
+
+
+def _sibling_families(groups: Mapping[str, GroupView]) -> dict[str, tuple[str, ...]]:
+    """group -> it and the groups that run the same program beside it: the same size and description,
+    disjoint members (all TP groups, all DP groups of a grid). Gloo's come from the ranks with entries."""
+    trusted = [g for g in groups.values() if g.membership_source != "world" and len(g.members) > 1]
+    out: dict[str, tuple[str, ...]] = {}
+    for g in trusted:
+        mine = set(g.members)
+        same = [h.name for h in trusted if h is not g and len(h.members) == len(g.members) and h.desc == g.desc
+                and mine.isdisjoint(h.members)]
+        out[g.name] = (g.name, *same)
     return out
 
 
