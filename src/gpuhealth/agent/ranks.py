@@ -144,8 +144,15 @@ class _Trimmer:
 
     def freed(self, nbytes: int) -> None:
         self._freed += nbytes
+        if self._freed >= self._every:
+            self.tick()
+
+    def tick(self) -> None:
+        """Trim now if a MiB or more was freed since the last trim and the interval has passed. Called by the
+        hub's loop at least once a second too: the last connections of a burst close within the interval
+        of the previous trim, and nothing would free memory after them to trim it (seen: 40+ MiB kept)."""
         now = time.monotonic()
-        if self._trim is not None and self._freed >= self._every and now - self._last >= self._interval:
+        if self._trim is not None and self._freed >= 1 << 20 and now - self._last >= self._interval:
             self._freed, self._last = 0, now
             with contextlib.suppress(Exception):
                 self._trim(0)
@@ -513,6 +520,7 @@ class RankHub:
             try:
                 self._sweep()
                 self._resume()
+                self._trimmer.tick()
                 events = self._sel.select(1.0)
             except (OSError, ValueError):
                 if self._stopping.is_set():
