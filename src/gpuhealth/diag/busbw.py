@@ -29,6 +29,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from gpuhealth.diag.launch import LaunchError, run_local_ranks
 from gpuhealth.model import Action, Entity, Finding, Severity
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "sendrecv")
@@ -469,57 +470,16 @@ def plan_to_args(plan: RankPlan) -> list[str]:
             "--graph-max-bytes", str(plan.graph_max_bytes), *([] if plan.use_graphs else ["--no-graphs"])]
 
 
-class LaunchError(RuntimeError):
-    """A rank failed or timed out; the message carries the end of its output."""
-
-
 def launch_local(world: int, plan: RankPlan, *, backend: str | None = None, timeout_s: float = 300.0,
                  python: str | None = None, env: Mapping[str, str] | None = None) -> list[Point]:
     """Start ``world`` rank processes on this host (one per GPU), rendezvous through a file in a
     private temporary directory, and return rank 0's points."""
     import json
-    import subprocess
-    import sys
-    import tempfile
 
-    with tempfile.TemporaryDirectory(prefix="gpuhealth-busbw-") as tmp:
-        init = f"file://{tmp}/rendezvous"
-        procs: list[subprocess.Popen[str]] = []
-        logs: list[Any] = []
-        try:
-            for rank in range(world):
-                child_env = dict(os.environ if env is None else env)
-                child_env.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-                                 LOCAL_WORLD_SIZE=str(world))
-                log = open(Path(tmp) / f"rank{rank}.log", "w+")  # noqa: SIM115 (closed below)
-                logs.append(log)
-                cmd = [python or sys.executable, "-m", "gpuhealth.diag", "busbw-rank", "--init-method", init,
-                       *plan_to_args(plan), *(["--backend", backend] if backend else [])]
-                procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE if rank == 0 else subprocess.DEVNULL,
-                                              stderr=log, text=True, env=child_env))
-            deadline = time.monotonic() + timeout_s
-            out0 = ""
-            try:
-                out0, _ = procs[0].communicate(timeout=timeout_s)
-                for p in procs[1:]:
-                    p.wait(timeout=max(1.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired as exc:
-                raise LaunchError(f"busbw ranks did not finish within {timeout_s:.0f} s") from exc
-            failed = [r for r, p in enumerate(procs) if p.returncode != 0]
-            if failed:
-                log = logs[failed[0]]
-                log.seek(0)
-                tail = log.read()[-2000:]
-                raise LaunchError(f"busbw rank {failed[0]} exited with {procs[failed[0]].returncode}: {tail}")
-            try:
-                doc = json.loads(out0)
-            except json.JSONDecodeError as exc:
-                raise LaunchError(f"busbw rank 0 printed no result: {out0[-500:]!r}") from exc
-            return [Point.from_dict(d) for d in doc["points"]]
-        finally:
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-                    p.wait()
-            for log in logs:
-                log.close()
+    out0 = run_local_ranks(world, "busbw-rank", [*plan_to_args(plan), *(["--backend", backend] if backend else [])],
+                           what="busbw", timeout_s=timeout_s, python=python, env=env)
+    try:
+        doc = json.loads(out0)
+    except json.JSONDecodeError as exc:
+        raise LaunchError(f"busbw rank 0 printed no result: {out0[-500:]!r}") from exc
+    return [Point.from_dict(d) for d in doc["points"]]

@@ -26,14 +26,12 @@ import argparse
 import dataclasses
 import json
 import os
-import subprocess
-import sys
-import tempfile
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
+
+from gpuhealth.diag.launch import LaunchError, run_local_ranks
 
 PHASES = ("start", "sdc", "device_copy", "host_copy", "busbw", "judge")
 MiB = 1 << 20
@@ -287,53 +285,19 @@ def _document(report: Any, gathered: Sequence[Mapping[str, Any]], points: Sequen
 
 # ------------------------------------------------------------------------------------------ launcher
 
-class QuickLaunchError(RuntimeError):
-    pass
+QuickLaunchError = LaunchError  # the name callers knew
 
 
 def launch_quick(world: int, plan: QuickPlan, *, timeout_s: float = 300.0, python: str | None = None,
                  env: Mapping[str, str] | None = None) -> dict[str, Any]:
     """Start ``world`` ranks on this host (one per GPU), wait, and return rank 0's document."""
-    with tempfile.TemporaryDirectory(prefix="gpuhealth-quick-") as tmp:
-        init = f"file://{tmp}/rendezvous"
-        procs: list[subprocess.Popen[str]] = []
-        logs: list[Any] = []
-        try:
-            for rank in range(world):
-                child_env = dict(os.environ if env is None else env)
-                child_env.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-                                 LOCAL_WORLD_SIZE=str(world))
-                log = open(Path(tmp) / f"rank{rank}.log", "w+")  # noqa: SIM115 (closed below)
-                logs.append(log)
-                cmd = [python or sys.executable, "-m", "gpuhealth.diag", "quick-rank", "--init-method", init,
-                       *plan.to_args()]
-                procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE if rank == 0 else subprocess.DEVNULL,
-                                              stderr=log, text=True, env=child_env))
-            deadline = time.monotonic() + timeout_s
-            try:
-                out0, _ = procs[0].communicate(timeout=timeout_s)
-                for p in procs[1:]:
-                    p.wait(timeout=max(1.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired as exc:
-                raise QuickLaunchError(f"quick qualification ranks did not finish within {timeout_s:.0f} s") from exc
-            failed = [r for r, p in enumerate(procs) if p.returncode != 0]
-            if failed:
-                log = logs[failed[0]]
-                log.seek(0)
-                raise QuickLaunchError(f"rank {failed[0]} exited with {procs[failed[0]].returncode}: "
-                                       f"{log.read()[-2000:]}")
-            try:
-                doc: dict[str, Any] = json.loads(out0.strip().splitlines()[-1])
-            except (json.JSONDecodeError, IndexError) as exc:
-                raise QuickLaunchError(f"rank 0 printed no result: {out0[-500:]!r}") from exc
-            return doc
-        finally:
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-                    p.wait()
-            for log in logs:
-                log.close()
+    out0 = run_local_ranks(world, "quick-rank", plan.to_args(), what="quick qualification", timeout_s=timeout_s,
+                           python=python, env=env)
+    try:
+        doc: dict[str, Any] = json.loads(out0.strip().splitlines()[-1])
+    except (json.JSONDecodeError, IndexError) as exc:
+        raise LaunchError(f"quick qualification rank 0 printed no result: {out0[-500:]!r}") from exc
+    return doc
 
 
 __all__ = ["PHASES", "QuickLaunchError", "QuickPlan", "add_plan_arguments", "launch_quick", "plan_from_args",
