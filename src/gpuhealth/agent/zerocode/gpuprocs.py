@@ -1,7 +1,7 @@
 """Which processes use each GPU: NVML's compute-process list, else the holders of ``/dev/nvidia<minor>``.
 
-NVML lists each GPU's compute processes. Where an entry comes back without a readable PID (the live
-backend turned pynvml's process objects into their ``repr`` until it learns them; seen on 2 × H200), the
+NVML lists each GPU's compute processes. Where an entry comes back without a readable PID (until
+``backends.nvml_real.plain`` learnt pynvml's process objects, all of them did on 2 × H200), the
 processes are found the way ``fuser /dev/nvidia*`` finds them: every process holding the GPU's
 character device (major 195, minor = NVML ``MinorNumber``) open. The device is matched by its number
 (``st_rdev``), not its name, so a container's own ``/dev`` counts too.

@@ -124,7 +124,7 @@ def test_environment_rules() -> None:
 
 
 class _Backend:
-    """NVML as the live backend answers today: pynvml's process objects through ``plain`` (their repr)."""
+    """NVML as a backend may answer: entries with and without a readable PID."""
 
     simulated = False
 
@@ -145,9 +145,10 @@ def test_gpu_processes_from_nvml_and_from_device_holders_when_nvml_gives_no_pid(
     procs.append(holder)
     assert holder.stdout is not None and holder.stdout.readline().strip() == b"up"
     friendly = pynvml.nvmlFriendlyObject({"pid": holder.pid, "usedGpuMemory": 1 << 20})
-    assert isinstance(plain(friendly), str)  # the PID is lost on the way
+    # pynvml's process objects become plain dicts with their PID (they were reprs once, on 2 x H200)
+    assert plain(friendly) == {"pid": holder.pid, "usedGpuMemory": 1 << 20}
     gpus = [GpuIdentity(0, "GPU-a", "H200", "0000:01:00.0", 0), GpuIdentity(1, "GPU-b", "H200", "0000:02:00.0", 1)]
-    backend = _Backend({0: [plain(friendly)], 1: [{"pid": 4321, "usedGpuMemory": 2**64 - 1}]})
+    backend = _Backend({0: [repr(friendly)], 1: [{"pid": 4321, "usedGpuMemory": 2**64 - 1}]})
     found = gpu_processes(backend, gpus, major=os.major(os.stat("/dev/null").st_rdev))  # /dev/null stands in
     assert GpuProcess(1, "GPU-b", 4321, None) in found
     assert GpuProcess(0, "GPU-a", holder.pid, None) in found  # found holding the "GPU" device (minor 3)
