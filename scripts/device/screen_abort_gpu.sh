@@ -2,8 +2,10 @@
 # Issue 18 on real GPUs (2-4 H100/H200).
 # A quick screen (one warm rank per GPU, NCCL) is running when a job starts on the node; the screen's
 # watch (live NVML, the same ScreenWatch the agent uses) sees the job's compute process and kills the
-# screen. Measured, per trial, against the same job started on idle GPUs:
+# screen (a longer one than the agent's, so that the job lands inside it; "alone" times the agent's own
+# quick screen once). Measured, per trial, against the same job started on idle GPUs:
 #   free_s     job start -> no screen process left in NVML's lists (the GPUs free)
+#   seen_to_free_s  the job's first CUDA context in NVML's lists -> the GPUs free (what the watch can act on)
 #   delay_s    the job's first all_reduce completing, minus the same on idle GPUs (goal: <= 1 s)
 # Usage (repository root, torch with CUDA installed): OUT=/tmp/out bash scripts/device/screen_abort_gpu.sh [TRIALS]
 set -o pipefail
@@ -59,10 +61,14 @@ cfg.diag.state_dir = f"{work}/diag"
 runner = DiagRunner(cfg.diag, state_dir=cfg.diag.state_dir, backend=backend)
 box = []
 screen_pids: set[int] = set()
+# "alone": the agent's quick screen as it is, no job (its wall time). "abort": a longer screen (more SDC
+# repeats, busbw iterations and copies: the same code) so that a job starting 0.3-3 s into it finds it running.
+longer = [] if mode == "alone" else ["--repeats", "12", "--iters", "80", "--reps", "15"]
 def screen() -> None:
     step = plan("quick", cfg)[0]
-    box.append(runner.run("quick", [*step.args, "--golden-dir", f"{work}/gold"], gpus=gpus, timeout_s=300,
+    box.append(runner.run("quick", [*step.args, "--golden-dir", f"{work}/gold", *longer], gpus=gpus, timeout_s=300,
                           enforce_budget=False, watch=ScreenWatch(None, backend, also=gpus)))
+t_screen = time.time()
 th = threading.Thread(target=screen)
 th.start()
 deadline = time.time() + 120
@@ -72,39 +78,54 @@ while time.time() < deadline:  # wait until every GPU runs a screen rank (CUDA c
         screen_pids = {p for s in seen for p in s}
         break
     time.sleep(0.05)
+t_ctx = time.time()
 if not screen_pids:  # NVML shows no screen rank: nothing here could see a job start either
-    print(json.dumps({"mode": "screen", "error": "NVML listed no screen process within 120 s",
-                      "screen": box[0].status if box else None}))
     th.join()
+    print(json.dumps({"mode": mode, "error": "NVML listed no screen process within 120 s",
+                      "screen": box[0].status if box else None}))
     sys.exit(1)
+if mode == "alone":
+    th.join()
+    print(json.dumps({"mode": "alone", "screen": box[0].status, "reason": box[0].reason, "wall_s": box[0].wall_s,
+                      "contexts_after_s": round(t_ctx - t_screen, 3), "total_s": round(time.time() - t_screen, 3)}))
+    sys.exit(0)
 time.sleep(float(sys.argv[3]))  # into the SDC / copies / collectives
-free_at: list[float] = []
-def watch_free() -> None:
-    while any(set(gpu_pids(backend, g.index) or []) & screen_pids for g in gpus):
+marks: dict[str, float] = {}
+def watch_gpus() -> None:
+    while True:
+        now_pids = {p for g in gpus for p in (gpu_pids(backend, g.index) or [])}
+        if "job_seen" not in marks and now_pids - screen_pids:
+            marks["job_seen"] = time.time()  # the job's first CUDA context, as NVML lists it
+        if not now_pids & screen_pids:
+            marks["free"] = time.time()
+            return
         time.sleep(0.005)
-    free_at.append(time.time())
-w = threading.Thread(target=watch_free)
+w = threading.Thread(target=watch_gpus)
 w.start()
 t0, first = job()
 th.join(); w.join()
-print(json.dumps({"mode": "screen", "first_collective_s": first, "free_s": round(free_at[0] - t0, 3),
-                  "screen": box[0].status, "reason": box[0].reason}))
+print(json.dumps({"mode": "screen", "first_collective_s": first, "free_s": round(marks["free"] - t0, 3),
+                  "seen_to_free_s": round(marks["free"] - marks["job_seen"], 3) if "job_seen" in marks else None,
+                  "screen": box[0].status, "reason": box[0].reason, "wall_s": box[0].wall_s}))
 PY
 {
 date -u; nvidia-smi -L
 python3 -c "import torch; print('torch', torch.__version__, 'nccl', torch.cuda.nccl.version())"
+timeout 200 python3 "$W/trial.py" alone "$W"
 for i in $(seq "$TRIALS"); do
-  timeout 400 python3 "$W/trial.py" idle "$W"
-  timeout 400 python3 "$W/trial.py" screen "$W" "$(python3 -c "import random; print(round(random.uniform(0.5, 4), 2))")"
+  timeout 200 python3 "$W/trial.py" idle "$W"
+  timeout 200 python3 "$W/trial.py" screen "$W" "$(python3 -c "import random; print(round(random.uniform(0.3, 3), 2))")"
 done
 } 2>&1 | tee "$OUT/screen_abort_gpu.txt"
 python3 - "$OUT/screen_abort_gpu.txt" <<'PY'
 import json, statistics, sys
 rows = [json.loads(l) for l in open(sys.argv[1]) if l.startswith("{")]
 idle = [r["first_collective_s"] for r in rows if r["mode"] == "idle"]
-scr = [r for r in rows if r["mode"] == "screen"]
+scr = [r for r in rows if r["mode"] == "screen" and "error" not in r]
 base = statistics.median(idle)
 print(json.dumps({"idle_first_collective_median_s": base,
                   "delay_s": [round(r["first_collective_s"] - base, 3) for r in scr],
-                  "free_s": [r["free_s"] for r in scr], "screens": [r["screen"] for r in scr]}, indent=1))
+                  "free_s": [r["free_s"] for r in scr], "seen_to_free_s": [r["seen_to_free_s"] for r in scr],
+                  "screens": [r["screen"] for r in scr], "alone": [r for r in rows if r["mode"] == "alone"]},
+                 indent=1))
 PY

@@ -31,6 +31,7 @@ import os
 import re
 import shutil
 import signal
+import sqlite3
 import subprocess
 import sys
 import tarfile
@@ -105,6 +106,22 @@ def stuck_findings(doc: dict[str, Any]) -> list[dict[str, Any]]:
     for g in doc.get("gpus") or []:
         found += g.get("findings") or []
     return [f for f in found if f.get("code") == "rank.stuck"]
+
+
+def coordinator_verdicts(work: Path) -> list[dict[str, Any]]:
+    """The coordinator's verdicts, from its database (read-only; WAL lets it write meanwhile)."""
+    db = work / "coordinator.db"
+    if not db.exists():
+        return []
+    try:
+        con = sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=2)
+        try:
+            rows = con.execute("SELECT job_id, kind, created_at, json FROM verdicts ORDER BY id").fetchall()
+        finally:
+            con.close()
+    except sqlite3.Error:
+        return []
+    return [{"job_id": r[0], "kind": r[1], "created_at": r[2], **json.loads(r[3])} for r in rows]
 
 
 def record_ras(rec: Path, tag: str, port: int, timings: list[dict[str, Any]]) -> None:
@@ -192,7 +209,19 @@ def phase_hangs(work: Path, rec: Path, cpu: bool, deadline: float) -> None:
                     (rec / "health" / f"{name}_named.json").write_text(json.dumps(doc, indent=1))
                     log(f"job {name}: named after {result[name]['named_after_s']} s: {mine[0]['message'][:300]}")
                 ev = mine[0].get("evidence", {}).get("evidence") if mine else None
-                if "named_after_s" in result[name] and (name != "B" or isinstance(ev, dict)):
+                job_ids = {f.get("evidence", {}).get("job_id") for f in mine}
+                verdicts = [v for v in coordinator_verdicts(work) if v["job_id"] in job_ids and v["kind"] == "hang"]
+                if verdicts and "coordinator_after_s" not in result[name]:
+                    v = verdicts[0]
+                    result[name]["coordinator_after_s"] = round(v["created_at"] - onset, 1)
+                    result[name]["coordinator"] = {k: v.get(k) for k in (
+                        "verdict", "summary", "culprits", "culprit_details", "reported_by", "evidence")}
+                    got = v.get("evidence") or {}
+                    log(f"job {name}: coordinator verdict after {result[name]['coordinator_after_s']} s: "
+                        f"{str(v.get('summary'))[:400]}; dumps {sorted(got.get('fr_dumps') or {})}, "
+                        f"stacks {got.get('stacks_ranks')}")
+                at_coordinator = "coordinator_after_s" in result[name] or name == "D"
+                if "named_after_s" in result[name] and at_coordinator and (name != "B" or isinstance(ev, dict)):
                     if isinstance(ev, dict):
                         result[name]["evidence_after_s"] = round(time.time() - onset, 1)
                         result[name]["evidence"] = ev
@@ -313,6 +342,12 @@ def main() -> int:
            "GPUHEALTH_AGENT_SOCKET_PATH": str(work / "run" / "agent.sock"),
            "PATH": f"{REPO / '.venv' / 'bin'}:{os.environ.get('PATH', '')}"}
     os.environ["PATH"] = env["PATH"]
+    coord_log = open(work / "coordinator.log", "w")  # noqa: SIM115
+    coordinator = subprocess.Popen(
+        [sys.executable, "-m", "gpuhealth.cli.main", "coordinator", "--listen", "127.0.0.1:9500", "--metrics-listen",
+         "127.0.0.1:9501", "--db", str(work / "coordinator.db"), "--evidence-dir", str(work / "coordinator_evidence")],
+        env=env, stdout=coord_log, stderr=subprocess.STDOUT, start_new_session=True)
+    env["GPUHEALTH_AGENT_COORDINATOR"] = "127.0.0.1:9500"
     agent_log = open(work / "agent.log", "w")  # noqa: SIM115
     agent_cmd = [sys.executable, "-m", "gpuhealth.cli.main", "agent", "--listen", "127.0.0.1:9400"]
     if args.cpu:
@@ -334,12 +369,27 @@ def main() -> int:
         if time.time() - T0 < args.budget_s - 45:
             phase_straggler(work, rec, args.cpu)
     finally:
-        os.killpg(agent.pid, signal.SIGTERM)
         try:
-            agent.wait(10)
-        except subprocess.TimeoutExpired:
-            os.killpg(agent.pid, signal.SIGKILL)
+            with urllib.request.urlopen("http://127.0.0.1:9400/screen", timeout=3) as r:
+                (rec / "health" / "screen.json").write_bytes(r.read())
+        except Exception as exc:
+            log(f"/screen: {exc}")
+        jobs = subprocess.run([sys.executable, "-m", "gpuhealth.cli.main", "jobs", "--coordinator", "127.0.0.1:9500",
+                               "--json"], env=env, capture_output=True, text=True, check=False, timeout=30)
+        (rec / "coordinator").mkdir(exist_ok=True)
+        (rec / "coordinator" / "jobs.json").write_text(jobs.stdout or jobs.stderr)
+        (rec / "coordinator" / "verdicts.json").write_text(json.dumps(coordinator_verdicts(work), indent=1))
+        if (work / "coordinator_evidence").is_dir():
+            shutil.copytree(work / "coordinator_evidence", rec / "coordinator" / "evidence", dirs_exist_ok=True)
+        for proc in (agent, coordinator):
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
         agent_log.close()
+        coord_log.close()
+        shutil.copy(work / "coordinator.log", rec / "coordinator" / "coordinator.log")
         (rec / "summary.json").write_text(json.dumps(SUMMARY, indent=1, default=str))
         with tarfile.open(out / "zero_code_records.tar.gz", "w:gz") as tar:
             tar.add(rec, arcname="zero_code_records")
@@ -347,7 +397,8 @@ def main() -> int:
         (out / "agent.log").write_text(text[-2_000_000:])
         log(f"summary: {json.dumps({k: SUMMARY.get(k) for k in ('straggler_step_ms', 'straggler_triage')})}")
         for name, r in (SUMMARY.get("hangs") or {}).items():
-            log(f"job {name}: named_after_s={r.get('named_after_s')} evidence_after_s={r.get('evidence_after_s')}")
+            log(f"job {name}: named_after_s={r.get('named_after_s')} evidence_after_s={r.get('evidence_after_s')} "
+                f"coordinator_after_s={r.get('coordinator_after_s')}")
     return 0
 
 

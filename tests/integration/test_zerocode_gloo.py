@@ -1,9 +1,11 @@
 """Zero-code end to end on CPU: a real, unmodified torchrun job (Gloo) that hangs, found from its processes,
 judged from NCCL RAS replies (a fake RAS server replaying NCCL's format with the job's own pids), and its
-evidence taken live through the FIFO (the job's stand-in for NCCL's dump pipe), py-spy and triage."""
+evidence taken live through the FIFO (the job's stand-in for NCCL's dump pipe), py-spy and triage — on the
+node, and at a real coordinator over gRPC."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import re
 import signal
@@ -20,10 +22,16 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit" / "agent" / "zerocode"))
 from zc_fakes import Comm, FakeRas, Rank, json_reply
 
+from gpuhealth.agent.coordinator_link import CoordinatorLink, LinkSettings
 from gpuhealth.agent.view import GpuProcess
 from gpuhealth.agent.zerocode.environ import launch_variables
 from gpuhealth.agent.zerocode.ranksource import CombinedRanks
 from gpuhealth.agent.zerocode.watcher import ZeroCodeSettings, ZeroCodeWatcher
+from gpuhealth.config import CoordinatorConfig
+from gpuhealth.coordinator.security import AuthPolicy
+from gpuhealth.coordinator.server import CoordinatorServer
+from gpuhealth.coordinator.service import Coordinator
+from gpuhealth.coordinator.store import Store
 from gpuhealth.model import RankIdentity, Severity
 
 pytestmark = pytest.mark.integration
@@ -158,3 +166,68 @@ def test_a_job_without_ras_or_pipe_variables_is_listed_and_says_why(tmp_path: Pa
     finally:
         job.stop()
         closed.close()
+
+
+def test_a_hang_the_agent_judged_reaches_the_coordinator_with_every_dump_stacks_and_verdict(
+        hung_job: tuple[TorchrunJob, FakeRas, dict[int, int]], tmp_path: Path) -> None:
+    """The agent's own RAS judgement (``rank.stuck``) opens the coordinator's hang investigation of a job
+    that sends no steps: NCCL-style pickled dumps of both ranks come up through the FIFO, py-spy stacks
+    beside them, and the verdict names rank 1 with its process and GPU."""
+    _job, _ras, pids = hung_job
+    gpus = [GpuProcess(0, "GPU-aaaa", pids[0], 1 << 30), GpuProcess(1, "GPU-bbbb", pids[1], 1 << 30)]
+    watcher = ZeroCodeWatcher(ZeroCodeSettings(hang_threshold_s=5, evidence_dir=str(tmp_path / "evidence"),
+                                               dump_timeout_s=20), processes=lambda: gpus)
+
+    async def main() -> None:
+        coord = Coordinator(Store(tmp_path / "c.db"), CoordinatorConfig(evidence_dir=str(tmp_path / "ev"),
+                                                                        evidence_timeout_s=40))
+        server = CoordinatorServer(coord, listen="127.0.0.1:0", metrics_listen=None, policy=AuthPolicy())
+        endpoints = await server.start()
+        link = CoordinatorLink(LinkSettings(address=f"127.0.0.1:{endpoints.grpc_port}",
+                                            spool_path=str(tmp_path / "spool.db"), work_dir=str(tmp_path / "w")),
+                               rank_hub=CombinedRanks(None, watcher))
+        link.start(None)
+
+        async def until(what: Any, timeout_s: float = 60.0) -> Any:
+            deadline = time.monotonic() + timeout_s
+            while time.monotonic() < deadline:
+                got = what()
+                if got:
+                    return got
+                await asyncio.sleep(0.1)
+            raise AssertionError(f"timed out waiting for {what}")
+
+        try:
+            first = await asyncio.to_thread(watcher.poll_once, 100.0)
+            job_id = first.discovery.jobs()[0].job_id
+            await until(lambda: len(getattr(coord.jobs.jobs.get(job_id), "placements", {})) == 2)
+            node = next(iter(coord.by_node))
+            second = await asyncio.to_thread(watcher.poll_once, 106.0)
+            assert [f.entity.id for f in second.findings if f.code == "rank.stuck"] == ["1"]
+            link.stream.on_findings(second.findings)
+            (doc,) = await until(lambda: coord.store.verdicts(job_id), timeout_s=90)
+            assert doc["kind"] == "hang" and doc["verdict"] == "hang" and doc["culprits"] == [1], doc["summary"]
+            assert doc["reported_by"]["node"] == node and doc["reported_by"]["rank"] == 1
+            assert doc["reported_by"]["source"] == "NCCL RAS"
+            dumps = doc["evidence"]["fr_dumps"]
+            assert sorted(dumps) == ["0", "1"] and all(p.endswith(".pkl") for p in dumps.values()), doc["evidence"]
+            assert Path(dumps["1"]).read_bytes()[:1] == b"\x80"
+            assert doc["evidence"]["stacks_ranks"] == [0, 1] and doc["evidence"]["fr_missing_ranks"] == []
+            (culprit,) = doc["culprit_details"]
+            assert (culprit["rank"], culprit["pid"], culprit["gpu_index"], culprit["node"]) == (1, pids[1], 1, node)
+            job = coord.jobs.jobs[job_id]
+            assert job.hang_open and coord.counters.hangs == 1
+            # the same report again is the same episode; the node no longer reporting it ends the episode
+            link.stream.on_findings(list(second.findings) + [])
+            await asyncio.sleep(1.0)
+            assert coord.counters.hangs == 1
+            link.stream.on_findings([])
+            await until(lambda: not job.hang_open, timeout_s=20)
+        finally:
+            link.stop()
+            await server.stop(0)
+
+    try:
+        asyncio.run(main())
+    finally:
+        watcher.stop()

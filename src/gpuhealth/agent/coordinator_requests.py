@@ -3,7 +3,8 @@ recorder of a job's ranks, capture their Python stacks, run a diagnostic.
 
 Each request runs on one of a few worker threads and ends with a final answer, whatever happens;
 answers go back through ``emit`` (the stream's send queue). Dumps travel as the ranks wrote them —
-only JSON objects, never a file a rank merely names. Stacks come from the hook and, where permitted,
+JSON objects from the hook, NCCL's pickles from discovered ranks (``fr_pickle``), never a file a rank
+merely names. Stacks come from the hook and, where permitted,
 ``py-spy dump --json``. Diagnostics run through ``DiagRunner`` like periodic ones, in a child process
 under the GPU-time budget: the agent never imports torch.
 """
@@ -40,6 +41,7 @@ Emit = Callable[[pb.RequestResult], object]
 
 _DEVICE = re.compile(r"cpu|cuda(:\d+(,cuda:\d+)*)?")  # the only parameter a diagnostic request passes on
 MAX_DUMP_BYTES = 32 * 1024 * 1024  # as RankHub's cap; under the gRPC message limit with room for the envelope
+PICKLE_PROTO = b"\x80"  # pickle's PROTO opcode: how NCCL's dumps (discovered ranks, through the FIFO) begin
 
 
 class RankSource(Protocol):
@@ -120,12 +122,15 @@ class RequestExecutor:
                                       error=f"{type(res).__name__}: {res}", format="fr_json"))
                 return
             try:
-                if isinstance(res, bytes):
+                fmt = "fr_json"
+                if isinstance(res, bytes) and res[:1] == PICKLE_PROTO:
+                    data, fmt = _looks_like_pickle(res), "fr_pickle"  # NCCL's own dump, through the rank's FIFO
+                elif isinstance(res, bytes):
                     data = _looks_like_json_object(res)
                 else:
                     data = _read_json_file(Path(res), expected=out_dir / f"rank{rank}.json")
                 written = emit(pb.RequestResult(request_id=req.request_id, rank=rank, ok=True, payload=data,
-                                                format="fr_json"))
+                                                format=fmt))
                 del data
                 # Wait until it is on the wire before taking the next: dumps do not pile up in the send queue
                 # behind a slow link (past the deadline it stays queued and the next one is taken anyway).
@@ -235,7 +240,7 @@ def _read_json_file(path: Path, *, expected: Path) -> bytes:
 
 
 def _looks_like_json_object(data: bytes) -> bytes:
-    """Only JSON travels: a pickle or garbage is refused here already. A cheap check (the coordinator
+    """A hook's dump travels as JSON only: garbage is refused here already. A cheap check (the coordinator
     parses it with its safe loader): parsing a 30 MB dump here would cost the agent ~10× that in
     memory, and deeply nested input would not even parse (RecursionError)."""
     head = data[:64].lstrip()
@@ -248,6 +253,16 @@ def _looks_like_json_object(data: bytes) -> bytes:
             decoder.decode(view[off:off + (1 << 20)], final=off + (1 << 20) >= len(data))
     except UnicodeDecodeError as exc:
         raise ValueError(f"the rank's dump is not UTF-8 JSON: {exc}") from exc
+    return data
+
+
+def _looks_like_pickle(data: bytes) -> bytes:
+    """A flight-recorder pickle as NCCL writes it (protocol 2+ framing, ending in STOP). Shipped as bytes:
+    the coordinator reads it with the analyser's plain-data unpickler, which refuses every global."""
+    if len(data) > MAX_DUMP_BYTES:
+        raise ValueError(f"the rank's dump is {len(data)} bytes, over the {MAX_DUMP_BYTES} limit")
+    if data[:1] != PICKLE_PROTO or len(data) < 3 or data[1] < 2 or data[-1:] != b".":
+        raise ValueError("the rank's dump is neither a JSON object nor a complete pickle")
     return data
 
 

@@ -9,7 +9,8 @@ plus where each culprit runs.
 
 This module works for the coordinator through :class:`EvidenceSource` — the few things it needs — and
 never imports the service that calls it. Payloads are parsed only as flight-recorder dumps or JSON:
-nothing an agent sends is executed or unpickled.
+nothing an agent sends is executed. NCCL's pickled dumps (ranks found by discovery) are read by the
+analyser's plain-data unpickler (``flightrec/safe_pickle.py``), which refuses every global.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import hashlib
 import json
 import re
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -78,7 +79,9 @@ def _failed_report(ranks_seen: list[int], error: str) -> TriageReport:
 
 
 async def investigate(source: EvidenceSource, job: JobState, *, reason: str, timeout_s: float,
-                      hang: HangCheck | None = None) -> pb.TriageReply:
+                      hang: HangCheck | None = None, suspects: Sequence[int] = ()) -> pb.TriageReply:
+    """Collect every rank's dump and stacks, triage them, join the culprits with their GPUs. ``suspects``:
+    the ranks whoever reported the hang named (an agent's NCCL RAS view), used when the dumps name none."""
     started = time.monotonic()
     nodes = source.job_nodes(job)
     agent_timeout = max(1.0, timeout_s * 0.75)  # agents answer before our own deadline
@@ -108,9 +111,12 @@ async def investigate(source: EvidenceSource, job: JobState, *, reason: str, tim
 
     ranks = culprit_ranks(report)
     if not ranks and reason == "hang":
-        # No rank-level FR finding: fall back to the ranks whose progress is behind the others'.
+        # No rank-level FR finding: fall back to the ranks the reporter named, else to the ranks whose
+        # progress is behind the others'.
         behind = job.slowest_ranks()
-        if len(behind) < max(1, len(job.last_step)):
+        if suspects:
+            ranks = sorted(set(suspects))
+        elif len(behind) < max(1, len(job.last_step)):
             ranks = behind
     details = [source.culprit(job, r) for r in ranks]
     expected = sorted(job.placements) or sorted(job.last_step)
@@ -145,7 +151,7 @@ def _write_evidence(root: Path, folder: Path, dump_dir: Path, fr: PendingRequest
     errors: dict[str, str] = {}
     for rank, ans in sorted(fr.answers.items()):
         if ans.ok and ans.raw:
-            path = dump_dir / f"rank_{rank}.json"
+            path = dump_dir / f"rank_{rank}.{'pkl' if ans.format == 'fr_pickle' else 'json'}"
             path.write_bytes(ans.raw)
             dumps[rank] = str(path)
         else:

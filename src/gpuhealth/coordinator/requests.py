@@ -1,7 +1,8 @@
 """Requests the coordinator sends down to agents, and the answers it collects (one per rank, or one per
 node for a diagnostic). Pure bookkeeping: the service pushes the requests and feeds answers in.
 
-Flight-recorder dumps are kept as the bytes the agent sent: they are written to the evidence folder as
+Flight-recorder dumps are kept as the bytes the agent sent (JSON from a rank's hook, NCCL's pickle from a
+discovered rank): they are written to the evidence folder as
 they are and parsed once, by the analyser, off the event loop (a 30 MiB dump parsed on the loop stalled
 every stream for half a second). Stacks and diagnostic results are small and parsed here.
 """
@@ -29,6 +30,7 @@ class RankAnswer:
     payload: Any = None  # parsed JSON (stacks, diagnostics)
     error: str = ""
     raw: bytes = b""  # the payload as sent (flight-recorder dumps)
+    format: str = ""  # fr_json | fr_pickle (a discovered rank's own NCCL dump)
 
 
 @dataclass(eq=False)
@@ -66,8 +68,12 @@ class PendingRequest:
                 return
             answer = RankAnswer(node, msg.ok, error=msg.error[:2000])
             if msg.ok and self.kind in RAW_KINDS:
-                answer.raw = bytes(msg.payload)
-                if answer.raw.lstrip()[:1] != b"{":
+                answer.raw, answer.format = bytes(msg.payload), msg.format or "fr_json"
+                if answer.format == "fr_pickle":
+                    # kept as bytes; only the analyser's plain-data unpickler reads it (no global is loaded)
+                    if answer.raw[:1] != b"\x80" or answer.raw[-1:] != b".":
+                        answer = RankAnswer(node, False, error="payload is not a complete pickle")
+                elif answer.format != "fr_json" or answer.raw.lstrip()[:1] != b"{":
                     answer = RankAnswer(node, False, error="payload is not a JSON object")
             elif msg.ok:
                 try:

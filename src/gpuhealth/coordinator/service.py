@@ -40,7 +40,7 @@ from gpuhealth.coordinator.fleet import (
     unhealthy_gpus,
     version_drift,
 )
-from gpuhealth.coordinator.jobs import JobState, JobTable, OnlineStragglerDetector
+from gpuhealth.coordinator.jobs import HangCheck, JobState, JobTable, OnlineStragglerDetector
 from gpuhealth.coordinator.requests import PendingRequest, sdc_digests_of
 from gpuhealth.coordinator.screening import (
     LEVELS,
@@ -56,7 +56,7 @@ from gpuhealth.coordinator.screening import (
 )
 from gpuhealth.coordinator.store import Store
 from gpuhealth.coordinator.triage_wire import reply_to_dict
-from gpuhealth.model import Finding
+from gpuhealth.model import Finding, Severity
 from gpuhealth.proto import gpuhealth_v1_pb2 as pb
 from gpuhealth.proto.convert import (
     WireError,
@@ -147,6 +147,7 @@ class Coordinator:
         self._tasks: set[asyncio.Task[Any]] = set()
         self._tick_task: asyncio.Task[None] | None = None
         self.investigating: set[str] = set()
+        self.reported_hangs: dict[str, str] = {}  # job → the node whose agent reported it hung (NCCL RAS)
         self._pending: dict[Session, int] = {}
         self._pending_records = 0
         self._flush_handle: asyncio.TimerHandle | None = None
@@ -309,6 +310,7 @@ class Coordinator:
                     self.store.set_acked(session.node, session.incarnation, seq, now)
                 view = self.nodes.setdefault(session.node, NodeView(session.node))
                 view.findings, view.findings_at = findings, rec.findings.at or now
+                self._reported_hangs(session.node, findings)
             elif kind == "screens":
                 screens = self._own_screens(session.node, screens_from_pb(rec.screens, session.node, now), now)
                 self._begin_group()
@@ -653,6 +655,42 @@ class Coordinator:
                             job.job_id, check.stalled_s, check.threshold_s)
                 self._spawn(self._investigate_hang(job, check), f"hang-{job.job_id}")
 
+    def _reported_hangs(self, node: str, findings: list[Finding]) -> None:
+        """Hangs an agent judged itself: its zero-code watcher names a rank of its own that NCCL RAS shows
+        behind (``rank.stuck``, critical). Such jobs send no steps, so the step check never fires for them;
+        the coordinator collects every rank's dumps and stacks, on every node, as for a hang it saw itself.
+        The episode ends when that node stops reporting it (the rank moved on, or the job ended)."""
+        reported: dict[str, Finding] = {}
+        for f in findings:
+            job_id = f.evidence.get("job_id")
+            if f.code == "rank.stuck" and f.severity is Severity.CRITICAL and isinstance(job_id, str) and job_id:
+                reported.setdefault(job_id, f)
+        for job_id, reporter in list(self.reported_hangs.items()):
+            if reporter == node and job_id not in reported:
+                del self.reported_hangs[job_id]
+                job = self.jobs.jobs.get(job_id)
+                if job is not None and job_id not in self.investigating:
+                    job.hang_open = False
+        for job_id, f in reported.items():
+            job = self.jobs.jobs.get(job_id)
+            if job is None or job.hang_open or job_id in self.investigating:
+                continue  # unknown here (no identity yet: the next report tries again), or already handled
+            stalled = _number(f.evidence.get("stalled_s"))
+            threshold = _number(f.evidence.get("threshold_s")) or stalled
+            raw_rank = f.evidence.get("rank")
+            rank = raw_rank if isinstance(raw_rank, int) and not isinstance(raw_rank, bool) and raw_rank >= 0 else None
+            check = HangCheck(stalled, threshold, None, max(job.last_step.values(), default=-1))
+            job.hang_open = True
+            job.hangs += 1
+            self.counters.hangs += 1
+            self.investigating.add(job_id)
+            self.reported_hangs[job_id] = node
+            origin: dict[str, Any] = {"node": node, "source": str(f.evidence.get("source") or f.source)[:200],
+                                      "message": f.message[:1000], "rank": rank}
+            log.warning("job %s: node %s reports it hung (%s): collecting evidence", job_id, node, f.message[:300])
+            self._spawn(self._investigate_hang(job, check, reported_by=origin, suspects=[] if rank is None else [rank]),
+                        f"hang-{job_id}")
+
     def _update_stragglers(self, job: JobState) -> None:
         assert job.detector is not None
         if job.episodes_stored is None:
@@ -721,12 +759,15 @@ class Coordinator:
     def evidence_dir(self) -> str:
         return self.settings.resolved_evidence_dir()
 
-    async def _investigate_hang(self, job: JobState, check: Any) -> None:
+    async def _investigate_hang(self, job: JobState, check: Any, *, reported_by: dict[str, Any] | None = None,
+                                suspects: list[int] | None = None) -> None:
         try:
             reply = await hangs.investigate(self, job, reason="hang", hang=check,
-                                            timeout_s=self.settings.evidence_timeout_s)
+                                            timeout_s=self.settings.evidence_timeout_s, suspects=suspects or ())
             self._count_triage(reply)
             doc = reply_to_dict(reply)
+            if reported_by is not None:
+                doc["reported_by"] = reported_by  # the agent's own judgement that opened this investigation
             self.record_verdict(job.job_id, "hang", doc)
             log.warning("job %s: %s", job.job_id, doc["summary"])
         except Exception:
@@ -882,3 +923,10 @@ def json_reply(doc: dict[str, Any]) -> pb.JsonReply:
 
 def evidence_root(settings: CoordinatorConfig) -> Path:
     return Path(settings.resolved_evidence_dir())
+
+
+def _number(value: Any) -> float:
+    """A finite, non-negative number an agent sent in a finding's evidence; 0 for anything else."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+        return 0.0
+    return float(value)

@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
+import pickle
+from pathlib import Path
 
+from gpuhealth.coordinator.hangs import run_triage
 from gpuhealth.coordinator.requests import PendingRequest
 from gpuhealth.proto import gpuhealth_v1_pb2 as pb
 
@@ -42,3 +46,31 @@ def test_evidence_past_the_budget_is_recorded_not_kept() -> None:
     p.add("n1", _answer(1, {"x": "b" * 80}, final=True))
     assert p.answers[0].ok and not p.answers[1].ok and "budget" in p.answers[1].error
     assert p.done.is_set()
+
+
+def test_a_discovered_ranks_pickled_dump_is_kept_as_bytes_and_read_without_running_anything(tmp_path: Path) -> None:
+    """NCCL's own dump (a rank found by discovery, through its FIFO) arrives as ``fr_pickle``: kept as sent,
+    a truncated one is an error, and a hostile one planting a global is refused by the analyser's loader."""
+    marker = tmp_path / "pwned"
+    hostile = pickle.dumps(_Evil(str(marker)), protocol=4)
+    plain = pickle.dumps({"version": "2.10", "pg_config": {}, "entries": []}, protocol=4)
+    p = PendingRequest(1, pb.DUMP_FLIGHT_RECORDER, "j", {"n1"})
+    for rank, payload in enumerate((plain, plain[:-1], hostile)):
+        p.add("n1", pb.RequestResult(request_id=1, rank=rank, ok=True, payload=payload, format="fr_pickle"))
+    assert p.answers[0].ok and p.answers[0].raw == plain and p.answers[0].format == "fr_pickle"
+    assert not p.answers[1].ok and "not a complete pickle" in p.answers[1].error
+    assert p.answers[2].ok  # well-formed on the wire: what it would load is the loader's to refuse
+    folder = tmp_path / "fr"
+    folder.mkdir()
+    (folder / "rank_2.pkl").write_bytes(p.answers[2].raw)
+    report = run_triage(folder, {"job_id": "j"})
+    assert not marker.exists()
+    assert report.verdict.value == "incomplete" and any("rank_2.pkl" in str(x) for x in report.to_dict()["problems"])
+
+
+class _Evil:
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __reduce__(self) -> tuple[object, tuple[str]]:
+        return (os.system, (f"touch {self.path}",))

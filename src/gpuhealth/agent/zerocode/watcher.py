@@ -421,6 +421,7 @@ class ZeroCodeWatcher:
         for c in v.culprits:
             local = job.by_pid(c.rank.pid) if c.rank.pid is not None else None
             ev = _culprit_evidence(job, v, c, local, readings)
+            ev["threshold_s"] = self.settings.hang_threshold_s
             if local is not None and local.gpu_uuid is not None:
                 ev["gpu_findings"] = [f.to_dict() for f in gpu_findings if f.entity.id == local.gpu_uuid
                                       or (f.entity.gpu_index == local.gpu_index and f.entity.kind is EntityKind.GPU)]
