@@ -218,7 +218,7 @@ def test_a_hang_the_agent_judged_reaches_the_coordinator_with_every_dump_stacks_
             job = coord.jobs.jobs[job_id]
             assert job.hang_open and coord.counters.hangs == 1
             # the same report again is the same episode; the node no longer reporting it ends the episode
-            link.stream.on_findings(list(second.findings) + [])
+            link.stream.on_findings(list(second.findings))
             await asyncio.sleep(1.0)
             assert coord.counters.hangs == 1
             link.stream.on_findings([])
