@@ -63,7 +63,7 @@ def log(msg: str) -> None:
 
 class Job:
     def __init__(self, name: str, work: Path, args: list[str], env: dict[str, str], port: int, cpu: bool) -> None:
-        self.name, self.log_path = name, work / f"job_{name}.log"
+        self.name, self.log_path, self.port = name, work / f"job_{name}.log", port
         full = {**os.environ, **env, "NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--master-addr=127.0.0.1",
                f"--master-port={port}", str(JOB), "--backend", "gloo" if cpu else "nccl", *args]
@@ -84,11 +84,22 @@ class Job:
         return float(m.group(1)) if m else None
 
     def stop(self) -> None:
+        # torchrun starts its workers in sessions of their own: killing its group alone left a hung job's
+        # rank 0 spinning in all_reduce on GPU 0, and the next job's rank 0 ran 1.5x slow beside it
+        workers = self.pids()
+        for pid in workers:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
         try:
             os.killpg(self.proc.pid, signal.SIGKILL)  # the job's own process group, by its id
         except ProcessLookupError:
             pass
         self.proc.wait(10)
+        deadline = time.time() + 15
+        while time.time() < deadline and any(Path(f"/proc/{pid}").exists() for pid in workers):
+            time.sleep(0.1)  # gone, and their CUDA contexts with them, before the next job starts
         self.fh.close()
 
 
@@ -220,15 +231,22 @@ def phase_hangs(work: Path, rec: Path, cpu: bool, deadline: float) -> None:
                     log(f"job {name}: coordinator verdict after {result[name]['coordinator_after_s']} s: "
                         f"{str(v.get('summary'))[:400]}; dumps {sorted(got.get('fr_dumps') or {})}, "
                         f"stacks {got.get('stacks_ranks')}")
-                at_coordinator = "coordinator_after_s" in result[name] or name == "D"
-                if "named_after_s" in result[name] and at_coordinator and (name != "B" or isinstance(ev, dict)):
-                    if isinstance(ev, dict):
-                        result[name]["evidence_after_s"] = round(time.time() - onset, 1)
-                        result[name]["evidence"] = ev
-                        (rec / "health" / f"{name}_evidence.json").write_text(json.dumps(doc, indent=1))
-                        log(f"job {name}: evidence after {result[name]['evidence_after_s']} s: {json.dumps(ev)[:600]}")
-                    if hung_recorded.get(name, 0) >= 2 or name == "B":
-                        pending.discard(name)
+                mismatch = [f for f in doc.get("findings") or [] if f.get("code") == "collective.launch_mismatch"
+                            and f.get("evidence", {}).get("job_id") == f"torch:127.0.0.1:{j.port}"]
+                if mismatch and "named_after_s" not in result[name]:
+                    result[name]["named_after_s"] = round(time.time() - onset, 1)
+                    result[name]["finding"] = mismatch[0]
+                    log(f"job {name}: mismatch named after {result[name]['named_after_s']} s: "
+                        f"{mismatch[0]['message'][:300]}")
+                if isinstance(ev, dict) and "evidence_after_s" not in result[name]:
+                    result[name]["evidence_after_s"] = round(time.time() - onset, 1)
+                    result[name]["evidence"] = ev
+                    (rec / "health" / f"{name}_evidence.json").write_text(json.dumps(doc, indent=1))
+                    log(f"job {name}: evidence after {result[name]['evidence_after_s']} s: {json.dumps(ev)[:600]}")
+                done = ("named_after_s" in result[name] and ("coordinator_after_s" in result[name] or name == "D")
+                        and ("evidence_after_s" in result[name] or name != "B"))
+                if done and (hung_recorded.get(name, 0) >= 2 or name == "B"):
+                    pending.discard(name)
             time.sleep(1.0)
         (rec / "health" / "final.json").write_text(json.dumps(health(), indent=1))
     finally:
@@ -333,12 +351,13 @@ def main() -> int:
     ap.add_argument("--budget-s", type=float, default=175.0)
     args = ap.parse_args()
     out = Path(os.environ.get("OUT") or tempfile.mkdtemp(prefix="zc_out_"))
-    os.environ["PYTHONPATH"] = str(REPO / "src")  # the triage children this driver starts
+    # the triage children this driver starts; packages carried in (PYTHONPATH already set) stay visible
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO / "src"), os.environ.get("PYTHONPATH")) if p)
     work = Path(tempfile.mkdtemp(prefix="zc_"))
     rec = work / "rec"
     for sub in ("ras", "health", "jobs"):
         (rec / sub).mkdir(parents=True)
-    env = {**os.environ, "PYTHONPATH": str(REPO / "src"), "GPUHEALTH_AGENT_STATE_DIR": str(work / "state"),
+    env = {**os.environ, "GPUHEALTH_AGENT_STATE_DIR": str(work / "state"),
            "GPUHEALTH_AGENT_SOCKET_PATH": str(work / "run" / "agent.sock"),
            "PATH": f"{REPO / '.venv' / 'bin'}:{os.environ.get('PATH', '')}"}
     os.environ["PATH"] = env["PATH"]
