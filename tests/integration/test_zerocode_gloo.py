@@ -217,12 +217,18 @@ def test_a_hang_the_agent_judged_reaches_the_coordinator_with_every_dump_stacks_
             assert (culprit["rank"], culprit["pid"], culprit["gpu_index"], culprit["node"]) == (1, pids[1], 1, node)
             job = coord.jobs.jobs[job_id]
             assert job.hang_open and coord.counters.hangs == 1
-            # the same report again is the same episode; the node no longer reporting it ends the episode
+            # the same report again is the same episode, and so is one after an update that lacked it (a poll
+            # that missed the process); the node not reporting it for the grace ends the episode
+            link.stream.on_findings([])
+            await asyncio.sleep(0.5)
             link.stream.on_findings(list(second.findings))
             await asyncio.sleep(1.0)
-            assert coord.counters.hangs == 1
+            assert job.hang_open and coord.counters.hangs == 1
+            coord.reported_hang_grace_s = 1.0
             link.stream.on_findings([])
             await until(lambda: not job.hang_open, timeout_s=20)
+            # a job found by discovery sends no steps: the coordinator's own step check never calls it hung
+            assert job.discovered_only and job.hang_check(time.monotonic() + 3600, 10, 60) is None
         finally:
             link.stop()
             await server.stop(0)

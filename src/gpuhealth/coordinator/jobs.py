@@ -153,6 +153,12 @@ class JobState:
     # -- questions -------------------------------------------------------------------------------
 
     @property
+    def discovered_only(self) -> bool:
+        """Every rank known was found by an agent's discovery (no gpuhealth hook), and none sent a step."""
+        return (not self.records and bool(self.placements)
+                and all(p.identity.found_by == "discovered" for p in self.placements.values()))
+
+    @property
     def finished(self) -> bool:
         """No agent reports any rank of this job alive (and we have heard from some)."""
         return bool(self.placements) and not any(self.live_ranks.values())
@@ -163,8 +169,10 @@ class JobState:
         return statistics.median(self.wall_means)
 
     def hang_check(self, now: float, k: float, floor_s: float) -> HangCheck | None:
-        """A new hang: no rank progressed for max(k × typical step, floor). Once per episode."""
-        if self.hang_open or self.finished or not self.progress_at:
+        """A new hang: no rank progressed for max(k × typical step, floor). Once per episode. Never for a job
+        whose ranks were all found by discovery: they send no steps (no step is not a stall); their agents
+        judge them from NCCL RAS and report a hang themselves (``Coordinator._reported_hangs``)."""
+        if self.hang_open or self.finished or not self.progress_at or self.discovered_only:
             return None
         typical = self.typical_step_s()
         threshold = max(k * typical, floor_s) if typical is not None else floor_s

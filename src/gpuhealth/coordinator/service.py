@@ -147,7 +147,9 @@ class Coordinator:
         self._tasks: set[asyncio.Task[Any]] = set()
         self._tick_task: asyncio.Task[None] | None = None
         self.investigating: set[str] = set()
-        self.reported_hangs: dict[str, str] = {}  # job → the node whose agent reported it hung (NCCL RAS)
+        # job → (the node whose agent reported it hung from NCCL RAS, when it last did: monotonic)
+        self.reported_hangs: dict[str, tuple[str, float]] = {}
+        self.reported_hang_grace_s = REPORTED_HANG_GRACE_S
         self._pending: dict[Session, int] = {}
         self._pending_records = 0
         self._flush_handle: asyncio.TimerHandle | None = None
@@ -637,6 +639,7 @@ class Coordinator:
         if self.clock() - self._rotation_planned >= ROTATION_PERIOD_S:
             self._rotate_logged()  # its own failure must not cost the jobs their detection
         mono = self.mono()
+        self._end_reported_hangs(mono)
         for job in list(self.jobs.jobs.values()):
             quiet_s = mono - max(job.last_record_at, job.progress_at)
             if quiet_s > self.settings.forget_job_after_s and (job.finished or not job.placements) \
@@ -659,19 +662,17 @@ class Coordinator:
         """Hangs an agent judged itself: its zero-code watcher names a rank of its own that NCCL RAS shows
         behind (``rank.stuck``, critical). Such jobs send no steps, so the step check never fires for them;
         the coordinator collects every rank's dumps and stacks, on every node, as for a hang it saw itself.
-        The episode ends when that node stops reporting it (the rank moved on, or the job ended)."""
+        The episode ends when that node has stopped reporting it for a while (``_end_reported_hangs``)."""
         reported: dict[str, Finding] = {}
         for f in findings:
             job_id = f.evidence.get("job_id")
             if f.code == "rank.stuck" and f.severity is Severity.CRITICAL and isinstance(job_id, str) and job_id:
                 reported.setdefault(job_id, f)
-        for job_id, reporter in list(self.reported_hangs.items()):
-            if reporter == node and job_id not in reported:
-                del self.reported_hangs[job_id]
-                job = self.jobs.jobs.get(job_id)
-                if job is not None and job_id not in self.investigating:
-                    job.hang_open = False
+        mono = self.mono()
         for job_id, f in reported.items():
+            if job_id in self.reported_hangs:
+                self.reported_hangs[job_id] = (self.reported_hangs[job_id][0], mono)  # still reported: same episode
+                continue
             job = self.jobs.jobs.get(job_id)
             if job is None or job.hang_open or job_id in self.investigating:
                 continue  # unknown here (no identity yet: the next report tries again), or already handled
@@ -684,12 +685,22 @@ class Coordinator:
             job.hangs += 1
             self.counters.hangs += 1
             self.investigating.add(job_id)
-            self.reported_hangs[job_id] = node
+            self.reported_hangs[job_id] = (node, mono)
             origin: dict[str, Any] = {"node": node, "source": str(f.evidence.get("source") or f.source)[:200],
                                       "message": f.message[:1000], "rank": rank}
             log.warning("job %s: node %s reports it hung (%s): collecting evidence", job_id, node, f.message[:300])
             self._spawn(self._investigate_hang(job, check, reported_by=origin, suspects=[] if rank is None else [rank]),
                         f"hang-{job_id}")
+
+    def _end_reported_hangs(self, mono: float) -> None:
+        """A reported hang ends once its node has not reported it for ``reported_hang_grace_s``: one update
+        without it (a poll that missed the process while it was being dumped) is not the rank moving on."""
+        for job_id, (_node, seen) in list(self.reported_hangs.items()):
+            if mono - seen > self.reported_hang_grace_s and job_id not in self.investigating:
+                del self.reported_hangs[job_id]
+                job = self.jobs.jobs.get(job_id)
+                if job is not None:
+                    job.hang_open = False
 
     def _update_stragglers(self, job: JobState) -> None:
         assert job.detector is not None
@@ -901,6 +912,7 @@ class Coordinator:
 # ``diag``; a test keeps the two equal) and the one parameter a request passes on, in the form the
 # agent accepts (``cpu``, ``cuda``, ``cuda:N[,cuda:M]``).
 KNOWN_DIAGNOSTICS = ("sdc", "busbw", "bandwidth")
+REPORTED_HANG_GRACE_S = 60.0  # a node's hang report ends this long after the node last made it
 MAX_DIGESTS_PER_RECORD = 4096  # a node's GPUs × golden keys; a record over it is refused in one line
 _DEVICE = re.compile(r"cpu|cuda(:\d{1,4}(,cuda:\d{1,4}){0,63})?")
 

@@ -79,6 +79,11 @@ MIGRATIONS: tuple[str, ...] = (
     DROP TABLE sdc_digests;
     ALTER TABLE sdc_digests_v2 RENAME TO sdc_digests;
     """,
+    # 2 → 3: how each rank is known ("hook" or "discovered"): a restarted coordinator must not take a
+    # zero-code job, which sends no steps, for a stalled one.
+    """
+    ALTER TABLE ranks ADD COLUMN found_by TEXT NOT NULL DEFAULT 'hook';
+    """,
 )
 SCHEMA_VERSION = len(MIGRATIONS)
 
@@ -321,9 +326,9 @@ class Store:
                 " DO UPDATE SET world_size=MAX(world_size, excluded.world_size), last_seen=excluded.last_seen",
                 (i.job_id, i.world_size, now, now))
             self._db.execute(
-                "INSERT OR REPLACE INTO ranks (job_id, rank, node, host, pid, local_rank, gpu_uuid, gpu_index, seen_at)"
-                " VALUES (?,?,?,?,?,?,?,?,?)",
-                (i.job_id, i.rank, node, i.host, i.pid, i.local_rank, i.gpu_uuid, i.gpu_index, now))
+                "INSERT OR REPLACE INTO ranks (job_id, rank, node, host, pid, local_rank, gpu_uuid, gpu_index, seen_at,"
+                " found_by) VALUES (?,?,?,?,?,?,?,?,?,?)",
+                (i.job_id, i.rank, node, i.host, i.pid, i.local_rank, i.gpu_uuid, i.gpu_index, now, i.found_by))
 
     def jobs(self) -> list[tuple[str, int, float, float]]:
         with self._lock:
@@ -332,13 +337,14 @@ class Store:
 
     def ranks(self, job_id: str | None = None) -> list[RankRow]:
         with self._lock:
-            sql = "SELECT job_id, rank, node, host, pid, local_rank, gpu_uuid, gpu_index FROM ranks"
+            sql = "SELECT job_id, rank, node, host, pid, local_rank, gpu_uuid, gpu_index, found_by FROM ranks"
             rows = (self._db.execute(sql + " ORDER BY job_id, rank") if job_id is None
                     else self._db.execute(sql + " WHERE job_id=? ORDER BY rank", (job_id,))).fetchall()
         out = []
         for r in rows:
             ident = RankIdentity(job_id=r[0], rank=int(r[1]), world_size=0, host=r[3], pid=int(r[4]),
-                                 local_rank=r[5], gpu_uuid=r[6], gpu_index=r[7])
+                                 local_rank=r[5], gpu_uuid=r[6], gpu_index=r[7],
+                                 found_by="discovered" if r[8] == "discovered" else "hook")
             out.append(RankRow(ident, r[2]))
         return out
 

@@ -84,7 +84,7 @@ def identity_to_pb(i: RankIdentity) -> pb.RankIdentity:
     return pb.RankIdentity(
         job_id=i.job_id, rank=i.rank, world_size=i.world_size, host=i.host, pid=i.pid,
         local_rank=-1 if i.local_rank is None else i.local_rank, gpu_uuid=i.gpu_uuid or "",
-        gpu_index=-1 if i.gpu_index is None else i.gpu_index,
+        gpu_index=-1 if i.gpu_index is None else i.gpu_index, found_by=i.found_by,
     )
 
 
@@ -98,6 +98,7 @@ def identity_from_pb(m: pb.RankIdentity) -> RankIdentity:
         job_id=m.job_id, rank=m.rank, world_size=m.world_size, host=m.host[:MAX_NAME_LEN], pid=m.pid,
         local_rank=None if m.local_rank < 0 else m.local_rank, gpu_uuid=m.gpu_uuid or None,
         gpu_index=None if m.gpu_index < 0 else m.gpu_index,
+        found_by="discovered" if m.found_by == "discovered" else "hook",  # empty (older agents): the hook
     )
 
 

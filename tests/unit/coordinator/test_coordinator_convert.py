@@ -24,6 +24,9 @@ def test_round_trips() -> None:
     assert steps_from_pb(steps_to_pb("j", recs)).records() == recs
     ident = RankIdentity("j", 3, 4, "h", 42, local_rank=1, gpu_uuid=None, gpu_index=None)
     assert identity_from_pb(identity_to_pb(ident)) == ident
+    found = RankIdentity("j", 3, 4, "h", 42, gpu_index=1, found_by="discovered")  # a zero-code rank stays one
+    assert identity_from_pb(identity_to_pb(found)) == found
+    assert identity_from_pb(pb.RankIdentity(job_id="j", rank=0, world_size=1, found_by="x")).found_by == "hook"
     f = Finding("throttle.hw_slowdown", Severity.WARNING, Entity.gpu("GPU-x", 1), "m", evidence={"a": 1})
     assert finding_from_pb(finding_to_pb(f)) == f
 

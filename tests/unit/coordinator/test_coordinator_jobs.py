@@ -38,6 +38,19 @@ def test_finished_job_is_not_hung() -> None:
     assert job.finished and job.hang_check(now=1000.0, k=10, floor_s=5) is None
 
 
+def test_a_job_found_only_by_discovery_is_never_hung_for_sending_no_steps() -> None:
+    """Zero-code ranks send no steps: 60 s after the coordinator heard of them is not a stall (on 2 x H100 a
+    running mismatch job and two jobs already reported hung were called hung again this way)."""
+    found = JobState("z")
+    for rank in (0, 1):
+        found.add_identity("n1", RankIdentity("z", rank, 2, "h", 10 + rank, found_by="discovered"), now=1.0)
+    assert found.discovered_only and found.hang_check(now=3600.0, k=10, floor_s=60) is None
+    hooked = JobState("j")  # a hooked job stuck before its first step is still caught by the floor
+    hooked.add_identity("n1", RankIdentity("j", 0, 2, "h", 1), now=1.0)
+    hooked.add_identity("n1", RankIdentity("j", 1, 2, "h", 2, found_by="discovered"), now=1.0)
+    assert not hooked.discovered_only and hooked.hang_check(now=62.0, k=10, floor_s=60) is not None
+
+
 def test_straggler_feed_flags_the_slow_rank_only() -> None:
     feed = BudgetedStragglerFeed("j")
     healthy = BudgetedStragglerFeed("j")

@@ -77,8 +77,21 @@ def test_migration_from_version_1_keeps_sdc_digests(tmp_path: Path) -> None:
         con.execute("INSERT INTO sdc_digests (gpu_uuid, key, node, digest, at) VALUES ('GPU-1', 'k', 'n1', 'aa', 1)")
         con.execute("PRAGMA user_version=1")
     s = Store(db)
-    assert s.schema_version == SCHEMA_VERSION == 2
+    assert s.schema_version == SCHEMA_VERSION == 3
     assert s.sdc_digests() == [("n1", "GPU-1", "k", "aa", 1.0)]
     with s.transaction():  # the same GPU id on another node is another vote now
         s.add_sdc_digest("n2", "GPU-1", "k", "aa", 2.0)
     assert len(s.sdc_digests()) == 2
+
+
+def test_how_a_rank_was_found_survives_a_restart(tmp_path: Path) -> None:
+    """A zero-code rank stays "discovered" after the coordinator restarts (else its job, which sends no
+    steps, would be taken for a stalled one); rows written before the column existed read as "hook"."""
+    db = tmp_path / "c.db"
+    s = Store(db)
+    with s.transaction():
+        s.upsert_ranks("n1", [RankIdentity("z", 0, 2, "h", 10, found_by="discovered"),
+                              RankIdentity("j", 0, 2, "h", 11)], 1.0)
+    s.close()
+    again = Store(db)
+    assert {(r.identity.job_id, r.identity.found_by) for r in again.ranks()} == {("z", "discovered"), ("j", "hook")}
