@@ -82,6 +82,9 @@ class GroupView:
     # The newest collective every member is proven to have posted (a kernel of it ran to completion
     # somewhere: ``_credit_joined``); 0 when nothing proves it.
     joined: int = 0
+    # Members whose dump ends before ``joined`` (rank → the last collective its dump shows it posted): the
+    # dump was taken before the rank went on, so it shows nothing of what came after.
+    stale: dict[int, int] = field(default_factory=dict)
 
     def pending(self, rank: int) -> bool:
         return self.enqueued.get(rank, 0) > self.completed.get(rank, 0)
@@ -284,7 +287,8 @@ def _credit_joined(view: GroupView) -> None:
     while rank 0's, taken later, shows #4434…#4465 completed (real: 2 × H200, live FIFO dumps). An
     all-reduce-like collective whose kernel ran to completion anywhere (a measured duration, shorter
     than its timeout: not a kernel ended by an abort) was posted by every member. A member whose dump
-    ends before that collective was dumped earlier: everything it shows pending went through.
+    ends before that collective was dumped earlier: everything it shows pending went through, and it is
+    never blamed for a later collective it does not show (``waits._collective_needs``).
     Without measured durations (Gloo, NCCL without timing) nothing is credited: a library that ends a
     collective with an error also marks it completed."""
     if view.membership_source not in _KNOWN_MEMBERS or len(view.dumped) < 2:
@@ -295,6 +299,7 @@ def _credit_joined(view: GroupView) -> None:
         enq = view.enqueued.get(rank, 0)
         if 0 < enq < joined:
             view.completed[rank] = enq
+            view.stale[rank] = enq
 
 
 def _ran_whole(call: Call) -> bool:

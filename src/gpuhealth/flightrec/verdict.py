@@ -166,9 +166,15 @@ def _unreadable_ranks(loaded: LoadResult) -> list[int]:
 
 
 def _notes(groups: Mapping[str, GroupView]) -> list[str]:
-    return [f"group {g.name}: only rank(s) {list(g.members)} have entries; membership may be incomplete "
-            "(Gloo dumps do not record it)" for g in groups.values()
-            if g.membership_source == "entries" and len(g.members) < 2]
+    notes = [f"group {g.name}: only rank(s) {list(g.members)} have entries; membership may be incomplete "
+             "(Gloo dumps do not record it)" for g in groups.values()
+             if g.membership_source == "entries" and len(g.members) < 2]
+    for g in groups.values():
+        for rank, last in sorted(g.stale.items()):
+            notes.append(f"group {g.name}: rank {rank}'s dump ends at collective #{last}, before #{g.joined}, which "
+                         f"completed with every member: it was taken earlier, while the job ran, and shows nothing "
+                         f"of what came after; dump again if the job still looks stuck")
+    return notes
 
 
 # ---------------------------------------------------------------------------------------- loading

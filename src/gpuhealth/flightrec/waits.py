@@ -175,6 +175,8 @@ def _collective_needs(w: Work, g: GroupView, heads: Mapping[int, Work], dumped: 
         if m not in dumped:
             out.append(Need(w, m, "no_dump"))
         elif g.enqueued.get(m, 0) < w.seq:
+            if m in g.stale:
+                continue  # its dump predates collectives it went on to join: it shows nothing of this one
             out.append(Need(w, m, "not_posted"))
         elif g.completed.get(m, 0) >= w.seq:
             continue  # it already finished there: this side will follow
@@ -368,7 +370,10 @@ def _root_of(groups: Mapping[str, GroupView], graph: WaitGraph, sink: Sink) -> R
     if len(sink.nodes) == 1 and rank_nodes:
         return _free_rank_root(groups, graph, rank_nodes[0])
     if len(sink.nodes) == 1 and work_nodes:
-        return _stall_root(groups, graph, work_nodes[0])
+        w, g = work_nodes[0], groups[work_nodes[0].group]
+        if w.seq is not None and any(g.enqueued.get(m, 0) < w.seq for m in g.stale):
+            return None  # a member's dump predates this collective: whether it joined is unknown, not a stall
+        return _stall_root(groups, graph, w)
     return _cycle_root(groups, graph, rank_nodes, work_nodes)
 
 

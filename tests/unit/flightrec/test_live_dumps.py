@@ -10,6 +10,7 @@ flight while rank 0's, written 180 ms later, shows #4434…#4465 done. That is n
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import time
@@ -41,9 +42,41 @@ def test_real_live_dumps_of_a_running_job_are_not_a_hang(tmp_path: Path, copied:
     assert not any(f.code == "collective.gpu_stall" for f in rep.findings), rep.summary
     # Which rank is slow, from the dumps themselves: NCCL records a collective's start after the rank's
     # own compute, so the rank that waits inside all_reduce is the fast one. Rank 1 waits ~4.9 ms per
-    # collective, rank 0 ~0.01 ms: rank 0 computes longer (the job sized its matmul loop per rank, and
-    # rank 0's came out ~6x rank 1's; see the fixture's README).
+    # collective, rank 0 ~0.01 ms: rank 0 computes longer (GPU 0 still ran two hung jobs' spinning kernels;
+    # see the fixture's README).
     assert rep.headline is not None and rep.headline.evidence["rank"] == 0, rep.summary
+
+
+H100 = Path(__file__).resolve().parents[2] / "fixtures" / "zerocode" / "h100x2_nccl2.28.9"
+
+
+@pytest.mark.parametrize("copied", [False, True])
+def test_a_true_1_3x_straggler_is_named_from_its_periodic_dumps(tmp_path: Path, copied: bool) -> None:
+    """2 x H100: rank 1 computes 1.3x (train.py's loop sized once, after cuBLAS warm-up; nothing else on the
+    GPUs). Rank 1's dump ends at #1039 while rank 0's shows #1040 done with a measured kernel time and waits in
+    #1042: rank 1 was dumped first and went on. Read fresh or copied (re-dated files), no hang is read into
+    that, and the straggler is rank 1 at ~1.3x."""
+    folder = H100 / "live_dumps_straggler_1.3"
+    if copied:
+        folder = tmp_path / "copy"
+        shutil.copytree(H100 / "live_dumps_straggler_1.3", folder)
+        for f in folder.iterdir():
+            os.utime(f, (time.time() + 86_400, time.time() + 86_400))
+    rep = triage(folder)
+    assert rep.verdict is Verdict.STRAGGLER, rep.summary
+    assert rep.headline is not None and rep.headline.evidence["rank"] == 1, rep.summary
+    assert 1.2 <= rep.headline.evidence["ratio_to_median"] <= 1.4, rep.headline.evidence
+    assert any("rank 1's dump ends at collective #1039" in n for n in rep.notes), rep.notes
+
+
+def test_the_coordinators_evidence_of_a_reported_hang_names_the_stuck_rank() -> None:
+    """What the coordinator collected for job B (NCCL's pickles through the FIFO, py-spy stacks) after the
+    agent reported it from NCCL RAS: rank 1 never reached all_reduce #602, and its stack shows the sleep."""
+    folder = H100 / "coordinator_hang_B"
+    stacks = json.loads((folder / "stacks.json").read_text())
+    rep = triage(folder / "fr", stacks={int(r): s for r, s in stacks.items()})
+    assert rep.verdict is Verdict.HANG and rep.culprits == [1], rep.summary
+    assert rep.roots[0].kind is RootKind.HOST_STUCK and rep.roots[0].seq == 602
 
 
 def _rank(n: int, *, last_state: str = "completed", timed: bool = True, duration_ms: float = 0.2,

@@ -85,3 +85,32 @@ def test_the_client_reads_the_recorded_replies_over_the_protocol() -> None:
         assert reply.format == "text" and status.pids() == {770, 771}
     finally:
         server.close()
+
+
+H100 = Path(__file__).resolve().parents[4] / "tests" / "fixtures" / "zerocode" / "h100x2_nccl2.28.9" / "ras"
+
+
+@pytest.mark.parametrize(("job", "pid"), [("A", 3013), ("B", 3009)])
+def test_a_second_recording_on_2_x_h100_names_the_same_rank(job: str, pid: int) -> None:
+    """Recorded on 2 x H100 in another session (fixture README): rank 1's process named again, both formats."""
+    judge, text_judge = HangJudge(threshold_s=30), HangJudge(threshold_s=30)
+    for i, t in enumerate((6.0, 12.0, 40.0)):
+        got = judge.observe(ras.parse_json((H100 / f"{job}_hung_{i}.json").read_text()), now=t)
+        text = text_judge.observe(ras.parse_text((H100 / f"{job}_hung_{i}.txt").read_text()), now=t)
+    (v,) = got
+    assert v.kind == "hang" and [(c.rank.comm_rank, c.rank.pid, c.op, c.count) for c in v.culprits] == [
+        (1, pid, "AllReduce", 600)]
+    assert [c.rank.pid for c in text[0].culprits] == [pid]
+
+
+@pytest.mark.parametrize("job", ["A", "B", "C", "D"])
+def test_real_replies_of_running_jobs_are_no_verdict_however_soon(job: str) -> None:
+    """Replies recorded while the jobs ran (before the fault; C throughout): counts taken a moment apart
+    differ or move, and no threshold, however short, turns that into a hang."""
+    replies = sorted(H100.glob(f"{job}_healthy_*.json"))
+    assert len(replies) >= 2
+    judge = HangJudge(threshold_s=0)
+    for i, path in enumerate(replies):
+        status = ras.parse_json(path.read_text())
+        assert status.nccl_version == "2.28.9" and status.communicators
+        assert judge.observe(status, now=10.0 * i) == []
