@@ -147,9 +147,12 @@ class Coordinator:
         self._tasks: set[asyncio.Task[Any]] = set()
         self._tick_task: asyncio.Task[None] | None = None
         self.investigating: set[str] = set()
-        # job → (the node whose agent reported it hung from NCCL RAS, when it last did: monotonic)
-        self.reported_hangs: dict[str, tuple[str, float]] = {}
+        # job → (the node whose agent reported it hung from NCCL RAS, since when (monotonic) that node's
+        # current findings no longer say so; None while they do)
+        self.reported_hangs: dict[str, tuple[str, float | None]] = {}
         self.reported_hang_grace_s = REPORTED_HANG_GRACE_S
+        # node → job → rank → the straggler finding its agent's periodic dumps gave (zero-code jobs)
+        self.reported_stragglers: dict[str, dict[str, dict[int, Finding]]] = {}
         self._pending: dict[Session, int] = {}
         self._pending_records = 0
         self._flush_handle: asyncio.TimerHandle | None = None
@@ -313,6 +316,7 @@ class Coordinator:
                 view = self.nodes.setdefault(session.node, NodeView(session.node))
                 view.findings, view.findings_at = findings, rec.findings.at or now
                 self._reported_hangs(session.node, findings)
+                self._reported_stragglers(session.node, findings)
             elif kind == "screens":
                 screens = self._own_screens(session.node, screens_from_pb(rec.screens, session.node, now), now)
                 self._begin_group()
@@ -646,7 +650,7 @@ class Coordinator:
                     and job.job_id not in self.investigating:
                 del self.jobs.jobs[job.job_id]  # memory stays bounded; the store keeps its history
                 continue
-            if job.detector is not None:
+            if job.detector is not None or job.discovered_only:
                 self._update_stragglers(job)
             check = job.hang_check(mono, self.settings.hang_k, self.settings.hang_floor_s)
             if check is not None and job.job_id not in self.investigating:
@@ -669,9 +673,15 @@ class Coordinator:
             if f.code == "rank.stuck" and f.severity is Severity.CRITICAL and isinstance(job_id, str) and job_id:
                 reported.setdefault(job_id, f)
         mono = self.mono()
+        for job_id, (reporter, missing_since) in list(self.reported_hangs.items()):
+            if reporter != node:
+                continue
+            if job_id in reported:
+                self.reported_hangs[job_id] = (reporter, None)  # still reported: the same episode
+            elif missing_since is None:
+                self.reported_hangs[job_id] = (reporter, mono)
         for job_id, f in reported.items():
             if job_id in self.reported_hangs:
-                self.reported_hangs[job_id] = (self.reported_hangs[job_id][0], mono)  # still reported: same episode
                 continue
             job = self.jobs.jobs.get(job_id)
             if job is None or job.hang_open or job_id in self.investigating:
@@ -685,33 +695,55 @@ class Coordinator:
             job.hangs += 1
             self.counters.hangs += 1
             self.investigating.add(job_id)
-            self.reported_hangs[job_id] = (node, mono)
+            self.reported_hangs[job_id] = (node, None)
             origin: dict[str, Any] = {"node": node, "source": str(f.evidence.get("source") or f.source)[:200],
                                       "message": f.message[:1000], "rank": rank}
             log.warning("job %s: node %s reports it hung (%s): collecting evidence", job_id, node, f.message[:300])
             self._spawn(self._investigate_hang(job, check, reported_by=origin, suspects=[] if rank is None else [rank]),
                         f"hang-{job_id}")
 
+    def _reported_stragglers(self, node: str, findings: list[Finding]) -> None:
+        """Stragglers an agent found in a discovered job's periodic flight-recorder dumps (``rank.straggler``
+        tagged with the job): that node's current word on the job, kept until its findings change."""
+        found: dict[str, dict[int, Finding]] = {}
+        for f in findings:
+            job_id, rank = f.evidence.get("job_id"), f.evidence.get("rank")
+            if (f.code.startswith("rank.straggler") and isinstance(job_id, str) and job_id
+                    and isinstance(rank, int) and not isinstance(rank, bool) and 0 <= rank < MAX_REPORTED_RANK):
+                found.setdefault(job_id, {})[rank] = f
+        if found:
+            self.reported_stragglers[node] = found
+        else:
+            self.reported_stragglers.pop(node, None)
+
     def _end_reported_hangs(self, mono: float) -> None:
-        """A reported hang ends once its node has not reported it for ``reported_hang_grace_s``: one update
-        without it (a poll that missed the process while it was being dumped) is not the rank moving on."""
-        for job_id, (_node, seen) in list(self.reported_hangs.items()):
-            if mono - seen > self.reported_hang_grace_s and job_id not in self.investigating:
+        """A reported hang ends once its node's findings have gone without it for ``reported_hang_grace_s``:
+        one update without it (a poll that missed the process while it was dumped) is not the rank moving on."""
+        for job_id, (_node, missing_since) in list(self.reported_hangs.items()):
+            if missing_since is not None and mono - missing_since > self.reported_hang_grace_s \
+                    and job_id not in self.investigating:
                 del self.reported_hangs[job_id]
                 job = self.jobs.jobs.get(job_id)
                 if job is not None:
                     job.hang_open = False
 
     def _update_stragglers(self, job: JobState) -> None:
-        assert job.detector is not None
+        """Stragglers from the job's steps (the detector), or, for a job found only by discovery, from what
+        its agents' periodic dumps said (``_reported_stragglers``); a verdict per new straggler either way."""
         if job.episodes_stored is None:
             # First look at this job since (re)start: episodes it had open were announced already, so
             # they continue (same onset, no second verdict) until the detector sees clear recovery.
             restored = self.store.straggler_episodes(job.job_id)
-            job.detector.resume(restored.values())
+            if job.detector is not None:
+                job.detector.resume(restored.values())
             job.stragglers = {**restored, **job.stragglers}
             job.episodes_stored = set(restored)
-        current = {int(f.evidence.get("rank", f.entity.id)): f for f in job.detector.evaluate()}
+        if job.discovered_only:
+            current = {rank: f for by_job in self.reported_stragglers.values()
+                       for rank, f in by_job.get(job.job_id, {}).items()}
+        else:
+            assert job.detector is not None
+            current = {int(f.evidence.get("rank", f.entity.id)): f for f in job.detector.evaluate()}
         for rank, finding in current.items():
             if rank not in job.stragglers:
                 doc = self.straggler_verdict(job, rank, finding)
@@ -722,7 +754,7 @@ class Coordinator:
                 self.store.set_straggler_episodes(job.job_id, current, self.clock())
             job.episodes_stored = set(current)
         job.stragglers = current
-        slowdown = job.detector.slowdown()
+        slowdown = job.detector.slowdown() if job.detector is not None and not job.discovered_only else None
         if slowdown is not None and job.slowdown is None:
             log.warning("job %s: %s", job.job_id, slowdown.message)
         job.slowdown = slowdown
@@ -912,7 +944,8 @@ class Coordinator:
 # ``diag``; a test keeps the two equal) and the one parameter a request passes on, in the form the
 # agent accepts (``cpu``, ``cuda``, ``cuda:N[,cuda:M]``).
 KNOWN_DIAGNOSTICS = ("sdc", "busbw", "bandwidth")
-REPORTED_HANG_GRACE_S = 60.0  # a node's hang report ends this long after the node last made it
+REPORTED_HANG_GRACE_S = 60.0  # a node's hang report ends this long after its findings stopped saying so
+MAX_REPORTED_RANK = 1 << 20  # a straggler rank an agent reports beyond this is not a rank
 MAX_DIGESTS_PER_RECORD = 4096  # a node's GPUs × golden keys; a record over it is refused in one line
 _DEVICE = re.compile(r"cpu|cuda(:\d{1,4}(,cuda:\d{1,4}){0,63})?")
 

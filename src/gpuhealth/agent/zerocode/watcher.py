@@ -21,6 +21,7 @@ RAS queries and dumps run on this extension's own threads.
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import logging
 import os
 import shutil
@@ -336,7 +337,7 @@ class ZeroCodeWatcher:
             with self._lock:
                 st.evidence_running = False
                 if periodic:
-                    st.periodic_findings = _straggler_findings(ev)
+                    st.periodic_findings = _straggler_findings(ev, job.job_id)
                     shutil.rmtree(folder, ignore_errors=True)  # only the verdict is kept
                 else:
                     st.evidence = ev
@@ -527,8 +528,9 @@ def _diverged_finding(job: DiscoveredJob, v: HangVerdict) -> Finding:
                                       "polls": v.polls, "source": "NCCL RAS"}, SOURCE)
 
 
-def _straggler_findings(ev: Evidence) -> list[Finding]:
-    """The straggler findings of a periodic dump's triage (the detector's own codes and words)."""
+def _straggler_findings(ev: Evidence, job_id: str) -> list[Finding]:
+    """The straggler findings of a periodic dump's triage (the detector's own codes and words), tagged with
+    the job: the coordinator keeps them as the job's stragglers (a discovered job sends no steps)."""
     out: list[Finding] = []
     if (ev.report or {}).get("verdict") != "straggler":
         return out  # live dumps are taken a moment apart: any other verdict is about that, not the job
@@ -538,7 +540,8 @@ def _straggler_findings(ev: Evidence) -> list[Finding]:
         except (KeyError, ValueError, TypeError):
             continue
         if finding.code.startswith("rank.straggler") or finding.code == "job.slowdown":
-            out.append(finding)
+            out.append(dataclasses.replace(finding, evidence={**finding.evidence, "job_id": job_id,
+                                                              "source": "periodic flight-recorder dumps"}))
     return out
 
 
