@@ -146,11 +146,26 @@ class CoordinatorConfig:
 
 
 @dataclass(slots=True)
+class ZeroCodeConfig:
+    # Zero-code reach (docs/zero-code.md): unmodified PyTorch/NCCL jobs found from NVML and /proc, judged
+    # through NCCL's RAS service. The agent's ``agent/zerocode/watcher.ZeroCodeSettings`` takes these names.
+    enabled: bool = True
+    poll_interval_s: float = 5.0  # discovery and one RAS query per job this often
+    hang_threshold_s: float = 30.0  # a rank behind the others this long (over >= 2 polls): a hang
+    dump_on_hang: bool = True  # on a hang, every local rank's flight-recorder dump through its FIFO
+    periodic_dump_s: float = 300.0  # jobs launched with the pipe variables: dumped this often for stragglers; 0 never
+    stacks: bool = True  # py-spy stacks with a hang's evidence
+    stacks_native: bool = False  # ... with native frames (slower)
+    keep_evidence: int = 16  # evidence folders kept on the node (oldest removed first)
+
+
+@dataclass(slots=True)
 class Config:
     collectors: CollectorsConfig = field(default_factory=CollectorsConfig)
     agent: AgentConfig = field(default_factory=AgentConfig)
     diag: DiagConfig = field(default_factory=DiagConfig)
     coordinator: CoordinatorConfig = field(default_factory=CoordinatorConfig)
+    zerocode: ZeroCodeConfig = field(default_factory=ZeroCodeConfig)
 
     @property
     def node_name(self) -> str:
@@ -191,6 +206,10 @@ _RANGES: dict[str, tuple[float, float]] = {
     "coordinator.screen_concurrency": (0.0, 1.0),
     "coordinator.screen_turn_s": (0.0, 7 * 86_400.0),
     "coordinator.screen_history": (1, 100_000),
+    "zerocode.poll_interval_s": (0.0, 3_600.0),
+    "zerocode.hang_threshold_s": (0.0, 86_400.0),
+    "zerocode.periodic_dump_s": (0.0, 7 * 86_400.0),
+    "zerocode.keep_evidence": (0, 100_000),
 }
 # Keys whose low end is excluded: an interval, timeout or factor of zero would spin or never fire.
 _ABOVE = frozenset({
@@ -199,7 +218,7 @@ _ABOVE = frozenset({
     "coordinator.tick_s", "coordinator.heartbeat_interval_s", "coordinator.step_retention_hours",
     "coordinator.straggler_budget_records_s", "coordinator.link_batch_interval_s", "coordinator.spool_commit_s",
     "coordinator.forget_job_after_s", "coordinator.screen_window_s", "coordinator.screen_concurrency",
-    "coordinator.screen_turn_s",
+    "coordinator.screen_turn_s", "zerocode.poll_interval_s", "zerocode.hang_threshold_s",
 })
 _MAX_TEXT = 4_096  # a path, an address, a name: never a document
 _MAX_LIST = 1_024

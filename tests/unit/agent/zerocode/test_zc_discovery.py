@@ -153,3 +153,22 @@ def test_gpu_processes_from_nvml_and_from_device_holders_when_nvml_gives_no_pid(
     assert GpuProcess(1, "GPU-b", 4321, None) in found
     assert GpuProcess(0, "GPU-a", holder.pid, None) in found  # found holding the "GPU" device (minor 3)
     assert all(p.pid != os.getpid() for p in device_holders({3: gpus[0]}, major=1))  # never the agent itself
+
+
+def test_the_zerocode_section_of_the_config_sets_the_watcher(tmp_path: Path) -> None:
+    """Operators tune zero-code like every other part: a ``zerocode:`` section or GPUHEALTH_ZEROCODE_* variables
+    (the periodic dump interval was fixed at 300 s before)."""
+    from gpuhealth.agent.extensions import default_extensions
+    from gpuhealth.agent.zerocode.watcher import ZeroCodeWatcher, settings_from
+    from gpuhealth.config import ConfigError, load_config
+
+    cfg = load_config(env={"GPUHEALTH_ZEROCODE_PERIODIC_DUMP_S": "60", "GPUHEALTH_ZEROCODE_HANG_THRESHOLD_S": "45",
+                           "GPUHEALTH_AGENT_SOCKET_PATH": str(tmp_path / "agent.sock")})
+    got = settings_from(cfg)
+    assert (got.periodic_dump_s, got.hang_threshold_s, got.poll_interval_s) == (60.0, 45.0, 5.0)
+    assert got.evidence_dir == str(tmp_path / "zerocode")  # beside the rank socket
+    (tmp_path / "z.yaml").write_text("zerocode:\n  enabled: false\n")
+    off = load_config(tmp_path / "z.yaml", env={"GPUHEALTH_AGENT_SOCKET_PATH": ""})
+    assert not any(isinstance(e, ZeroCodeWatcher) for e in default_extensions(off))
+    with pytest.raises(ConfigError, match=r"zerocode\.hang_threshold_s"):
+        load_config(env={"GPUHEALTH_ZEROCODE_HANG_THRESHOLD_S": "0"})
