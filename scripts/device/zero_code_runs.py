@@ -321,6 +321,20 @@ def phase_straggler(work: Path, rec: Path, cpu: bool) -> None:
         rep = report or {}
         SUMMARY["straggler_triage"] = {"verdict": rep.get("verdict"), "summary": rep.get("summary"), "error": err}
         log(f"C triage: {SUMMARY['straggler_triage']}")
+        # the agent's own periodic dumps (GPUHEALTH_ZEROCODE_PERIODIC_DUMP_S) → its straggler finding → the
+        # coordinator's straggler verdict for the job
+        until = time.time() + 25
+        while time.time() < until:
+            got = [v for v in coordinator_verdicts(work) if v["kind"] == "straggler" and v["job_id"].endswith(":29540")]
+            if got:
+                SUMMARY["coordinator_straggler"] = {"after_ready_s": round(got[0]["created_at"] - marks["ready"], 1),
+                                                    "summary": got[0].get("summary"),
+                                                    "culprits": got[0].get("culprits")}
+                log(f"C at the coordinator: {SUMMARY['coordinator_straggler']}")
+                break
+            time.sleep(1.0)
+        else:
+            log("C: no straggler verdict at the coordinator")
     finally:
         job.stop()
         shutil.copy(job.log_path, rec / "jobs")
@@ -367,6 +381,7 @@ def main() -> int:
          "127.0.0.1:9501", "--db", str(work / "coordinator.db"), "--evidence-dir", str(work / "coordinator_evidence")],
         env=env, stdout=coord_log, stderr=subprocess.STDOUT, start_new_session=True)
     env["GPUHEALTH_AGENT_COORDINATOR"] = "127.0.0.1:9500"
+    env["GPUHEALTH_ZEROCODE_PERIODIC_DUMP_S"] = "5"  # the agent's own straggler dumps, often enough to see here
     agent_log = open(work / "agent.log", "w")  # noqa: SIM115
     agent_cmd = [sys.executable, "-m", "gpuhealth.cli.main", "agent", "--listen", "127.0.0.1:9400"]
     if args.cpu:
@@ -415,6 +430,8 @@ def main() -> int:
         text = (work / "agent.log").read_text(errors="replace")
         (out / "agent.log").write_text(text[-2_000_000:])
         log(f"summary: {json.dumps({k: SUMMARY.get(k) for k in ('straggler_step_ms', 'straggler_triage')})}")
+        for v in coordinator_verdicts(work):
+            log(f"coordinator verdict: {v['job_id']} {v['kind']}: {str(v.get('summary'))[:200]}")
         for name, r in (SUMMARY.get("hangs") or {}).items():
             log(f"job {name}: named_after_s={r.get('named_after_s')} evidence_after_s={r.get('evidence_after_s')} "
                 f"coordinator_after_s={r.get('coordinator_after_s')}")
