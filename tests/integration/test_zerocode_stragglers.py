@@ -109,6 +109,11 @@ def test_a_straggler_in_periodic_dumps_becomes_the_jobs_straggler_at_the_coordin
         try:
             first = await asyncio.to_thread(watcher.poll_once, 100.0)
             (job_id,) = [j.job_id for j in first.discovery.jobs()]
+            # not dumped on discovery: a job's first collectives are warm-up, read as a straggler
+            await asyncio.to_thread(watcher.poll_once, 100.3)
+            await asyncio.sleep(1.0)
+            dumps = {s.labels: s.value for s in watcher.samples() if s.name == "agent_fr_dumps"}
+            assert dumps[(("result", "ok"),)] == 0, dumps
 
             async def straggler() -> list[Any]:
                 poll = await asyncio.to_thread(watcher.poll_once, time.monotonic() + 1000.0)

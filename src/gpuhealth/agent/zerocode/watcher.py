@@ -231,7 +231,10 @@ class ZeroCodeWatcher:
         verdicts: dict[str, HangVerdict] = {}
         with self._lock:
             for job in jobs:
-                st = self._jobs.setdefault(job.job_id, JobState(HangJudge(self.settings.hang_threshold_s)))
+                # the first periodic dump one interval after the job is found: its first collectives are
+                # warm-up (a rank timing its loop while the others wait) and would read as a straggler
+                st = self._jobs.setdefault(job.job_id, JobState(HangJudge(self.settings.hang_threshold_s),
+                                                                last_periodic=now))
                 status = statuses.get(job.job_id)
                 if isinstance(status, ras.RasStatus):
                     st.ras_seen, st.ras_error = True, None
