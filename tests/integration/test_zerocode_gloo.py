@@ -20,18 +20,13 @@ from typing import Any
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit" / "agent" / "zerocode"))
+from zc_coordinator import coordinator_and_link, until
 from zc_fakes import Comm, FakeRas, Rank, json_reply
 
-from gpuhealth.agent.coordinator_link import CoordinatorLink, LinkSettings
 from gpuhealth.agent.view import GpuProcess
 from gpuhealth.agent.zerocode.environ import launch_variables
 from gpuhealth.agent.zerocode.ranksource import CombinedRanks
 from gpuhealth.agent.zerocode.watcher import ZeroCodeSettings, ZeroCodeWatcher
-from gpuhealth.config import CoordinatorConfig
-from gpuhealth.coordinator.security import AuthPolicy
-from gpuhealth.coordinator.server import CoordinatorServer
-from gpuhealth.coordinator.service import Coordinator
-from gpuhealth.coordinator.store import Store
 from gpuhealth.model import RankIdentity, Severity
 
 pytestmark = pytest.mark.integration
@@ -179,25 +174,7 @@ def test_a_hang_the_agent_judged_reaches_the_coordinator_with_every_dump_stacks_
                                                dump_timeout_s=20), processes=lambda: gpus)
 
     async def main() -> None:
-        coord = Coordinator(Store(tmp_path / "c.db"), CoordinatorConfig(evidence_dir=str(tmp_path / "ev"),
-                                                                        evidence_timeout_s=40))
-        server = CoordinatorServer(coord, listen="127.0.0.1:0", metrics_listen=None, policy=AuthPolicy())
-        endpoints = await server.start()
-        link = CoordinatorLink(LinkSettings(address=f"127.0.0.1:{endpoints.grpc_port}",
-                                            spool_path=str(tmp_path / "spool.db"), work_dir=str(tmp_path / "w")),
-                               rank_hub=CombinedRanks(None, watcher))
-        link.start(None)
-
-        async def until(what: Any, timeout_s: float = 60.0) -> Any:
-            deadline = time.monotonic() + timeout_s
-            while time.monotonic() < deadline:
-                got = what()
-                if got:
-                    return got
-                await asyncio.sleep(0.1)
-            raise AssertionError(f"timed out waiting for {what}")
-
-        try:
+        async with coordinator_and_link(tmp_path, watcher) as (coord, link):
             first = await asyncio.to_thread(watcher.poll_once, 100.0)
             job_id = first.discovery.jobs()[0].job_id
             await until(lambda: len(getattr(coord.jobs.jobs.get(job_id), "placements", {})) == 2)
@@ -229,9 +206,6 @@ def test_a_hang_the_agent_judged_reaches_the_coordinator_with_every_dump_stacks_
             await until(lambda: not job.hang_open, timeout_s=20)
             # a job found by discovery sends no steps: the coordinator's own step check never calls it hung
             assert job.discovered_only and job.hang_check(time.monotonic() + 3600, 10, 60) is None
-        finally:
-            link.stop()
-            await server.stop(0)
 
     try:
         asyncio.run(main())

@@ -21,17 +21,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from zc_coordinator import coordinator_and_link, until
 
-from gpuhealth.agent.coordinator_link import CoordinatorLink, LinkSettings
 from gpuhealth.agent.view import GpuProcess
 from gpuhealth.agent.zerocode.environ import launch_variables
-from gpuhealth.agent.zerocode.ranksource import CombinedRanks
 from gpuhealth.agent.zerocode.watcher import ZeroCodeSettings, ZeroCodeWatcher
-from gpuhealth.config import CoordinatorConfig
-from gpuhealth.coordinator.security import AuthPolicy
-from gpuhealth.coordinator.server import CoordinatorServer
-from gpuhealth.coordinator.service import Coordinator
-from gpuhealth.coordinator.store import Store
 
 pytestmark = pytest.mark.integration
 LIVE = Path(__file__).resolve().parents[1] / "fixtures" / "zerocode" / "h100x2_nccl2.28.9" / "live_dumps_straggler_1.3"
@@ -89,24 +83,7 @@ def test_a_straggler_in_periodic_dumps_becomes_the_jobs_straggler_at_the_coordin
                                                evidence_dir=str(tmp_path / "evidence")), processes=lambda: gpus)
 
     async def main() -> None:
-        coord = Coordinator(Store(tmp_path / "c.db"), CoordinatorConfig(evidence_dir=str(tmp_path / "ev")))
-        server = CoordinatorServer(coord, listen="127.0.0.1:0", metrics_listen=None, policy=AuthPolicy())
-        endpoints = await server.start()
-        link = CoordinatorLink(LinkSettings(address=f"127.0.0.1:{endpoints.grpc_port}",
-                                            spool_path=str(tmp_path / "spool.db"), pyspy=False),
-                               rank_hub=CombinedRanks(None, watcher))
-        link.start(None)
-
-        async def until(what: Any, timeout_s: float = 90.0) -> Any:
-            deadline = time.monotonic() + timeout_s
-            while time.monotonic() < deadline:
-                got = what()
-                if got:
-                    return got
-                await asyncio.sleep(0.2)
-            raise AssertionError(f"timed out waiting for {what}")
-
-        try:
+        async with coordinator_and_link(tmp_path, watcher, pyspy=False) as (coord, link):
             first = await asyncio.to_thread(watcher.poll_once, 100.0)
             (job_id,) = [j.job_id for j in first.discovery.jobs()]
             # not dumped on discovery: a job's first collectives are warm-up, read as a straggler
@@ -115,21 +92,21 @@ def test_a_straggler_in_periodic_dumps_becomes_the_jobs_straggler_at_the_coordin
             dumps = {s.labels: s.value for s in watcher.samples() if s.name == "agent_fr_dumps"}
             assert dumps[(("result", "ok"),)] == 0, dumps
 
-            async def straggler() -> list[Any]:
+            async def stragglers() -> list[Any]:
                 poll = await asyncio.to_thread(watcher.poll_once, time.monotonic() + 1000.0)
                 return [f for f in poll.findings if f.code.startswith("rank.straggler")]
 
             found: list[Any] = []
             deadline = time.monotonic() + 90
             while not found and time.monotonic() < deadline:
-                found = await straggler()
+                found = await stragglers()
                 await asyncio.sleep(0.3)
             (f,) = found
             assert f.evidence["rank"] == 1 and f.evidence["job_id"] == job_id
             assert f.evidence["source"] == "periodic flight-recorder dumps"
             assert 1.2 <= f.evidence["ratio_to_median"] <= 1.4, f.evidence
             link.stream.on_findings(found)
-            (doc,) = await until(lambda: coord.store.verdicts(job_id))
+            (doc,) = await until(lambda: coord.store.verdicts(job_id), timeout_s=90)
             assert doc["kind"] == "straggler" and doc["culprits"] == [1], doc["summary"]
             (culprit,) = doc["culprit_details"]
             assert (culprit["rank"], culprit["pid"], culprit["gpu_index"]) == (1, ranks[1], 1)
@@ -141,9 +118,6 @@ def test_a_straggler_in_periodic_dumps_becomes_the_jobs_straggler_at_the_coordin
             assert len(coord.store.verdicts(job_id)) == 1
             link.stream.on_findings([])
             await until(lambda: not coord.jobs.jobs[job_id].stragglers, timeout_s=20)
-        finally:
-            link.stop()
-            await server.stop(0)
 
     try:
         asyncio.run(main())
