@@ -58,12 +58,31 @@ class TorchrunJob:
         return {int(r): int(p) for r, p in re.findall(r"rank (\d+)/2 pid (\d+) ready", self.log.read_text())}
 
     def stop(self) -> None:
+        # torchrun starts its workers in sessions of their own: killing its group alone left them running
+        # (and spinning a CPU each) for the rest of the test session
+        workers = [int(p) for p in re.findall(r"rank \d+/2 pid (\d+) ready", self.log.read_text())]
+        for pid in workers:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
         try:
             os.killpg(self.proc.pid, signal.SIGKILL)  # the job's own process group
         except ProcessLookupError:
             pass
         self.proc.wait(10)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and any(_running(pid) for pid in workers):
+            time.sleep(0.05)
         self.fh.close()
+
+
+def _running(pid: int) -> bool:
+    """Alive, not a zombie waiting for a parent (init in a container may never reap it)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
 
 
 @pytest.fixture
