@@ -686,6 +686,8 @@ class Coordinator:
             job = self.jobs.jobs.get(job_id)
             if job is None or job.hang_open or job_id in self.investigating:
                 continue  # unknown here (no identity yet: the next report tries again), or already handled
+            if not any(p.node == node for p in job.placements.values()):
+                continue  # critical only where the stuck rank runs: a node without ranks of the job cannot open it
             stalled = _number(f.evidence.get("stalled_s"))
             threshold = _number(f.evidence.get("threshold_s")) or stalled
             raw_rank = f.evidence.get("rank")
