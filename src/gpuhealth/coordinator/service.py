@@ -199,6 +199,17 @@ class Coordinator:
                 rec = pb.AgentMessage.FromString(raw).record
                 cols = steps_from_pb(rec.steps)
                 self.jobs.get(cols.job_id, mono).add_steps(cols, mono)
+        # What each node said last about zero-code jobs holds until it says otherwise (findings are sent only
+        # when they change): a hang it reported is the episode already investigated, not a new one, and the
+        # stragglers its periodic dumps found stay the job's.
+        for node, view in self.nodes.items():
+            self._reported_stragglers(node, view.findings)
+            for f in view.findings:
+                stuck_id = f.evidence.get("job_id")
+                stuck = self.jobs.jobs.get(stuck_id) if isinstance(stuck_id, str) else None
+                if f.code == "rank.stuck" and f.severity is Severity.CRITICAL and stuck is not None:
+                    stuck.hang_open = True
+                    self.reported_hangs[stuck.job_id] = (node, None)
 
     async def start(self) -> None:
         self._tick_task = asyncio.create_task(self._tick_loop(), name="coordinator-tick")
