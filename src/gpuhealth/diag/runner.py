@@ -185,18 +185,24 @@ class GpuLocks:
                 fh.close()
 
 
-def user_processes(backend: NvmlBackend, index: int) -> list[int] | None:
-    """PIDs computing on the GPU (None when NVML cannot say)."""
+def gpu_pids(backend: NvmlBackend, index: int) -> list[int] | None:
+    """Compute-process PIDs NVML lists on the GPU (None when NVML cannot say)."""
     try:
         procs = backend.query(index, "ComputeRunningProcesses")
     except NvmlError:
         return None
-    pids = []
-    for p in procs or []:
+    out = []
+    for p in procs if isinstance(procs, list) else []:
         pid = p.get("pid") if isinstance(p, Mapping) else getattr(p, "pid", None)
-        if pid is not None:
-            pids.append(int(pid))
-    return [p for p in pids if p != os.getpid()]
+        if isinstance(pid, int) and not isinstance(pid, bool) and pid > 0:
+            out.append(pid)
+    return out
+
+
+def user_processes(backend: NvmlBackend, index: int) -> list[int] | None:
+    """PIDs computing on the GPU other than this process (None when NVML cannot say)."""
+    pids = gpu_pids(backend, index)
+    return None if pids is None else [p for p in pids if p != os.getpid()]
 
 
 class DiagRunner:

@@ -34,8 +34,8 @@ from pathlib import Path
 from typing import Any
 
 from gpuhealth.backends.base import NvmlBackend
-from gpuhealth.backends.errors import NvmlError
 from gpuhealth.collectors.base import GpuIdentity
+from gpuhealth.diag.runner import gpu_pids
 from gpuhealth.model import EntityKind, Finding, Severity
 
 POLL_S = 0.1  # how often a running screen looks at the block directory and the GPUs' processes
@@ -139,20 +139,6 @@ def _process_group(pid: int) -> int | None:
         return os.getpgid(pid)
     except (ProcessLookupError, PermissionError, OSError):
         return None
-
-
-def gpu_pids(backend: NvmlBackend, index: int) -> list[int] | None:
-    """Compute-process PIDs NVML lists on the GPU (None when NVML cannot say)."""
-    try:
-        procs = backend.query(index, "ComputeRunningProcesses")
-    except NvmlError:
-        return None
-    out = []
-    for p in procs if isinstance(procs, list) else []:
-        pid = p.get("pid") if isinstance(p, Mapping) else getattr(p, "pid", None)
-        if isinstance(pid, int) and not isinstance(pid, bool) and pid > 0:
-            out.append(pid)
-    return out
 
 
 @dataclass(slots=True)
