@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 import yaml
+from slurm_standin import install_scontrol
 
 pytestmark = pytest.mark.integration
 
@@ -22,32 +23,11 @@ SLURM = REPO / "deploy" / "slurm"
 BIN = Path(sys.executable).parent
 NODE = "gpu-node-01"
 
-SCONTROL = """#!{python}
-import json, os, sys
-path = os.environ["STUB_STATE"]
-state = json.load(open(path))
-args = sys.argv[1:]
-with open(os.environ["STUB_LOG"], "a") as log:
-    log.write(json.dumps(args) + "\\n")
-if args[:2] == ["show", "node"]:
-    print(f"NodeName={{args[2]}} Arch=x86_64\\n   State={{state['state']}} ThreadsPerCore=2")
-    if state.get("reason"):
-        print(f"   Reason={{state['reason']}} [root@2026-11-26T01:00:00]")
-elif args[0] == "update":
-    kv = dict(a.split("=", 1) for a in args[1:])
-    base = state["state"].split("+")[0]
-    state = {{"state": base + "+DRAIN", "reason": kv["reason"]}} if kv["state"] == "drain" else {{"state": base}}
-    json.dump(state, open(path, "w"))
-"""
 
 
 @pytest.fixture
 def env(tmp_path: Path) -> dict[str, str]:
-    stub_dir = tmp_path / "bin"
-    stub_dir.mkdir()
-    (stub_dir / "scontrol").write_text(SCONTROL.format(python=sys.executable))
-    (stub_dir / "scontrol").chmod(0o755)
-    (tmp_path / "state.json").write_text(json.dumps({"state": "IDLE"}))
+    stub_dir, _state = install_scontrol(tmp_path)
     faulty = tmp_path / "xid79.yaml"
     faulty.write_text(yaml.safe_dump({"recording": "nvml_h200x2.json",
                                       "events": [{"at": 0, "type": "xid", "gpu": 1, "xid": 79}]}))

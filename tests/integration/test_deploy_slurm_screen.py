@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from slurm_standin import install_scontrol
 
 from gpuhealth.agent.daemon import Agent
 from gpuhealth.agent.extensions import _PeriodicDiagnostics
@@ -30,21 +31,6 @@ SLURM = REPO / "deploy" / "slurm"
 BIN = Path(sys.executable).parent
 NODE = "gpu-node-01"
 
-SCONTROL = """#!{python}
-import json, os, sys
-path = os.environ["STUB_STATE"]
-state = json.load(open(path))
-args = sys.argv[1:]
-if args[:2] == ["show", "node"]:
-    print(f"NodeName={{args[2]}} Arch=x86_64\\n   State={{state['state']}} ThreadsPerCore=2")
-    if state.get("reason"):
-        print(f"   Reason={{state['reason']}} [root@2026-11-26T01:00:00]")
-elif args[0] == "update":
-    kv = dict(a.split("=", 1) for a in args[1:])
-    base = state["state"].split("+")[0]
-    state = {{"state": base + "+DRAIN", "reason": kv["reason"]}} if kv["state"] == "drain" else {{"state": base}}
-    json.dump(state, open(path, "w"))
-"""
 
 # ``python -m gpuhealth.diag quick --world N`` stand-in: one "rank" of its own, a marker when it runs,
 # STANDIN_SECONDS of work, then quick's document (an SDC mismatch on GPU 1 when CORRUPT is set).
@@ -79,11 +65,7 @@ class RealLookingNvml(FakeNvml):
 
 @pytest.fixture
 def node(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, Any]]:
-    stub_dir = tmp_path / "bin"
-    stub_dir.mkdir()
-    (stub_dir / "scontrol").write_text(SCONTROL.format(python=sys.executable))
-    (stub_dir / "scontrol").chmod(0o755)
-    (tmp_path / "state.json").write_text(json.dumps({"state": "IDLE"}))
+    stub_dir, _state = install_scontrol(tmp_path)
     standin_dir = tmp_path / "standin"
     standin_dir.mkdir()
     backend = RealLookingNvml.bundled()
