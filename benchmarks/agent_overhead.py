@@ -33,8 +33,7 @@ from pathlib import Path
 from typing import Any
 
 import psutil
-
-SCENARIO = "recording: nvml_h200x2.json\ngpu_count: 8\n"
+from eight_gpu_agent import SCENARIO, warm_snapshot
 
 
 def _free_port() -> int:
@@ -123,28 +122,9 @@ def measure_process(seconds: float, warmup: float, dcgm_compat: bool, live: bool
 
 
 def measure_render(repeat: int = 200) -> list[dict[str, Any]]:
-    from gpuhealth.agent.daemon import Agent
-    from gpuhealth.backends.nvml_fake import FakeNvml
-    from gpuhealth.config import Config
     from gpuhealth.exporters.prometheus import MetricsEndpoint
-    from gpuhealth.runtime.sdnotify import SystemdNotifier
 
-    work = Path(tempfile.mkdtemp(prefix="gpuhealth-bench-"))
-    (work / "eight.yaml").write_text(SCENARIO)
-    cfg = Config()
-    cfg.agent.pod_resources_socket = str(work / "none.sock")
-    cfg.collectors.fast_interval_s, cfg.collectors.slow_interval_s = 0.2, 0.4
-    agent = Agent(cfg, FakeNvml.from_file(work / "eight.yaml"), serve_http=False, extensions=[],
-                  notifier=SystemdNotifier(env={}))
-    agent.start()
-    try:
-        deadline = time.monotonic() + 30
-        while not agent.ready and time.monotonic() < deadline:
-            time.sleep(0.05)
-        time.sleep(1.0)  # a second pass of every collector: rates and history filled in
-        snap = agent.snapshot()
-    finally:
-        agent.stop()
+    snap = warm_snapshot()
     rows = []
     for compat in (False, True):
         for fmt, accept in (("text 0.0.4", None), ("OpenMetrics", "application/openmetrics-text;version=1.0.0")):

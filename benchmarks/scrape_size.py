@@ -14,43 +14,16 @@ import argparse
 import gzip
 import json
 import platform
-import tempfile
-import time
-from pathlib import Path
 from typing import Any
 
-SCENARIO = "recording: nvml_h200x2.json\ngpu_count: 8\n"
-
-
-def snapshot() -> Any:
-    from gpuhealth.agent.daemon import Agent
-    from gpuhealth.backends.nvml_fake import FakeNvml
-    from gpuhealth.config import Config
-    from gpuhealth.runtime.sdnotify import SystemdNotifier
-
-    work = Path(tempfile.mkdtemp(prefix="gpuhealth-scrape-"))
-    (work / "eight.yaml").write_text(SCENARIO)
-    cfg = Config()
-    cfg.agent.pod_resources_socket = str(work / "none.sock")
-    cfg.collectors.fast_interval_s, cfg.collectors.slow_interval_s = 0.2, 0.4
-    agent = Agent(cfg, FakeNvml.from_file(work / "eight.yaml"), serve_http=False, extensions=[],
-                  notifier=SystemdNotifier(env={}))
-    agent.start()
-    try:
-        deadline = time.monotonic() + 30
-        while not agent.ready and time.monotonic() < deadline:
-            time.sleep(0.05)
-        time.sleep(1.0)  # a second pass of every collector
-        return agent.snapshot()
-    finally:
-        agent.stop()
+from eight_gpu_agent import warm_snapshot
 
 
 def measure() -> list[dict[str, Any]]:
     from gpuhealth.agent.http import GZIP_LEVEL
     from gpuhealth.exporters.prometheus import MetricsEndpoint
 
-    snap = snapshot()
+    snap = warm_snapshot()
     rows = []
     for per_link in (True, False):
         for compat in (False, True):
