@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from procs import running
 from slurm_standin import install_scontrol
 
 from gpuhealth.agent.daemon import Agent
@@ -141,14 +142,6 @@ def _until(cond: Any, what: str, timeout: float = 30.0) -> None:
         time.sleep(0.02)
 
 
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as fh:
-            return fh.read().rsplit(b")", 1)[1].split()[0] != b"Z"
-    except OSError:
-        return False
-
-
 def test_the_epilog_hands_the_node_to_a_screen_and_the_prolog_takes_it_back(node: dict[str, Any]) -> None:
     env, periodic, standin = node["env"], node["periodic"], node["standin"]
     result, took = script("gpuhealth-epilog.sh", env, SLURM_JOB_ID="87")
@@ -162,7 +155,7 @@ def test_the_epilog_hands_the_node_to_a_screen_and_the_prolog_takes_it_back(node
     result, took = script("gpuhealth-prolog.sh", env, SLURM_JOB_ID="88", SLURM_JOB_GPUS="0,1")
     assert result.returncode == 0, result.stderr
     assert took < 3.0, f"the prolog took {took:.1f} s"
-    assert not _alive(rank)  # the screen's processes are gone when the prolog returns
+    assert not running(rank)  # the screen's processes are gone when the prolog returns
     assert "still held" not in result.stderr
     _until(lambda: len(periodic.screens()) == 2, "the aborted screen's results")
     assert {(r.level, r.trigger, r.result, r.reason) for r in periodic.screens().values()} == {

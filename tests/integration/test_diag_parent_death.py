@@ -18,20 +18,13 @@ import time
 from pathlib import Path
 
 import pytest
+from procs import running
 
 if not sys.platform.startswith("linux"):  # PR_SET_PDEATHSIG and /proc
     pytest.skip("Linux only", allow_module_level=True)
 
 # A diagnostic that would run for minutes on the CPU if it ran at all.
 LONG_DIAG = ["sdc", "--device", "cpu", "--repeats", "100000", "--reruns", "0"]
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as fh:
-            return fh.read().rsplit(b")", 1)[1].split()[0] != b"Z"
-    except (OSError, IndexError):
-        return False
 
 
 def _wait_for(path: Path, timeout_s: float) -> str:
@@ -66,19 +59,19 @@ def test_child_of_an_agent_killed_during_its_start_does_not_run(tmp_path: Path) 
         child = int(_wait_for(pidfile, 30.0))
         os.kill(agent.pid, signal.SIGKILL)  # the child's interpreter has not started yet
         agent.wait()
-        assert _alive(child), "the child must outlive the agent's death to test this"
+        assert running(child), "the child must outlive the agent's death to test this"
         # it execs the real child after the wrapper's second; that must exit as soon as it is up
         end = time.monotonic() + 15.0
-        while _alive(child) and time.monotonic() < end:
+        while running(child) and time.monotonic() < end:
             time.sleep(0.05)
-        assert not _alive(child), "the orphaned diagnostic child kept running after its agent died"
+        assert not running(child), "the orphaned diagnostic child kept running after its agent died"
     finally:
         if agent.poll() is None:
             agent.kill()
             agent.wait()
         if pidfile.exists():
             pid = int(pidfile.read_text().strip() or 0)
-            if pid and _alive(pid):
+            if pid and running(pid):
                 os.kill(pid, signal.SIGKILL)
 
 

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from procs import running
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit" / "agent" / "zerocode"))
 from zc_coordinator import coordinator_and_link, until
@@ -72,17 +73,9 @@ class TorchrunJob:
             pass
         self.proc.wait(10)
         deadline = time.monotonic() + 10
-        while time.monotonic() < deadline and any(_running(pid) for pid in workers):
+        while time.monotonic() < deadline and any(running(pid) for pid in workers):
             time.sleep(0.05)
         self.fh.close()
-
-
-def _running(pid: int) -> bool:
-    """Alive, not a zombie waiting for a parent (init in a container may never reap it)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return False
 
 
 @pytest.fixture

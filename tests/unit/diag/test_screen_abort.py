@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from procs import running
 
 from gpuhealth.backends.nvml_fake import FakeNvml
 from gpuhealth.collectors.base import GpuIdentity
@@ -90,14 +91,6 @@ def _wait_file(path: Path, timeout: float = 20.0) -> None:
         time.sleep(0.01)
 
 
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as fh:
-            return fh.read().rsplit(b")", 1)[1].split()[0] != b"Z"
-    except OSError:
-        return False
-
-
 def _gpu_free(state: Path) -> bool:
     with open(state / "gpu.standin", "a+") as fh:
         try:
@@ -144,7 +137,7 @@ def test_a_process_appearing_on_a_screened_gpu_aborts_the_screen_within_a_second
     out = box[0]
     assert out.status == "aborted" and out.reason == f"pid {job.pid} started on GPU 1"
     assert latency < 1.0, f"GPUs held {latency:.2f} s after the job started"
-    assert _gpu_free(state) and not _alive(rank)  # the child and the rank it started are gone
+    assert _gpu_free(state) and not running(rank)  # the child and the rank it started are gone
     assert out.gpus == list(UUIDS) and runner.budget.spent(UUIDS[0]) > 0  # the time it held is charged
 
 
@@ -165,7 +158,7 @@ def test_the_block_directory_aborts_a_running_screen_and_holds_off_the_next(
                                                "expires": time.time() + 3600}))
     thread.join(timeout=10)
     assert box[0].status == "aborted" and box[0].reason == "screen lock held by prolog of job 88"
-    assert ended[0] - taken < 1.0 and _gpu_free(state) and not _alive(rank)
+    assert ended[0] - taken < 1.0 and _gpu_free(state) and not running(rank)
     # while it is held, the next screen does not start at all
     (state / "started").unlink()
     held = runner.run("sdc", [], gpus=GPUS, watch=watch)
