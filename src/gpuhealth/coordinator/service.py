@@ -205,9 +205,9 @@ class Coordinator:
         for node, view in self.nodes.items():
             self._reported_stragglers(node, view.findings)
             for f in view.findings:
-                stuck_id = f.evidence.get("job_id")
-                stuck = self.jobs.jobs.get(stuck_id) if isinstance(stuck_id, str) else None
-                if f.code == "rank.stuck" and f.severity is Severity.CRITICAL and stuck is not None:
+                stuck_id = _stuck_job(f)
+                stuck = self.jobs.jobs.get(stuck_id) if stuck_id is not None else None
+                if stuck is not None:
                     stuck.hang_open = True
                     self.reported_hangs[stuck.job_id] = (node, None)
 
@@ -680,8 +680,8 @@ class Coordinator:
         The episode ends when that node has stopped reporting it for a while (``_end_reported_hangs``)."""
         reported: dict[str, Finding] = {}
         for f in findings:
-            job_id = f.evidence.get("job_id")
-            if f.code == "rank.stuck" and f.severity is Severity.CRITICAL and isinstance(job_id, str) and job_id:
+            job_id = _stuck_job(f)
+            if job_id is not None:
                 reported.setdefault(job_id, f)
         mono = self.mono()
         for job_id, (reporter, missing_since) in list(self.reported_hangs.items()):
@@ -981,6 +981,14 @@ def json_reply(doc: dict[str, Any]) -> pb.JsonReply:
 
 def evidence_root(settings: CoordinatorConfig) -> Path:
     return Path(settings.resolved_evidence_dir())
+
+
+def _stuck_job(f: Finding) -> str | None:
+    """The job of an agent's own hang report: a critical ``rank.stuck`` (the stuck rank runs on that node)."""
+    job_id = f.evidence.get("job_id")
+    if f.code == "rank.stuck" and f.severity is Severity.CRITICAL and isinstance(job_id, str) and job_id:
+        return job_id
+    return None
 
 
 def _number(value: Any) -> float:
