@@ -2,9 +2,17 @@
 
 from __future__ import annotations
 
+import os
 import sys
 
 from gpuhealth.diag.child import main
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    # The result is printed and every file is closed: skip interpreter finalization. torch's process
+    # groups freed there can abort the process (seen with Gloo: "terminate called without an active
+    # exception" after all work was done) or hang, and the launcher counts any rank's bad exit as a
+    # failed run.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
