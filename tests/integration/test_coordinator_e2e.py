@@ -357,3 +357,7 @@ def test_fleet_and_jobs_cli_against_the_live_coordinator(cluster: Cluster) -> No
 
 if __name__ == "__main__" and len(sys.argv) > 2 and sys.argv[1] == "worker":
     _worker(json.loads(sys.argv[2]))
+    # Skip finalization, where torch + Gloo can abort a finished worker (see test_instrument_ddp.py).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
