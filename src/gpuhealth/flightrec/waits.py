@@ -558,6 +558,9 @@ def _cycle_root(groups: Mapping[str, GroupView], graph: WaitGraph, ranks: list[i
         root = _skipped(groups, graph, rank, blamed.get(rank) or needed[rank], need, how)
         root.decided_by = "order"
         return root
+    misaligned = _misaligned(groups, graph, needed, blamed)
+    if misaligned is not None:
+        return misaligned
     if len(candidates) == 1:
         rank = candidates[0]
         return _skipped(groups, graph, rank, blamed[rank], None,
@@ -610,14 +613,45 @@ def _cycle_root(groups: Mapping[str, GroupView], graph: WaitGraph, ranks: list[i
                      waiting_ranks=tuple(ranks), decided_by="undecided", created_ns=_created(graph, first))
 
 
-def _peer_votes(groups: Mapping[str, GroupView], blamed: Mapping[int, Sequence[Need]]
+def _misaligned(groups: Mapping[str, GroupView], graph: WaitGraph, needed: Mapping[int, Sequence[Need]],
+                blamed: Mapping[int, Sequence[Need]]) -> RootCause | None:
+    """NCCL numbers a collective by how many the rank has posted: a rank that skipped g#s posts its next
+    one of g as #s, after the ops of the next step. The others see it "holding" #s, and the rank it then
+    waits on (a pipeline peer stuck in #s) looks like the one that never posted. Its own history may be
+    too short to show it (``order_break`` needs two closed gaps), but its peers vote: ranks of g and of
+    the groups beside it that posted #s and have not reached the ops this rank ran before its #s. The
+    held rank wins only with at least two votes (a pair's other member cannot outvote it) and more than
+    any rank blamed for not posting."""
+    held = {r: [n for n in ns if n.why == "held" and n.work.seq is not None]
+            for r, ns in needed.items() if r not in blamed}
+    held = {r: ns for r, ns in held.items() if ns}
+    if not held or len(held) + len(blamed) > MAX_HISTORY_CANDIDATES:
+        return None
+    votes = _peer_votes(groups, held, siblings=False)
+    if not votes:
+        return None
+    top = max(v[1] for v in votes.values())
+    leaders = [r for r, v in votes.items() if v[1] == top]
+    rivals = max((v[1] for v in _peer_votes(groups, blamed).values()), default=0) if blamed else 0
+    if len(leaders) != 1 or top < 2 or top <= rivals:
+        return None
+    rank = leaders[0]
+    need, score, other = votes[rank]
+    how = (f"its #{need.work.seq} of group {need.work.group} was posted only after {other}, which {score} rank(s) "
+           f"that posted #{need.work.seq} have not reached: NCCL numbered its next one #{need.work.seq}")
+    root = _skipped(groups, graph, rank, held[rank], need, how)
+    root.decided_by = "peers"
+    return root
+
+
+def _peer_votes(groups: Mapping[str, GroupView], blamed: Mapping[int, Sequence[Need]], *, siblings: bool = True
                 ) -> dict[int, tuple[Need, int, str]]:
     """For each candidate that never posted collective (g, s): how many ranks of g that did post it — and are
     in the group of an op the candidate ran instead (since its g#(s-1)) — have not reached that op. Each such
     rank's program runs (g, s) first: the candidate went past it. Too little history for the rank's own
     pattern, the job's other ranks still vote. {rank: (need, votes, the op it went on to)}."""
     out: dict[int, tuple[Need, int, str]] = {}
-    family = _sibling_families(groups)
+    family = _sibling_families(groups) if siblings else {}
     for rank, needs in blamed.items():
         best: tuple[Need, int, str] | None = None
         for n in needs:

@@ -324,6 +324,43 @@ def test_torch_analyser_style_records_without_sequence_ids(tmp_path: Path) -> No
     assert sorted(f.evidence["rank"] for f in rep.findings) == [0, 1]
 
 
+def test_a_pipeline_rank_that_skipped_a_world_collective_is_named_not_the_stage_it_waits_on(tmp_path: Path) -> None:
+    # PP=2 x DP=3 (stage 0: ranks 0,2,4; stage 1: 1,3,5). Each step: a send 0->1 in each stage pair, three
+    # gradient all_reduces in the stage's DP group, one world all_reduce. In step 2 rank 5 skips the world
+    # all_reduce and posts step 3: its recv from rank 4 waits, since rank 4 waits in the world all_reduce
+    # #2 for rank 5 — whose next world all_reduce NCCL also numbers #2. Two steps of history are too few
+    # for rank 5's own order; its DP peers 1 and 3 posted #2 and have not reached the ops it ran first.
+    pairs = {0: "1", 1: "1", 2: "2", 3: "2", 4: "3", 5: "3"}
+    ranks = [Rank(r) for r in range(6)]
+
+    def p2p(r: Rank, state: str) -> None:
+        stage = r.rank % 2
+        r.p2p_op("send" if stage == 0 else "recv", 1 - stage, group=pairs[r.rank], sizes=((64,),), state=state)
+        e = r.entries[-1]
+        e["profiling_name"] = "nccl:send 0->1" if stage == 0 else "nccl:recv 1<-0"
+        e["pg_id"] = int(pairs[r.rank])
+
+    for step in (1, 2, 3):
+        for r in ranks:
+            if step == 3 and r.rank != 5:
+                continue
+            p2p(r, "started" if step == 3 else "completed")
+            for _ in range(3):
+                r.coll_op(group="4" if r.rank % 2 == 0 else "5", sizes=((4096,),),
+                          state="scheduled" if step == 3 else "completed")
+            if step == 2 and r.rank == 5:
+                continue  # the skip
+            r.coll_op(state="scheduled" if step == 3 else "started" if step == 2 else "completed")
+    cfg = {"0": {"name": "0", "desc": "default_pg", "ranks": str(list(range(6)))},
+           **{g: {"name": g, "desc": "pp", "ranks": str([2 * i, 2 * i + 1])} for i, g in enumerate("123")},
+           "4": {"name": "4", "desc": "dp", "ranks": "[0, 2, 4]"},
+           "5": {"name": "5", "desc": "dp", "ranks": "[1, 3, 5]"}}
+    rep = triage(_write(tmp_path, ranks, cfg))
+    assert rep.verdict == "hang", rep.summary
+    assert rep.culprits == [5], rep.summary
+    assert rep.roots[0].decided_by == "peers"
+
+
 # ------------------------------------------------------------------------------------------ stacks
 
 
