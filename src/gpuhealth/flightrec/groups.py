@@ -245,7 +245,9 @@ def _fill(view: GroupView, rank: int, dump: RankDump, entries: Sequence[Entry]) 
                 p2p[i] = dataclasses.replace(p2p[i], batch_done=finished)
             open_batch, last_p2p_seq = [], None
             continue
-        if p2p_like:
+        if p2p_like or (e.op in COALESCED_MARKERS and e.seq <= 0 < e.p2p_seq):
+            # The latter: the end marker of a batch whose ops are not in the window (the ring buffer cut
+            # them off): it carries the batch's p2p sequence id and no collective one — not a collective.
             if e.op in COALESCED_MARKERS:
                 last_p2p_seq = None
                 continue

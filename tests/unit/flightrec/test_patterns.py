@@ -175,6 +175,31 @@ def test_receive_from_any_source_is_parsed_and_blames_the_usual_sender(tmp_path:
     assert rep.culprits == [2], rep.summary  # it sent to 0 every step before; never the rank that waits
 
 
+def test_a_batch_end_marker_whose_ops_fell_out_of_the_ring_buffer_is_not_a_collective(tmp_path: Path) -> None:
+    # A 4-stage pipeline in one group, batch_isend_irecv each step, a world all_reduce after. The middle
+    # stages post two ops per batch, so their ring buffers (cut to the same length) begin with the end
+    # marker of a batch whose ops are gone. It carries the batch's p2p id and collective id 0: read as a
+    # collective, it made group 1's "#1", which the end stages never ran (a false culprit, seen in a
+    # synthetic pipeline case).
+    ranks = [Rank(r) for r in range(4)]
+    for _ in range(8):
+        for r in ranks:
+            if r.rank > 0:
+                r.p2p_op("recv", r.rank - 1, group="1")
+            if r.rank < 3:
+                r.p2p_op("send", r.rank + 1, group="1", batch=r.rank > 0)  # the middle stages' batch of two
+            r.batch_end(group="1")
+            r.entries[-1]["is_p2p"] = False  # as NCCL records the end marker: not p2p, the batch's p2p id
+            r.coll_op()
+    for r in ranks:
+        r.entries = r.entries[-18:]  # six steps of the end stages, four and a half of the middle ones
+    assert {r.rank for r in ranks if r.entries[0]["profiling_name"] == "nccl:coalesced"} == {1, 2}
+    rep = triage(_write(tmp_path, ranks, {"0": {"name": "0", "desc": "default_pg", "ranks": "[0, 1, 2, 3]"},
+                                          "1": {"name": "1", "desc": "pp", "ranks": "[0, 1, 2, 3]"}}))
+    assert rep.verdict.value == "healthy", rep.summary
+    assert rep.roots == [], [r.why for r in rep.roots]
+
+
 # ------------------------------------------------------------------------------------- collectives
 
 
