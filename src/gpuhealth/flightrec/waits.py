@@ -581,17 +581,14 @@ def _cycle_root(groups: Mapping[str, GroupView], graph: WaitGraph, ranks: list[i
                "point")
         return _skipped(groups, graph, rank, blamed[rank], need, how)
     votes = _peer_votes(groups, blamed) if 1 < len(candidates) <= MAX_HISTORY_CANDIDATES else {}
-    if votes:
-        top = max(votes.values(), key=lambda v: v[1])
-        leaders = [r for r, v in votes.items() if v[1] == top[1]]
-        if len(leaders) == 1:
-            rank = leaders[0]
-            need, score, other = votes[rank]
-            how = (f"it went on to {other} while {score} rank(s) of group {need.work.group} that share that op posted "
-                   f"#{need.work.seq} first and have not reached it: their programs run #{need.work.seq} before it")
-            root = _skipped(groups, graph, rank, blamed[rank], need, how)
-            root.decided_by = "peers"
-            return root
+    leader = _sole_leader(votes)
+    if leader is not None:
+        rank, (need, score, other) = leader
+        how = (f"it went on to {other} while {score} rank(s) of group {need.work.group} that share that op posted "
+               f"#{need.work.seq} first and have not reached it: their programs run #{need.work.seq} before it")
+        root = _skipped(groups, graph, rank, blamed[rank], need, how)
+        root.decided_by = "peers"
+        return root
     ahead = [r for r in candidates if _ahead_in(groups, graph, r)]
     if len(ahead) == 1:
         rank = ahead[0]
@@ -618,30 +615,37 @@ def _misaligned(groups: Mapping[str, GroupView], graph: WaitGraph, needed: Mappi
     """NCCL numbers a collective by how many the rank has posted: a rank that skipped g#s posts its next
     one of g as #s, after the ops of the next step. The others see it "holding" #s, and the rank it then
     waits on (a pipeline peer stuck in #s) looks like the one that never posted. Its own history may be
-    too short to show it (``order_break`` needs two closed gaps), but its peers vote: ranks of g and of
-    the groups beside it that posted #s and have not reached the ops this rank ran before its #s. The
-    held rank wins only with at least two votes (a pair's other member cannot outvote it) and more than
-    any rank blamed for not posting."""
+    too short to show it (``order_break`` needs two closed gaps), but its peers vote: members of g and of
+    the group of an op this rank ran before its #s that posted #s and have not reached that op. Only
+    that group's own members: a sibling group in another pipeline stage runs at another point of the
+    step. The held rank wins only with at least two votes (a pair's other member cannot outvote it) and
+    more than any rank blamed for not posting."""
     held = {r: [n for n in ns if n.why == "held" and n.work.seq is not None]
             for r, ns in needed.items() if r not in blamed}
     held = {r: ns for r, ns in held.items() if ns}
     if not held or len(held) + len(blamed) > MAX_HISTORY_CANDIDATES:
         return None
-    votes = _peer_votes(groups, held, siblings=False)
-    if not votes:
+    leader = _sole_leader(_peer_votes(groups, held, siblings=False))
+    if leader is None:
         return None
-    top = max(v[1] for v in votes.values())
-    leaders = [r for r, v in votes.items() if v[1] == top]
+    rank, (need, score, other) = leader
     rivals = max((v[1] for v in _peer_votes(groups, blamed).values()), default=0) if blamed else 0
-    if len(leaders) != 1 or top < 2 or top <= rivals:
+    if score < 2 or score <= rivals:
         return None
-    rank = leaders[0]
-    need, score, other = votes[rank]
     how = (f"its #{need.work.seq} of group {need.work.group} was posted only after {other}, which {score} rank(s) "
            f"that posted #{need.work.seq} have not reached: NCCL numbered its next one #{need.work.seq}")
     root = _skipped(groups, graph, rank, held[rank], need, how)
     root.decided_by = "peers"
     return root
+
+
+def _sole_leader(votes: Mapping[int, tuple[Need, int, str]]) -> tuple[int, tuple[Need, int, str]] | None:
+    """The one rank with the most votes, or None (no votes, or a tie at the top)."""
+    if not votes:
+        return None
+    top = max(v[1] for v in votes.values())
+    leaders = [r for r, v in votes.items() if v[1] == top]
+    return (leaders[0], votes[leaders[0]]) if len(leaders) == 1 else None
 
 
 def _peer_votes(groups: Mapping[str, GroupView], blamed: Mapping[int, Sequence[Need]], *, siblings: bool = True
