@@ -105,11 +105,16 @@ def _triage(
     seen = sorted(dumps) if dumps else sorted({s.rank for s in steps or ()})
     missing = sorted(set(range(world)) - set(seen) - set(unreadable)) if (seen or unreadable) else []
     verdict = _verdict(roots, findings, dumps, missing, unreadable, bool(steps))
+    blank = bool(dumps) and not steps and _nothing_recorded(dumps, groups)
+    if blank and verdict is Verdict.HEALTHY:
+        verdict = Verdict.INCOMPLETE  # no entry, no progress: nothing says the job is healthy
     report = TriageReport(
         verdict=verdict, summary="", findings=findings, ranks_seen=seen, ranks_missing=missing,
         groups=[g.to_dict() for g in groups.values()], roots=roots, problems=list(loaded.problems),
         identity=loaded.identity_sources, notes=_notes(groups), ranks_unreadable=unreadable,
     )
+    if blank:
+        report.notes.append(NOTHING_RECORDED)
     if running is not None:
         report.notes.append(running.note())
     if any(d.tail_only for d in dumps.values()):
@@ -163,6 +168,17 @@ def _unreadable_ranks(loaded: LoadResult) -> list[int]:
         if rank is not None and rank not in loaded.dumps and 0 <= rank < MAX_RANKS:
             out.add(rank)
     return sorted(out)
+
+
+NOTHING_RECORDED = ("the dumps record no collectives: the flight recorder's buffer was off (TORCH_FR_BUFFER_SIZE, "
+                    "older torch TORCH_NCCL_TRACE_BUFFER_SIZE, unset or 0) or the job had run none; set it at "
+                    "launch (gpuhealth env prints it) and dump again")
+
+
+def _nothing_recorded(dumps: Mapping[int, RankDump], groups: Mapping[str, GroupView]) -> bool:
+    """No rank's dump holds an entry and no group shows progress in its status."""
+    return (not any(d.entries for d in dumps.values())
+            and not any(v for g in groups.values() for v in (*g.enqueued.values(), *g.completed.values())))
 
 
 def _notes(groups: Mapping[str, GroupView]) -> list[str]:
@@ -263,6 +279,8 @@ def _summary(report: TriageReport) -> str:
             gaps.append(f"rank(s) {format_ranks(report.ranks_unreadable)} left a dump that could not be read")
         if report.ranks_missing:
             gaps.append(f"rank(s) {format_ranks(report.ranks_missing)} left no dump")
+        if NOTHING_RECORDED in report.notes:
+            gaps.append("their dumps record no collectives (the flight recorder's buffer was off?)")
         return (f"INCOMPLETE: no fault in the {len(report.ranks_seen)} rank(s) that dumped; " + "; ".join(gaps))
     return f"HEALTHY: {len(report.ranks_seen)} rank(s), no stuck, mismatched or straggling rank"
 

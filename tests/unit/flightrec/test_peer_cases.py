@@ -71,7 +71,11 @@ def test_a_coalesced_call_that_recorded_nothing_on_one_rank_is_not_a_fault(tmp_p
     assert rep.verdict.value == "healthy", rep.summary
 
 
-def test_an_empty_pickled_dump_without_a_rank_field_is_read_and_blames_nobody(tmp_path: Path) -> None:
+def test_an_empty_pickled_dump_without_a_rank_field_is_read_but_proves_nothing(tmp_path: Path) -> None:
+    # No entries and no progress: the flight recorder was off (its buffer size unset or 0), and "healthy"
+    # would clear a job nobody looked at.
     (tmp_path / "dump0").write_bytes(pickle.dumps({"entries": [], "version": "2.8", "pg_config": {}}))
     rep = triage(tmp_path)
-    assert "1 rank(s)" in rep.summary and rep.culprits == []
+    assert rep.ranks_seen == [0] and rep.culprits == []
+    assert rep.verdict.value == "incomplete", rep.summary
+    assert any("TORCH_FR_BUFFER_SIZE" in n for n in rep.notes)
