@@ -188,8 +188,11 @@ def _collective_needs(w: Work, g: GroupView, heads: Mapping[int, Work], dumped: 
 def _p2p_needs(w: Work, batch: Sequence[P2PPair], g: GroupView, heads: Mapping[int, Work], dumped: frozenset[int],
                partner_at_head: list[tuple[Work, P2PPair]]) -> list[Need]:
     out: list[Need] = []
+    stalled_recv = any(p.partner is None and p.op.kind == "recv" and p.op.peer is not None for p in batch)
     for p in batch:
         op = p.op
+        if p.partner is None and stalled_recv and _likely_received(op, g):
+            continue
         if p.partner is None:
             if op.peer is None:  # a receive from any source that nobody sends to
                 out += [Need(w, s, "any_source" if s in dumped else "no_dump", p) for s in _likely_senders(g, op)]
@@ -207,6 +210,20 @@ def _p2p_needs(w: Work, batch: Sequence[P2PPair], g: GroupView, heads: Mapping[i
         else:
             partner_at_head.append((w, p))
     return out
+
+
+def _likely_received(op: P2POp, g: GroupView) -> bool:
+    """A send of a batch that waits for one of its receives: NCCL never moves a batch's own ops, so the
+    send reads pending though its receiver may have taken it. With the windows cut by the ring buffer only
+    pending ops are paired, and it finds no partner. The receiver finished every receive from this rank
+    that its window holds, and has none pending: it most likely took this one too — the batch waits for
+    its receive, not for this receiver."""
+    if op.kind != "send" or op.peer is None:
+        return False
+    if g.whole_history.get(op.rank) and g.whole_history.get(op.peer):
+        return False  # whole windows pair every op: an unpaired send is really not received
+    theirs = [o for o in g.p2p.get(op.peer, []) if o.kind == "recv" and o.peer == op.rank]
+    return bool(theirs) and all(o.done for o in theirs)
 
 
 def _likely_senders(g: GroupView, op: P2POp) -> list[int]:

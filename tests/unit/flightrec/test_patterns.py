@@ -200,6 +200,32 @@ def test_a_batch_end_marker_whose_ops_fell_out_of_the_ring_buffer_is_not_a_colle
     assert rep.roots == [], [r.why for r in rep.roots]
 
 
+def test_a_batch_waiting_for_its_receive_does_not_blame_the_rank_that_took_its_send(tmp_path: Path) -> None:
+    # A 4-stage pipeline in one group: stage k posts [recv from k-1, send to k+1] as one batch each step.
+    # In the last step rank 0 never sends (stuck on the host). Rank 1's batch waits for that receive; its
+    # send to rank 2 went through — rank 2's batch and rank 3's completed. NCCL never moves a batch's own
+    # ops, so rank 1's send reads pending, and with ring buffers cut (long jobs) only pending ops pair:
+    # rank 2 looked like it never posted its receive.
+    ranks = [Rank(r) for r in range(4)]
+    for step in range(8):
+        last = step == 7
+        for r in ranks:
+            if last and r.rank == 0:
+                continue
+            if r.rank > 0:
+                r.p2p_op("recv", r.rank - 1, group="1")
+            if r.rank < 3:
+                r.p2p_op("send", r.rank + 1, group="1", batch=r.rank > 0)
+            r.batch_end(group="1", state="started" if last and r.rank == 1 else "completed")
+            r.entries[-1]["is_p2p"] = False  # as NCCL records the end marker
+    for r in ranks:
+        r.entries = r.entries[-12:]  # a long job: every window cut by the ring buffer
+    rep = triage(_write(tmp_path, ranks, {"0": {"name": "0", "desc": "default_pg", "ranks": "[0, 1, 2, 3]"},
+                                          "1": {"name": "1", "desc": "pp", "ranks": "[0, 1, 2, 3]"}}))
+    assert rep.verdict.value == "hang", rep.summary
+    assert rep.culprits == [0], rep.summary
+
+
 # ------------------------------------------------------------------------------------- collectives
 
 
