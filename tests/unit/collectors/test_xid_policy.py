@@ -15,14 +15,8 @@ import pytest
 import yaml
 from test_xid import Harness
 
-from gpuhealth.backends.fabricmanager import fabric_manager_state
-from gpuhealth.backends.nvml_fake import FakeNvml, bundled_recording_path
 from gpuhealth.catalog.thresholds import ThresholdsError, load_thresholds
 from gpuhealth.catalog.xid import xid_info
-from gpuhealth.collectors.base import CollectContext, History
-from gpuhealth.collectors.nvlink import NvlinkCollector
-from gpuhealth.collectors.runner import CollectorRunner, enumerate_gpus
-from gpuhealth.config import Config
 from gpuhealth.model import Action, Severity
 
 GPUHEALTH = str(Path(sys.executable).parent / "gpuhealth")
@@ -136,52 +130,3 @@ def test_nvswitch_sxids_from_the_kernel_log(tmp_path: Path, clock: Any) -> None:
     extras = _with(tmp_path, {"sxid_codes": {"12028": {"severity": "info", "action": "none"}}})
     found = {f.evidence["sxid"]: f for f in h.run(**extras).findings if f.code == "nvswitch.sxid"}
     assert found[12028].severity is Severity.INFO and found[20034].severity is Severity.CRITICAL
-
-
-# ------------------------------------------------------------------------------------ Fabric Manager
-
-def _recording_with_fm(tmp_path: Path, state: str | None) -> Path:
-    rec = json.loads(bundled_recording_path("nvml_h200x2.json").read_text())
-    if state is not None:
-        rec["fabric_manager"] = {"value": state}
-    path = tmp_path / f"h200-fm-{state}.json"
-    path.write_text(json.dumps(rec))
-    return path
-
-
-def _nvlink_findings(recording: Path, clock: Any) -> list[Any]:
-    fake = FakeNvml.from_file(recording, clock=clock)
-    fake.init()
-    ctx = CollectContext(backend=fake, config=Config(), gpus=enumerate_gpus(fake), node_name="n1", now=time.time())
-    run = CollectorRunner(timeout_s=None).run(NvlinkCollector(None), ctx, History())
-    assert run.success, run.error
-    return list(run.findings)
-
-
-def test_fabric_manager_down_on_an_nvswitch_node_is_critical(tmp_path: Path, clock: Any) -> None:
-    # the H200 recording's GPUs have 18 NVSwitch links each (an HGX node)
-    [f] = [f for f in _nvlink_findings(_recording_with_fm(tmp_path, "stopped"), clock)
-           if f.code == "fabric.manager_down"]
-    assert (f.severity, f.action) == (Severity.CRITICAL, Action.DRAIN) and f.evidence["gpus_on_nvswitch"] == [0, 1]
-    for state in ("running", None):  # running, or a recording that does not say: nothing
-        assert not [f for f in _nvlink_findings(_recording_with_fm(tmp_path, state), clock)
-                    if f.code == "fabric.manager_down"]
-    # a PCIe card without NVSwitch links never needs one
-    h100 = json.loads(bundled_recording_path("nvml_h100x1.json").read_text())
-    h100["fabric_manager"] = {"value": "stopped"}
-    (tmp_path / "h100.json").write_text(json.dumps(h100))
-    assert not [f for f in _nvlink_findings(tmp_path / "h100.json", clock) if f.code == "fabric.manager_down"]
-
-
-def test_fabric_manager_is_found_in_proc(tmp_path: Path) -> None:
-    proc = tmp_path / "proc"
-    (proc / "1").mkdir(parents=True)
-    (proc / "1" / "comm").write_text("systemd\n")
-    (proc / "1" / "cmdline").write_bytes(b"/sbin/init\0")
-    (proc / "self").mkdir()
-    assert fabric_manager_state(proc) == "stopped"
-    (proc / "4242").mkdir()
-    (proc / "4242" / "comm").write_text("nv-fabricmanage\n")  # the kernel cuts comm to 15 characters
-    (proc / "4242" / "cmdline").write_bytes(b"/usr/bin/nv-fabricmanager\0-c\0/usr/share/nvidia/fm.cfg\0")
-    assert fabric_manager_state(proc) == "running"
-    assert fabric_manager_state(tmp_path / "no-proc") is None
