@@ -94,44 +94,57 @@ gh_cleanup() {
     return 0
 }
 
-# gh_reason FILE RC : "gpuhealth: <codes of warning/critical findings>" from the JSON report
-# ("gpuhealth: agent down, one-shot check: <codes>" when the agent did not answer), "gpuhealth: could
-# not check: <why>" from a report that says so, or a generic reason when it cannot be read. Any JSON
-# shape works: we collect every object that has a "code" and a non-info "severity".
-gh_reason() {
-    local file=$1 rc=$2 reason=""
+# gh_verdict FILE RC : one line "unfit<TAB>REASON" or "unknown<TAB>REASON" for a check that exited non-zero.
+#   unfit:   the report names what makes the node unfit: "gpuhealth: <codes>", the findings that take the node
+#            out first (critical, or an action of reset_gpu/reboot/drain, whatever the severity: a power brake
+#            is a warning that means drain), then the other warnings ("gpuhealth: agent down, one-shot check:
+#            <codes>" when the agent did not answer).
+#   unknown: the check could not judge (the report's health is "unknown": no NVML, a bad config), or left no
+#            report at all; REASON says why ("gpuhealth: could not check: nvml.unavailable: ...").
+# Any JSON shape works: every object that has a "code" and a "severity" counts.
+gh_verdict() {
+    local file=$1 rc=$2 verdict=""
     if command -v python3 >/dev/null 2>&1; then
-        reason=$(python3 - "$file" <<'PY' 2>/dev/null
+        verdict=$(python3 - "$file" <<'PY' 2>/dev/null
 import json, sys
 try:
     data = json.load(open(sys.argv[1]))
 except Exception:
     sys.exit(0)
-seen = []
+if not isinstance(data, dict):
+    sys.exit(0)
+OUT = {"reset_gpu", "reboot", "drain"}
+first, rest = [], []
 def walk(x):
     if isinstance(x, dict):
         code, sev = x.get("code"), str(x.get("severity", "")).lower()
-        if isinstance(code, str) and sev in ("warning", "critical") and code not in seen:
-            seen.append(code)
+        if isinstance(code, str) and sev in ("warning", "critical", "info"):
+            takes_out = sev == "critical" or str(x.get("action", "")).lower() in OUT
+            if sev != "info" or takes_out:
+                bucket = first if takes_out else rest
+                if code not in first and code not in rest:
+                    bucket.append(code)
         for v in x.values():
             walk(v)
     elif isinstance(x, list):
         for v in x:
             walk(v)
 walk(data)
-node = data.get("node") if isinstance(data, dict) else None
-prefix = "agent down, one-shot check: " if isinstance(data, dict) and data.get("source") == "one-shot" else ""
-if seen:
-    print(prefix + ",".join(seen))
-elif isinstance(node, dict) and node.get("error"):
-    print(prefix + "could not check: " + " ".join(str(node["error"]).split()))
+node = data.get("node") if isinstance(data.get("node"), dict) else {}
+prefix = "agent down, one-shot check: " if data.get("source") == "one-shot" else ""
+if str(node.get("health", "")).lower() == "unknown":
+    why = " ".join(str(node.get("error") or "no health could be judged").split())
+    print("unknown\t" + prefix + "could not check: " + ",".join(first + rest + [why]))
+elif first or rest:
+    print("unfit\t" + prefix + ",".join(first + rest))
 PY
         )
     fi
-    if [ -n "$reason" ]; then
-        printf '%s %s\n' "$GPUHEALTH_REASON_PREFIX" "$reason" | cut -c "1-$GPUHEALTH_REASON_MAX"
+    if [ -n "$verdict" ]; then
+        printf '%s\t%s %s\n' "${verdict%%$'\t'*}" "$GPUHEALTH_REASON_PREFIX" "${verdict#*$'\t'}" |
+            cut -c "1-$((GPUHEALTH_REASON_MAX + 8))"
     else
-        printf '%s not fit (check exited %s)\n' "$GPUHEALTH_REASON_PREFIX" "$rc"
+        printf 'unknown\t%s could not check: no report (check exited %s)\n' "$GPUHEALTH_REASON_PREFIX" "$rc"
     fi
 }
 
@@ -187,24 +200,30 @@ gh_resume_if_ours() {
 }
 
 # gh_handle_result NODE WHAT : act on GH_RC after a check. Returns 0 fit, 1 not fit, 2 could not check.
+# A check that could not judge (no driver, no report) is "could not check" even when its exit code is the
+# profile's 1: GPUHEALTH_ON_ERROR decides, and the reason says why.
 gh_handle_result() {
-    local node=$1 what=$2 reason
+    local node=$1 what=$2 verdict kind reason why=""
     case "$GH_RC" in
         0) return 0 ;;
         1)
-            reason=$(gh_reason "$GH_OUT" "$GH_RC")
-            gh_drain "$node" "$reason"
-            return 1
-            ;;
-        *)
-            gh_log "$what could not check $node (exit $GH_RC); on-error policy: $GPUHEALTH_ON_ERROR"
-            if [ "$GPUHEALTH_ON_ERROR" = "drain" ]; then
-                gh_drain "$node" "$GPUHEALTH_REASON_PREFIX $what could not check (exit $GH_RC)"
+            verdict=$(gh_verdict "$GH_OUT" "$GH_RC")
+            kind=${verdict%%$'\t'*}
+            reason=$(printf '%s\n' "${verdict#*$'\t'}" | cut -c "1-$GPUHEALTH_REASON_MAX")
+            if [ "$kind" = unfit ]; then
+                gh_drain "$node" "$reason"
                 return 1
             fi
-            return 2
+            why=": ${verdict#*$'\t'$GPUHEALTH_REASON_PREFIX }"
             ;;
+        *) reason="$GPUHEALTH_REASON_PREFIX $what could not check (exit $GH_RC)" ;;
     esac
+    gh_log "$what could not check $node (exit $GH_RC)$why; on-error policy: $GPUHEALTH_ON_ERROR"
+    if [ "$GPUHEALTH_ON_ERROR" = "drain" ]; then
+        gh_drain "$node" "$(printf '%s\n' "$reason" | cut -c "1-$GPUHEALTH_REASON_MAX")"
+        return 1
+    fi
+    return 2
 }
 
 # ------------------------------------------------------------------ screening between jobs

@@ -61,6 +61,13 @@ class Action(enum.IntEnum):
     def parse(cls, text: str) -> Action:
         return cls[text.strip().upper()]
 
+    @property
+    def takes_node_out(self) -> bool:
+        """A GPU reset, a reboot or a drain: no new job should start on the node until someone acts,
+        whatever the finding's severity (a power brake is a warning that still means drain). An RMA alone
+        is planned, not urgent: a GPU with its spare rows running low still runs jobs correctly."""
+        return self in (Action.RESET_GPU, Action.REBOOT, Action.DRAIN)
+
 
 class EntityKind(enum.StrEnum):
     NODE = "node"
@@ -155,6 +162,12 @@ def worst_action(findings: Iterable[Finding]) -> Action:
     return max((f.action for f in findings), default=Action.NONE)
 
 
+def takes_node_out(findings: Iterable[Finding]) -> bool:
+    """Some finding asks for a reset, a reboot or a drain (``Action.takes_node_out``): the node is not fit
+    for a new job even when every such finding is only a warning."""
+    return any(f.action.takes_node_out for f in findings)
+
+
 class MetricKind(enum.StrEnum):
     GAUGE = "gauge"
     COUNTER = "counter"
@@ -243,4 +256,4 @@ class StepRecord:
 
 
 __all__ = ["MAX_RANKS", "Action", "Entity", "EntityKind", "Finding", "Health", "MetricKind", "RankIdentity", "Sample",
-           "Severity", "StepRecord", "health_of", "worst_action"]
+           "Severity", "StepRecord", "health_of", "takes_node_out", "worst_action"]

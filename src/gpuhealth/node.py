@@ -6,7 +6,8 @@ GPUs, builds the collect context (sysfs, kernel log, thresholds), runs each coll
 isolating ``CollectorRunner`` and returns a ``NodeReport`` whose ``to_dict()`` is the
 ``status --json`` document:
 
-``{"node": {...}, "gpus": [{"index", "uuid", "name", "pci_bus_id", "health", "findings": [...]}],
+``{"node": {..., "environment": {...}}, "gpus": [{"index", "uuid", "name", "pci_bus_id", "health", "findings":
+[...]}],
 "findings": [...]}`` — ``gpus[].findings`` are the findings about that GPU (or its links);
 top-level ``findings`` are those about the node as a whole.
 
@@ -24,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from gpuhealth.backends.base import NvmlBackend
+from gpuhealth.backends.environment import environment_for
 from gpuhealth.backends.kmsg import DEV_KMSG, DevKmsg, KmsgFile, KmsgLines, KmsgSource
 from gpuhealth.backends.nvml_fake import BUNDLED_RECORDINGS, FakeNvml, bundled_recording_path
 from gpuhealth.backends.nvml_real import RealNvml
@@ -110,6 +112,7 @@ class NodeReport:
     collectors: list[CollectorStatus] = field(default_factory=list)
     nvml_up: bool = True
     agent: AgentFacts | None = None
+    environment: dict[str, Any] | None = None  # backends.environment.Environment.to_dict(): where it runs
 
     def all_findings(self) -> list[Finding]:
         return [*self.findings, *(f for g in self.gpus for f in g.findings)]
@@ -136,6 +139,7 @@ class NodeReport:
             "backend": self.backend,
             "time": self.time,
             "gpu_count": len(self.gpus),
+            "environment": self.environment,
             "versions": self.versions,
             "collectors": [c.to_dict(totals=self.agent is not None) for c in self.collectors],
         }
@@ -152,7 +156,7 @@ class NodeReport:
 def assemble_report(*, node: str, simulated: bool, backend: str, time: float, gpus: Sequence[GpuIdentity],
                     findings: Iterable[Finding], versions: Mapping[str, Any], collectors: Sequence[CollectorStatus],
                     runs: Sequence[CollectorRun] = (), nvml_up: bool = True, agent: AgentFacts | None = None,
-                    ) -> NodeReport:
+                    environment: Mapping[str, Any] | None = None) -> NodeReport:
     """The one node-report builder. Findings are grouped by GPU (anything on a GPU: the GPU, its
     links, its processes); the rest are the node's."""
     reports = {g.index: GpuReport(g, nvml_up=nvml_up) for g in gpus}
@@ -168,7 +172,8 @@ def assemble_report(*, node: str, simulated: bool, backend: str, time: float, gp
             node_findings.append(f)
     return NodeReport(node=node, simulated=simulated, backend=backend, time=time,
                       gpus=[reports[i] for i in sorted(reports)], findings=node_findings, versions=dict(versions),
-                      runs=list(runs), collectors=list(collectors), nvml_up=nvml_up, agent=agent)
+                      runs=list(runs), collectors=list(collectors), nvml_up=nvml_up, agent=agent,
+                      environment=None if environment is None else dict(environment))
 
 
 def _ordered(findings: Sequence[Finding]) -> list[Finding]:
@@ -199,6 +204,7 @@ def collect_once(
         now=now,
         sysfs=sysfs if sysfs is not None else sysfs_for(backend, config.collectors.sysfs_root),
         kmsg=kmsg if kmsg is not None else default_kmsg(backend, config),
+        environment=environment_for(backend, config.collectors.sysfs_root),
         extras=extras,
     )
     own_collectors = collectors is None
@@ -228,6 +234,7 @@ def build_report(ctx: CollectContext, runs: Sequence[CollectorRun]) -> NodeRepor
         gpus=ctx.gpus, findings=[f for run in runs for f in run.findings],
         versions=versions_of(versions_run.observations if versions_run else None),
         collectors=[CollectorStatus(r.name, r.lane.value, 0.0).after(r) for r in runs], runs=runs,
+        environment=(ctx.environment or environment_for(ctx.backend, ctx.config.collectors.sysfs_root)).to_dict(),
     )
 
 
@@ -238,6 +245,7 @@ def report_of_snapshot(snap: ExportSnapshot, versions: Mapping[str, Any] | None 
         findings=snap.findings, versions=versions or {}, collectors=snap.collectors, nvml_up=snap.nvml_up,
         agent=AgentFacts(driver_version=snap.driver_version, cuda_driver_version=snap.cuda_driver_version,
                          ready=snap.ready, agent_version=snap.version),
+        environment=snap.environment,
     )
 
 

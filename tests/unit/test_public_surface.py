@@ -21,7 +21,8 @@ from gpuhealth.cli.main import COMMANDS, cli
 # The modules others build on, and exactly what each offers.
 PUBLIC: dict[str, set[str]] = {
     "gpuhealth.model": {"MAX_RANKS", "Action", "Entity", "EntityKind", "Finding", "Health", "MetricKind",
-                        "RankIdentity", "Sample", "Severity", "StepRecord", "health_of", "worst_action"},
+                        "RankIdentity", "Sample", "Severity", "StepRecord", "health_of", "takes_node_out",
+                        "worst_action"},
     "gpuhealth.flightrec.verdict": {"VERDICTS", "RootCause", "RootKind", "TriageReport", "Verdict", "triage"},
     "gpuhealth.flightrec.report": {"Blocked", "RootCause", "RootKind", "TriageReport", "Verdict"},
     "gpuhealth.config": {"AgentConfig", "CollectorsConfig", "Config", "ConfigError", "CoordinatorConfig",
@@ -33,6 +34,7 @@ PUBLIC: dict[str, set[str]] = {
     "gpuhealth.collectors.registry": {"COLLECTOR_MODULES", "UnknownCollector", "all_collectors"},
     "gpuhealth.collectors.runner": {"FAILED_CODE", "CollectorRun", "CollectorRunner", "CollectorStatus",
                                     "enumerate_gpus", "error_findings"},
+    "gpuhealth.backends.environment": {"UNKNOWN", "Environment", "detect_environment", "environment_for"},
     "gpuhealth.backends.base": {"NVLINK_KEYS", "NVLINK_MAX_LINKS", "FieldResult", "NvmlBackend", "XidEvent"},
     "gpuhealth.backends.nvml_keys": {"ALL_KEYS", "ARGUMENT_KEYS", "SIMPLE_KEYS", "SLOW_KEYS", "STRUCT_KEYS",
                                      "nvml_const", "resolve_arguments"},

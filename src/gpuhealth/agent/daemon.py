@@ -79,6 +79,7 @@ class Agent:
         self._collectors: dict[str, Collector] = {}
         self._kmsg = kmsg
         self._sysfs = sysfs
+        self._environment: Any = None  # backends.environment.Environment, read in _prepare_context
         self._extras: dict[str, Any] = {"agent": True}
         self.runner = runner or CollectorRunner(timeout_s=config.collectors.timeout_s)
         self.cache = Cache(
@@ -328,14 +329,20 @@ class Agent:
         snap = self.cache.snapshot()
         return CollectContext(
             backend=self.backend, config=self.config, gpus=snap.gpus, node_name=self.node_name, now=time.time(),
-            sysfs=self._sysfs, kmsg=self._kmsg, extras=self._extras,
+            sysfs=self._sysfs, kmsg=self._kmsg, environment=self._environment, extras=self._extras,
         )
 
     def _prepare_context(self) -> None:
         """Sources and thresholds the collectors share (built at start and on reload, not per run)."""
+        from gpuhealth.backends.environment import environment_for
         from gpuhealth.backends.sysfs import sysfs_for
         from gpuhealth.node import default_kmsg
 
+        env = environment_for(self.backend, self.config.collectors.sysfs_root)
+        if env != self._environment:  # what each check can see from here (docs/environments.md)
+            log.info("environment: %s (%s)", env.summary(), "; ".join(env.evidence))
+            self._environment = env
+            self.cache.update_facts(environment=env.to_dict())
         if self._sysfs is None:
             self._sysfs = sysfs_for(self.backend, self.config.collectors.sysfs_root)
         if self._kmsg is None:

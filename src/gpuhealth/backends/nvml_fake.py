@@ -20,6 +20,9 @@ events:                         # applied when the scenario clock passes ``at`` 
   - {at: 10, type: lost, gpu: 1}               # every call on GPU 1 → GPU_IS_LOST
   - {at: 20, type: driver_unloaded, until: 30} # init/all calls fail, then recover
 kmsg: ["NVRM: Xid (PCI:0000:00:06): 79, pid=0, GPU has fallen off the bus."]
+system:                         # node-wide recording keys → replacement (same shorthand as overrides)
+  fabric_manager: stopped
+  environment: {virtualization: none, container: false, host_pid_namespace: true, nvswitches_visible: 4}
 ```
 The clock is injected (``clock``), so tests step time without sleeping.
 """
@@ -51,6 +54,9 @@ MAX_EVENTS = 100_000
 MAX_KMSG_LINES = 100_000
 MAX_RECORDED_LINKS = 64  # the recorder probes past NVML's link count (36 on a recording of an H200)
 DEFAULT_RECORDING = "nvml_h200x2.json"
+# Node-wide keys a scenario's ``system`` may replace (what ``FakeNvml.system`` answers besides the driver's).
+SYSTEM_KEYS = ("driver", "nvml_version", "cuda_driver", "fabric_manager", "environment")
+HOST_KEYS = ("fabric_manager", "environment")  # what the recorder read from the host, not from NVML
 
 # Per-link field ids served from the recording's per-link counters (scope = link number).
 _PER_LINK_FIELDS = {
@@ -383,6 +389,13 @@ class FakeNvml:
             count = _index(count, f"{source}: gpu_count {count!r:.40}")
             if not 1 <= count <= MAX_GPUS:
                 raise RecordingError(f"{source}: gpu_count must be 1..{MAX_GPUS}, got {count}")
+        raw_system = scenario.get("system") or {}
+        if not isinstance(raw_system, Mapping) or not all(
+                isinstance(k, str) and k in SYSTEM_KEYS for k in raw_system):
+            raise RecordingError(f"{source}: 'system' must map node-wide keys ({', '.join(SYSTEM_KEYS)}) → values")
+        if raw_system:
+            recording = {**recording, **{k: _normalise_override(v, f"{source}: system.{k}")
+                                         for k, v in raw_system.items()}}
         kmsg = scenario.get("kmsg") or []
         if not isinstance(kmsg, list) or len(kmsg) > MAX_KMSG_LINES or not all(
                 isinstance(x, str) and len(x) <= 16_384 for x in kmsg):
@@ -553,7 +566,8 @@ class FakeNvml:
 
     def system(self, key: str) -> Any:
         with self._lock:
-            self._check()
+            if key not in HOST_KEYS:  # the recorded host's facts hold while its driver is down, too
+                self._check()
             if key not in self._recording:
                 raise NvmlError(errors.NOT_SUPPORTED, f"not recorded: {key}")
             return _answer(self._recording[key], f"{self._source}: {key}")

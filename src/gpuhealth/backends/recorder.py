@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from gpuhealth import __version__
+from gpuhealth.backends.environment import detect_environment
 from gpuhealth.backends.errors import BackendUnavailable, NvmlError
 from gpuhealth.backends.fabricmanager import fabric_manager_state
 from gpuhealth.backends.gpm import read_gpm
@@ -79,6 +80,8 @@ class Recorder:
             fm = fabric_manager_state(Path(self.sysfs_root) / "proc")
             if fm is not None:  # what a replay reports for this node (backends/fabricmanager.py)
                 res["fabric_manager"] = {"value": fm}
+            # Bare metal / VM guest / container, NVSwitches seen: a replay is judged as this machine would be.
+            res["environment"] = {"value": detect_environment(self.sysfs_root).to_dict()}
             n = N.nvmlDeviceGetCount()
             for i in range(n):
                 res["devices"].append(self.device(N.nvmlDeviceGetHandleByIndex(i)))

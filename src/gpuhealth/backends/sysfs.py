@@ -98,6 +98,14 @@ def _int(text: str | None, base: int = 10) -> int | None:
         return None
 
 
+def _link_name(path: Path) -> str | None:
+    """The last part of a symlink's target (a device's ``driver`` → "nvidia"), None when absent."""
+    try:
+        return os.path.basename(os.readlink(path)) or None
+    except OSError:
+        return None
+
+
 def normalise_bdf(bus_id: str) -> str:
     """NVML "00000000:18:00.0" or sysfs "0000:18:00.0" → "0000:18:00.0" (lower case)."""
     bus = bus_id.strip().lower()
@@ -120,6 +128,7 @@ class PciDevice:
     max_link_speed: str | None = None
     current_link_width: int | None = None
     max_link_width: int | None = None
+    driver: str | None = None  # the bound kernel driver ("nvidia", "vfio-pci"); None when unbound or unknown
 
     @property
     def current_link_gen(self) -> int | None:
@@ -194,6 +203,16 @@ class Sysfs(Protocol):
         """Every NVIDIA GPU function the kernel enumerated (vendor 0x10de, display class)."""
         ...
 
+    def nvidia_driver_gpus(self) -> dict[str, int | None] | None:
+        """The GPUs the NVIDIA driver shows this view (``/proc/driver/nvidia/gpus/<bdf>``) → their device
+        minor (``/dev/nvidia<minor>``), or None when the driver's directory cannot be read. In a container the
+        NVIDIA runtime mounts only the container's own GPUs there."""
+        ...
+
+    def device_node_exists(self, minor: int) -> bool:
+        """``/dev/nvidia<minor>`` is present in this view (a container gets only its GPUs' nodes)."""
+        ...
+
     def infiniband_ports(self) -> list[IbPort]: ...
 
     def numa_nodes(self) -> dict[int, frozenset[int]]:
@@ -233,7 +252,27 @@ class RealSysfs:
             max_link_speed=r(path / "max_link_speed"),
             current_link_width=_int(r(path / "current_link_width")),
             max_link_width=_int(r(path / "max_link_width")),
+            driver=_link_name(path / "driver"),
         )
+
+    def nvidia_driver_gpus(self) -> dict[str, int | None] | None:
+        base = self._root / "proc" / "driver" / "nvidia" / "gpus"
+        try:
+            names = os.listdir(base)
+        except OSError:
+            return None
+        out: dict[str, int | None] = {}
+        for name in names:
+            minor = None
+            for line in (self._read(base / name / "information") or "").splitlines():
+                key, _, value = line.partition(":")
+                if key.strip() == "Device Minor":
+                    minor = _int(value)
+            out[normalise_bdf(name)] = minor
+        return out
+
+    def device_node_exists(self, minor: int) -> bool:
+        return (self._root / "dev" / f"nvidia{minor}").exists()
 
     def pci_device(self, bdf: str) -> PciDevice | None:
         norm = normalise_bdf(bdf)
@@ -368,6 +407,12 @@ class RecordedSysfs:
 
     def nvidia_pci_devices(self) -> list[PciDevice]:
         return [d for d in (self._device(x) for x in self._recorded() if x.get("bdf")) if d.is_nvidia_gpu]
+
+    def nvidia_driver_gpus(self) -> dict[str, int | None] | None:
+        return {d.bdf: None for d in self.nvidia_pci_devices()}  # a recording holds only the driver's GPUs
+
+    def device_node_exists(self, minor: int) -> bool:
+        return True
 
     def infiniband_ports(self) -> list[IbPort]:
         return []

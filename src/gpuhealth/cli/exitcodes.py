@@ -29,5 +29,16 @@ _TABLE: dict[Profile, dict[Health, int]] = {
 }
 
 
-def exit_code(health: Health, profile: str | Profile = Profile.DEFAULT) -> int:
-    return _TABLE[Profile(profile)][health]
+# The profiles that answer "fit to run a job?": a finding that asks for a reset, a reboot or a drain makes
+# the node unfit whatever its severity (``Action.takes_node_out``: a power brake is a warning that means drain).
+_FIT_PROFILES = frozenset({Profile.SLURM, Profile.NPD})
+
+
+def exit_code(health: Health, profile: str | Profile = Profile.DEFAULT, *, takes_node_out: bool = False) -> int:
+    """The profile's code for ``health``; ``takes_node_out`` (``model.takes_node_out(findings)``) turns a
+    fit answer of the Slurm and node-problem-detector profiles into "not fit" / "problem"."""
+    p = Profile(profile)
+    code = _TABLE[p][health]
+    if takes_node_out and p in _FIT_PROFILES and code == 0:
+        return 1
+    return code

@@ -7,6 +7,7 @@ terminal) or ``--json``, exit with the chosen profile's code.
 from __future__ import annotations
 
 import json
+import socket
 import sys
 import time
 from typing import Any
@@ -23,15 +24,23 @@ from gpuhealth.cli._node_inputs import NodeInputError, open_node
 from gpuhealth.cli.exitcodes import PROFILE_NAMES, exit_code
 from gpuhealth.diag.qualify import LEVELS, QualifyReport, default_state_dir, run_qualify
 from gpuhealth.diag.runner import DiagRunner
-from gpuhealth.model import Health
+from gpuhealth.model import Action, Entity, Finding, Health, Severity
 from gpuhealth.node import collect_once
 
 _STYLE = {Health.HEALTHY: "bold green", Health.DEGRADED: "bold yellow", Health.UNHEALTHY: "bold red",
           Health.UNKNOWN: "bold magenta"}
 
 
-def _fail(message: str, profile: str) -> None:
+def _fail(message: str, profile: str, *, as_json: bool = False, level: str = "", driver: bool = False) -> None:
     click.echo(f"gpuhealth qualify: {message}", err=True)
+    if as_json:  # a report all the same: a scheduler hook tells "could not check" (health unknown) from "not fit"
+        findings = []
+        if driver:
+            findings.append(Finding("nvml.unavailable", Severity.CRITICAL, Entity.node(socket.gethostname()),
+                                    f"NVML is not answering: {message}", Action.REBOOT, {}, "cli/qualify.py"))
+        click.echo(json.dumps({"node": {"name": socket.gethostname(), "level": level, "health": str(Health.UNKNOWN),
+                                        "fit": False, "error": message},
+                               "gpus": [], "findings": [f.to_dict() for f in findings]}, indent=2))
     sys.exit(exit_code(Health.UNKNOWN, profile))
 
 
@@ -54,7 +63,7 @@ def command(level: str, snapshot: str | None, kmsg_path: str | None, expected_gp
     try:
         config, backend = open_node(config_path, snapshot, kmsg_path, expected_gpus)
     except NodeInputError as exc:
-        _fail(str(exc), profile)
+        _fail(str(exc), profile, as_json=as_json, level=level, driver=exc.driver)
         return
     err = Console(stderr=True, highlight=False)
     show_progress = not as_json and err.is_terminal
@@ -71,10 +80,10 @@ def command(level: str, snapshot: str | None, kmsg_path: str | None, expected_gp
         else:
             result = run_qualify(report, config, level, runner, force=force, t0=t0)
     except NvmlError as exc:
-        _fail(f"NVML failed: {exc}", profile)
+        _fail(f"NVML failed: {exc}", profile, as_json=as_json, level=level, driver=True)
         return
     except (ValueError, OSError) as exc:
-        _fail(str(exc), profile)
+        _fail(str(exc), profile, as_json=as_json, level=level)
         return
     finally:
         backend.shutdown()
@@ -82,7 +91,7 @@ def command(level: str, snapshot: str | None, kmsg_path: str | None, expected_gp
         click.echo(json.dumps(result.to_dict(), indent=2, default=str))
     else:
         render(result, output_console())
-    sys.exit(exit_code(result.health, profile))
+    sys.exit(exit_code(result.health, profile, takes_node_out=result.takes_node_out))
 
 
 def render(r: QualifyReport, console: Console) -> None:

@@ -24,6 +24,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from gpuhealth.backends.environment import Environment
 from gpuhealth.backends.errors import NvmlError, RecordingError
 from gpuhealth.catalog.thresholds import ThresholdsError
 from gpuhealth.catalog.xid import CatalogError
@@ -32,7 +33,7 @@ from gpuhealth.cli._console import output_console
 from gpuhealth.cli._node_inputs import NodeInputError, open_node
 from gpuhealth.cli.exitcodes import PROFILE_NAMES, exit_code
 from gpuhealth.collectors.registry import UnknownCollector
-from gpuhealth.model import Action, Entity, Finding, Health, Severity
+from gpuhealth.model import Action, Entity, Finding, Health, Severity, takes_node_out
 from gpuhealth.node import NodeReport, collect_once
 
 _HEALTH_STYLE = {Health.HEALTHY: "bold green", Health.DEGRADED: "bold yellow", Health.UNHEALTHY: "bold red",
@@ -84,9 +85,9 @@ def command(snapshot: str | None, kmsg_path: str | None, expected_gpus: int | No
             agent_error = str(exc)
             click.echo(f"gpuhealth status: the agent did not answer ({exc}); checking once here instead", err=True)
         else:
-            _show_agent_report(from_agent.doc, from_agent.health, from_agent.findings(), as_json, profile,
-                               from_agent.url)
-            sys.exit(exit_code(from_agent.health, profile))
+            findings = from_agent.findings()
+            _show_agent_report(from_agent.doc, from_agent.health, findings, as_json, profile, from_agent.url)
+            sys.exit(exit_code(from_agent.health, profile, takes_node_out=takes_node_out(findings)))
     try:
         config, backend = open_node(config_path, snapshot, kmsg_path, expected_gpus)
     except NodeInputError as exc:
@@ -116,7 +117,7 @@ def command(snapshot: str | None, kmsg_path: str | None, expected_gpus: int | No
         click.echo(one_line(report) + (" (agent down: one-shot check)" if agent_error is not None else ""))
     else:
         render(report, output_console())  # piped into a file or a log: nothing cut
-    sys.exit(exit_code(report.health, profile))
+    sys.exit(exit_code(report.health, profile, takes_node_out=takes_node_out(report.all_findings())))
 
 
 def one_line(report: NodeReport) -> str:
@@ -141,9 +142,17 @@ def _show_agent_report(doc: dict[str, Any], health: Health, findings: list[Findi
     if node.get("simulated"):
         head.append("  SIMULATED", style="bold black on yellow")
     console.print(head)
+    _print_environment(node.get("environment"), console)
     for f in sorted(findings, key=lambda f: -int(f.severity)):
         prefix = f"  GPU {f.entity.gpu_index}: " if f.entity.gpu_index is not None else "  node: "
         console.print(Text(prefix).append_text(_finding_text(f)))
+
+
+def _print_environment(env: Any, console: Console) -> None:
+    """Where the report was made: an operator sees why a check says "not checked" (bare metal, VM guest,
+    container and its namespaces)."""
+    if isinstance(env, dict):
+        console.print(Text(f"Environment: {Environment.from_dict(env).summary()}", style="dim"))
 
 
 def _finding_text(f: Finding) -> Text:
@@ -171,6 +180,7 @@ def render(report: NodeReport, console: Console) -> None:
     if int(report.action):
         head.append(f"  action: {report.action}", style="bold")
     console.print(head)
+    _print_environment(report.environment, console)
     table = Table(show_lines=False, expand=False)
     table.add_column("GPU", justify="right")
     table.add_column("Name")

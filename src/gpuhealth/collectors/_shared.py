@@ -9,6 +9,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, TypeGuard
 
 from gpuhealth.backends import errors
+from gpuhealth.backends.environment import Environment, environment_for
 from gpuhealth.backends.errors import NvmlError
 from gpuhealth.backends.sysfs import Sysfs, sysfs_for
 from gpuhealth.collectors.base import CollectContext, History, Observations
@@ -38,6 +39,15 @@ def sysfs_of(ctx: CollectContext) -> Sysfs:
     if given is not None:
         return given
     return sysfs_for(ctx.backend, ctx.config.collectors.sysfs_root)
+
+
+def environment_of(ctx: CollectContext) -> Environment:
+    """Where the readings come from (bare metal, VM guest, container; backends/environment.py): the
+    context's, else the recording's for a replay, else this host's (read once per process)."""
+    given: Environment | None = ctx.environment
+    if given is not None:
+        return given
+    return environment_for(ctx.backend, ctx.config.collectors.sysfs_root)
 
 
 def read_fields(

@@ -144,6 +144,7 @@ class CollectContext:
     now: float
     sysfs: Any = None  # backends.sysfs.Sysfs
     kmsg: Any = None  # backends.kmsg.KmsgSource
+    environment: Any = None  # backends.environment.Environment (None: the backend's, see _shared.environment_of)
     extras: Mapping[str, Any] = field(default_factory=dict)
 
     def gpu_by_index(self, index: int) -> GpuIdentity | None:

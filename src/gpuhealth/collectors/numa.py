@@ -11,6 +11,10 @@ A process is misplaced (``numa.process_misplaced``, warning, ``check_job``) when
 A process allowed on every CPU is not misplaced by its affinity alone (the scheduler may still do
 well); its memory placement is still checked.
 
+NVML names processes by their id in the host's PID namespace. A container without the host's PID
+namespace (no ``hostPID``) would read another process under the same number in its own ``/proc``: there
+the processes are not inspected, and one info finding (``numa.processes_unobserved``) says so.
+
 When the platform has no NUMA information (VMs report ``numa_node`` = -1 and NVML
 "Not Supported", as the real recordings do) nothing can be judged: the collector records that as a
 node observation and one info finding (``numa.unknown``), never a warning. A host with a single
@@ -27,7 +31,7 @@ from typing import Any, Protocol
 from gpuhealth.backends import errors
 from gpuhealth.backends.errors import NvmlError
 from gpuhealth.backends.sysfs import format_cpulist, parse_cpulist
-from gpuhealth.collectors._shared import fetch, gpu_entity, is_number, node_entity, sysfs_of
+from gpuhealth.collectors._shared import environment_of, fetch, gpu_entity, is_number, node_entity, sysfs_of
 from gpuhealth.collectors.base import CollectContext, Collector, History, Lane, Observations
 from gpuhealth.model import Action, Finding, Sample, Severity
 
@@ -136,6 +140,8 @@ class NumaCollector:
         obs = Observations(NAME, ctx.now)
         sysfs = sysfs_of(ctx)
         nodes = sysfs.numa_nodes()
+        # NVML's pids are the host's: only a view of the host's PID namespace can look them up.
+        sees_pids = environment_of(ctx).host_pid_namespace is not False
         obs.node["numa_nodes"] = {n: format_cpulist(c) for n, c in nodes.items()}
         for g in ctx.gpus:
             i = g.index
@@ -157,6 +163,10 @@ class NumaCollector:
             rec["numa_node"] = node
             rec["local_cpus"] = format_cpulist(local)
             procs = _processes(_gpu_processes(ctx, obs, i))
+            if procs and not sees_pids:
+                obs.node["processes_unobserved"] = True
+                rec["processes"] = [{**p, "unobserved": True} for p in procs]
+                continue
             for p in procs:
                 pid = p["pid"]
                 p["name"] = self._inspector.name(pid)
@@ -177,6 +187,8 @@ class NumaCollector:
                 unknown.append(i)
                 continue
             for p in rec.get("processes") or []:
+                if p.get("unobserved"):
+                    continue
                 reasons: list[str] = []
                 cpus_text = p.get("cpus")
                 cpus = parse_cpulist(cpus_text) if cpus_text is not None else None
@@ -200,6 +212,15 @@ class NumaCollector:
                          "local_page_share": None if local_share is None else round(local_share, 3)},
                         NAME,
                     ))
+        if obs.node.get("processes_unobserved"):
+            gpus = [i for i, rec in sorted(obs.per_gpu.items()) if any(p.get("unobserved")
+                                                                      for p in rec.get("processes") or [])]
+            out.append(Finding(
+                "numa.processes_unobserved", Severity.INFO, node_entity(ctx),
+                f"process placement on GPU(s) {', '.join(map(str, gpus))} not checked: this container does not "
+                "share the host's PID namespace, so NVML's process ids name processes it cannot see (hostPID)",
+                Action.NONE, {"gpus": gpus}, NAME,
+            ))
         if unknown and len(obs.node.get("numa_nodes") or {}) != 1:  # one node: nothing to misplace
             out.append(Finding(
                 "numa.unknown", Severity.INFO, node_entity(ctx),

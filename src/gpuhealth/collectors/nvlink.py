@@ -23,10 +23,14 @@ Fabric (``GpuFabricInfo``; GPUs on NVSwitch): registration finished with an erro
 started, → ``fabric.degraded`` critical; still in progress → warning. NOT_SUPPORTED → nothing.
 
 Fabric Manager: on a node whose GPUs have NVSwitch links (``NVML_FI_DEV_NVSWITCH_CONNECTED_LINK_COUNT``
-> 0), ``nv-fabricmanager`` must be running (``backends/fabricmanager.py``; a recording says what the
-recorder saw). Not running → ``fabric.manager_down`` (critical, drain): the GPUs' fabric state
-stays "completed" after the manager dies, so only this check sees it. Unknown (``/proc`` unreadable, a
-recording that does not say) → nothing.
+> 0) *and that owns the switches*, ``nv-fabricmanager`` must be running (``backends/fabricmanager.py``; a
+recording says what the recorder saw). Not running → ``fabric.manager_down`` (critical, drain): the GPUs'
+fabric state stays "completed" after the manager dies, so only this check sees it. The drain needs proof
+that the manager belongs here and would be seen (``backends/environment.py``): NVSwitch PCI devices visible
+to this host (bare metal, or a guest given the switches) and the host's PID namespace. Elsewhere — a VM
+guest given only GPUs (the host runs the fabric), a container without ``hostPID``, a replay that does not
+record its environment, ``/proc`` unreadable — the manager cannot be seen: ``fabric.manager_unobserved``
+(info) says why, and the GPUs' own fabric state (above) is what is judged.
 """
 
 from __future__ import annotations
@@ -37,10 +41,11 @@ from typing import Any
 
 from gpuhealth.backends.base import NVLINK_MAX_LINKS
 from gpuhealth.backends.errors import NvmlError
-from gpuhealth.backends.fabricmanager import STOPPED, fabric_manager_state
+from gpuhealth.backends.fabricmanager import RUNNING, STOPPED, fabric_manager_state
 from gpuhealth.catalog.thresholds import NvlinkThresholds, thresholds_from
 from gpuhealth.collectors._shared import (
     earlier_reading,
+    environment_of,
     fetch,
     gpu_entity,
     gpu_key,
@@ -80,6 +85,36 @@ FABRIC_NOT_SUPPORTED, FABRIC_NOT_STARTED, FABRIC_IN_PROGRESS, FABRIC_COMPLETED =
 _FABRIC_STATE_NAMES = {0: "not_supported", 1: "not_started", 2: "in_progress", 3: "completed"}
 # healthMask: bits 0-1 = degraded bandwidth (1 = true)
 _HEALTH_DEGRADED_BW_TRUE = 1
+
+
+def _manager_unseen_because(env: dict[str, Any], fm: str | None) -> str | None:
+    """Why this host cannot judge the Fabric Manager, or None when it can (it owns the switches and sees the
+    host's processes)."""
+    switches = env.get("nvswitches_visible")
+    if switches is None:
+        return "it is unknown whether this host owns the NVSwitches (no recorded or readable PCI bus)"
+    if switches == 0:
+        if env.get("kind") in ("VM guest", "container in a VM guest"):
+            return "no NVSwitch is visible to this VM guest: the host runs the fabric and its Fabric Manager"
+        return "no NVSwitch is visible to this host: the switches and their Fabric Manager are elsewhere"
+    if env.get("host_pid_namespace") is False:
+        return "this container does not share the host's PID namespace, so the host's processes are invisible"
+    if env.get("host_pid_namespace") is None:
+        return "it is unknown whether /proc shows the host's processes"
+    if fm is None:
+        return "/proc cannot be read"
+    return None
+
+
+def _state_counts(obs: Observations, gpus: list[int]) -> str:
+    counts: dict[str, int] = {}
+    for i in gpus:
+        rec = obs.per_gpu[i]
+        state = _FABRIC_STATE_NAMES.get(int(rec["fabric_state"]), "?") if is_number(rec.get("fabric_state")) else "?"
+        status = rec.get("fabric_status")
+        text = state + ("/success" if status == 0 else f"/error {status}" if is_number(status) else "")
+        counts[text] = counts.get(text, 0) + 1
+    return ", ".join(f"{n} GPU(s) {text}" for text, n in sorted(counts.items()))
 
 
 def expected_links(rec: dict[str, Any], ctx: CollectContext) -> int | None:
@@ -132,6 +167,9 @@ class NvlinkCollector:
     def collect(self, ctx: CollectContext) -> Observations:
         obs = Observations(NAME, ctx.now)
         obs.node["fabric_manager"] = self._fabric_manager(ctx)
+        env = environment_of(ctx)
+        obs.node["environment"] = {"kind": env.kind, "host_pid_namespace": env.host_pid_namespace,
+                                   "nvswitches_visible": env.nvswitches_visible}
         for g in ctx.gpus:
             i = g.index
             rec = obs.gpu(i)
@@ -196,12 +234,8 @@ class NvlinkCollector:
         th = thresholds_from(ctx).nvlink
         out: list[Finding] = []
         switched = [i for i, rec in sorted(obs.per_gpu.items()) if (rec.get("nvswitch_links") or 0) > 0]
-        if switched and obs.node.get("fabric_manager") == STOPPED:
-            out.append(Finding(
-                "fabric.manager_down", Severity.CRITICAL, Entity.node(ctx.node_name),
-                f"{len(switched)} GPU(s) are on NVSwitches but the NVIDIA Fabric Manager (nv-fabricmanager) is "
-                "not running: NVLink traffic across the switches fails for new jobs",
-                Action.DRAIN, {"gpus_on_nvswitch": switched}, NAME))
+        if switched:
+            out.extend(self._fabric_manager_findings(switched, obs, ctx))
         for i, rec in sorted(obs.per_gpu.items()):
             if rec.get("unreadable"):
                 continue
@@ -282,6 +316,28 @@ class NvlinkCollector:
             Action.DRAIN if severity is Severity.CRITICAL else Action.MONITOR,
             {"link": link, "window_s": round(window, 1), **grown}, NAME,
         )
+
+    @staticmethod
+    def _fabric_manager_findings(switched: list[int], obs: Observations, ctx: CollectContext) -> list[Finding]:
+        fm = obs.node.get("fabric_manager")
+        if fm == RUNNING:
+            return []
+        why = _manager_unseen_because(obs.node.get("environment") or {}, fm)
+        if why is None and fm == STOPPED:
+            return [Finding(
+                "fabric.manager_down", Severity.CRITICAL, Entity.node(ctx.node_name),
+                f"{len(switched)} GPU(s) are on NVSwitches but the NVIDIA Fabric Manager (nv-fabricmanager) is "
+                "not running: NVLink traffic across the switches fails for new jobs",
+                Action.DRAIN, {"gpus_on_nvswitch": switched, "environment": obs.node.get("environment")}, NAME)]
+        states = {i: _FABRIC_STATE_NAMES.get(int(s), str(s)) for i in switched
+                  if is_number(s := obs.per_gpu[i].get("fabric_state"))}
+        judged = (f"; the GPUs' own fabric state is judged instead ({_state_counts(obs, switched)})" if states
+                  else "; NVML gives no fabric state to judge instead")
+        return [Finding(
+            "fabric.manager_unobserved", Severity.INFO, Entity.node(ctx.node_name),
+            f"Fabric Manager not checked: {why}{judged}", Action.NONE,
+            {"gpus_on_nvswitch": switched, "reason": why, "fabric_manager_seen": fm, "fabric_states": states,
+             "environment": obs.node.get("environment")}, NAME)]
 
     @staticmethod
     def _fabric_findings(i: int, rec: dict[str, Any], ctx: CollectContext) -> list[Finding]:

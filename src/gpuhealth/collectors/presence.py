@@ -3,6 +3,10 @@
 - ``gpu.missing`` (critical, node): fewer GPUs in NVML than ``collectors.expected_gpus``, or NVIDIA
   GPUs on the PCI bus (sysfs) that NVML does not list. On the bus but not in NVML → the driver could
   not bring it up (reboot); not even on the bus → hands-on work (drain).
+- Only GPUs this view was given count: the PCI bus shows every GPU of the host, also to a container given
+  two of eight, and to a host that handed some to VMs. A GPU bound to another driver (``vfio-pci``) and,
+  in a container, a GPU the NVIDIA runtime did not give it (absent from ``/proc/driver/nvidia/gpus`` or
+  without its ``/dev/nvidia<minor>``) is outside the view: ``gpu.outside_view`` (info), never missing.
 - ``gpu.lost`` (critical, that GPU): it answers GPU_IS_LOST (fell off the bus → reboot) or
   RESET_REQUIRED (→ reset the GPU). The runner leaves these codes to this collector, so a lost GPU
   shows up once, here, and not as a failure of every other collector.
@@ -18,12 +22,13 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any
 
 from gpuhealth.backends import errors
 from gpuhealth.backends.errors import NvmlError
 from gpuhealth.backends.sysfs import normalise_bdf
-from gpuhealth.collectors._shared import Periodic, sysfs_of
+from gpuhealth.collectors._shared import Periodic, environment_of, sysfs_of
 from gpuhealth.collectors.base import CollectContext, History, Lane, Observations
 from gpuhealth.model import Action, Entity, Finding, MetricKind, Sample, Severity
 
@@ -40,20 +45,18 @@ class PresenceCollector:
     def __init__(self, pci_rescan_s: float = 60.0, mig_refresh_s: float = 30.0) -> None:
         self.pci_rescan_s = pci_rescan_s
         self._mig = Periodic(mig_refresh_s)  # MIG layout changes only when an admin repartitions
-        self._pci: tuple[float, int | None, list[str] | None, str | None] | None = None  # at, count, bdfs, error
+        self._pci: tuple[float, int | None, _PciView] | None = None  # at, NVML count, what the bus showed
 
-    def _pci_gpus(self, ctx: CollectContext, nvml_count: int | None) -> tuple[list[str] | None, str | None]:
+    def _pci_gpus(self, ctx: CollectContext, nvml_count: int | None) -> _PciView:
         cached = self._pci
         if cached is not None and cached[1] == nvml_count and 0 <= ctx.now - cached[0] < self.pci_rescan_s:
-            return cached[2], cached[3]
-        bdfs: list[str] | None
-        error: str | None = None
+            return cached[2]
         try:
-            bdfs = sorted(normalise_bdf(d.bdf) for d in sysfs_of(ctx).nvidia_pci_devices())
+            view = _pci_view(ctx)
         except OSError as exc:  # sysfs unreadable: say so, judge on NVML and config alone
-            bdfs, error = None, str(exc)
-        self._pci = (ctx.now, nvml_count, bdfs, error)
-        return bdfs, error
+            view = _PciView(None, {}, str(exc))
+        self._pci = (ctx.now, nvml_count, view)
+        return view
 
     def supported(self, ctx: CollectContext) -> bool:
         return True
@@ -83,10 +86,11 @@ class PresenceCollector:
                 uuid = next((g.uuid for g in ctx.gpus if g.index == i), str(i))
                 _, mig = self._mig.get(uuid, ctx.now, functools.partial(_read_mig, ctx, obs, i))
                 obs.gpu(i).update(mig)
-        pci, pci_error = self._pci_gpus(ctx, count)
-        obs.node["pci_gpus"] = pci
-        if pci_error:
-            obs.node["pci_error"] = pci_error
+        view = self._pci_gpus(ctx, count)
+        obs.node["pci_gpus"] = view.in_view
+        obs.node["pci_outside_view"] = view.outside
+        if view.error:
+            obs.node["pci_error"] = view.error
         obs.node["expected"] = ctx.config.collectors.expected_gpus
         return obs
 
@@ -114,6 +118,18 @@ class PresenceCollector:
         missing = _missing(obs, ctx)
         if missing is not None:
             out.append(missing)
+        outside: dict[str, str] = obs.node.get("pci_outside_view") or {}
+        if outside:
+            reasons: dict[str, int] = {}
+            for why in outside.values():
+                reasons[why] = reasons.get(why, 0) + 1
+            out.append(Finding(
+                code="gpu.outside_view", severity=Severity.INFO, entity=Entity.node(ctx.node_name),
+                message=f"{len(outside)} NVIDIA GPU(s) on the PCI bus are outside this view ("
+                        + "; ".join(f"{n} {why}" for why, n in sorted(reasons.items()))
+                        + "): not judged as missing",
+                action=Action.NONE, evidence={"gpus": dict(sorted(outside.items()))}, source=self.name,
+            ))
         return out
 
     def samples(self, obs: Observations, ctx: CollectContext) -> Iterable[Sample]:
@@ -122,7 +138,8 @@ class PresenceCollector:
             yield Sample("gpus", float(count), "GPUs NVML lists on this node")
         pci = obs.node.get("pci_gpus")
         if pci is not None:
-            yield Sample("gpus_on_pci_bus", float(len(pci)), "NVIDIA GPUs on the PCI bus (sysfs)")
+            yield Sample("gpus_on_pci_bus", float(len(pci)),
+                         "NVIDIA GPUs on the PCI bus given to this node or container (sysfs)")
         expected = obs.node.get("expected")
         if expected is not None:
             yield Sample("gpus_expected", float(expected), "GPUs this node should have (config)")
@@ -165,6 +182,40 @@ def _read_mig(ctx: CollectContext, obs: Observations, index: int) -> dict[str, A
                 profile = name.rsplit(" MIG ", 1)[1] if " MIG " in name else ""  # "… MIG 1g.10gb" → 1g.10gb
                 out["mig_devices"].append({**d, "profile": profile})
     return out
+
+
+@dataclass(frozen=True, slots=True)
+class _PciView:
+    in_view: list[str] | None  # bus ids of the GPUs on the bus that this view was given; None: unreadable
+    outside: dict[str, str]  # bus id → why it is not this view's GPU
+    error: str | None = None
+
+
+def _pci_view(ctx: CollectContext) -> _PciView:
+    """The GPUs on the PCI bus, split into this view's and the others (handed to another driver, or, in a
+    container, not given to it by the NVIDIA runtime). Raises OSError when sysfs cannot be read."""
+    sysfs = sysfs_of(ctx)
+    devices = sysfs.nvidia_pci_devices()
+    in_container = environment_of(ctx).container is True
+    driver_gpus = sysfs.nvidia_driver_gpus() if in_container else None
+    in_view: list[str] = []
+    outside: dict[str, str] = {}
+    for dev in devices:
+        bdf = normalise_bdf(dev.bdf)
+        if dev.driver is not None and dev.driver != "nvidia":
+            outside[bdf] = f"bound to {dev.driver}"
+        elif in_container and not _given_to_container(bdf, driver_gpus, sysfs):
+            outside[bdf] = "not given to this container"
+        else:
+            in_view.append(bdf)
+    return _PciView(sorted(in_view), outside)
+
+
+def _given_to_container(bdf: str, driver_gpus: dict[str, int | None] | None, sysfs: Any) -> bool:
+    if driver_gpus is None or bdf not in driver_gpus:
+        return False  # the NVIDIA runtime mounts only the container's GPUs under /proc/driver/nvidia/gpus
+    minor = driver_gpus[bdf]
+    return minor is None or bool(sysfs.device_node_exists(minor))  # CDI: the device node tells
 
 
 def _missing(obs: Observations, ctx: CollectContext) -> Finding | None:

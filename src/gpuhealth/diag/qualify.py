@@ -25,7 +25,7 @@ from typing import Any
 
 from gpuhealth.config import Config
 from gpuhealth.diag.runner import DiagOutcome, DiagRunner
-from gpuhealth.model import EntityKind, Finding, Health, Severity, health_of, worst_action
+from gpuhealth.model import EntityKind, Finding, Health, Severity, health_of, takes_node_out, worst_action
 from gpuhealth.node import NodeReport
 
 MiB = 1 << 20
@@ -102,8 +102,13 @@ class QualifyReport:
     phases: dict[str, float] = field(default_factory=dict)  # quick: wall seconds per phase
 
     @property
+    def takes_node_out(self) -> bool:
+        """A finding asks for a reset, reboot or drain (``model.takes_node_out``), whatever its severity."""
+        return takes_node_out([*self.node_findings, *(f for g in self.gpus for f in g.findings)])
+
+    @property
     def fit(self) -> bool:
-        return self.health in (Health.HEALTHY, Health.DEGRADED)
+        return self.health in (Health.HEALTHY, Health.DEGRADED) and not self.takes_node_out
 
     def to_dict(self) -> dict[str, Any]:
         all_findings = [*self.node_findings, *(f for g in self.gpus for f in g.findings)]

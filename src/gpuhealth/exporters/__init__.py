@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from gpuhealth.collectors.base import GpuIdentity
 from gpuhealth.collectors.runner import CollectorStatus
@@ -32,6 +33,8 @@ class NodeFacts:
     agent_findings: tuple[Finding, ...] = ()  # the agent's own (nvml.unavailable); also in a snapshot's findings
     # Extra labels per GPU UUID from the agent's label provider (pod/namespace/container, slurm_job_id).
     gpu_labels: Mapping[str, Mapping[str, str]] = field(default_factory=dict)
+    # Where the agent runs (backends.environment.Environment.to_dict()): bare metal, VM guest, container.
+    environment: Mapping[str, Any] | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

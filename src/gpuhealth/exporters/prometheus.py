@@ -154,6 +154,11 @@ def build_families(snap: ExportSnapshot, *, dcgm_compat: bool = False, nvlink_pe
              "gauge").add(1.0 if snap.simulated else 0.0)
     fams.get(PREFIX + "backend", "Where readings come from (value 1).", "info").add(
         1.0, (("backend", snap.backend), ("simulated", sim)))
+    env = snap.environment
+    if env is not None:
+        fams.get(PREFIX + "node_environment", "Where the agent runs (value 1): bare metal, VM guest or container, "
+                 "its namespaces and the NVSwitches it sees; checks that cannot see say so as info findings.",
+                 "info").add(1.0, tuple((k, _tristate(env.get(k))) for k in _ENVIRONMENT_LABELS))
     fams.get(PREFIX + "nvml_up", "1 when NVML answered at the last attempt, 0 while it is being re-initialised.",
              "gauge").add(1.0 if snap.nvml_up else 0.0)
     fams.get(PREFIX + "nvml_reinits", "Times NVML was re-initialised after the driver or a GPU went away.",
@@ -187,6 +192,18 @@ def _findings(fams: FamilySet, snap: ExportSnapshot, gpu_labels: Mapping[int, La
         counts[key] = counts.get(key, 0) + 1
     for (prefix, own), n in counts.items():
         fam.add(float(n), own, prefix)
+
+
+_ENVIRONMENT_LABELS = ("kind", "virtualization", "container", "host_pid_namespace", "host_network_namespace",
+                       "nvswitches_visible")
+
+
+def _tristate(value: Any) -> str:
+    if value is None:
+        return "unknown"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return str(value)
 
 
 # ---------------------------------------------------------------------------- text format 0.0.4

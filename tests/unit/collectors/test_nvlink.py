@@ -14,8 +14,8 @@ from gpuhealth.model import Action, EntityKind, Severity
 
 def test_h200_all_18_links_up_is_healthy(clock):
     s = Sweeper(nvlink.create(), recording("nvml_h200x2.json", clock), clock)
-    assert s.sweep() == []
-    assert s.after(60) == []
+    assert problems(s.sweep()) == []
+    assert problems(s.after(60)) == []
     rec = s.last_obs.per_gpu[0]
     assert rec["link_count"] == 18 and rec["nvswitch_links"] == 18
     assert len(rec["link_states"]) == 18 and set(rec["link_states"].values()) == {1}
@@ -102,21 +102,22 @@ def test_rotating_reads_keep_rates_and_findings_steady(clock):
     b = inline(clock, events=[{"at": 30, "type": "set", "gpu": 0, "key": "nvlink",
                                "value": {"8": {"err_DL_CRC_FLIT": 60}}}])
     s = Sweeper(nvlink.NvlinkCollector(counter_links_per_sweep=6), b, clock)
-    assert s.sweep() == []  # t=0: every link read (link 8 = 0)
-    assert s.after(60) == []  # t=60: links 0-5
-    (f,) = s.after(60)  # t=120: links 6-11: link 8 +60 since its read at t=0
+    assert problems(s.sweep()) == []  # t=0: every link read (link 8 = 0)
+    assert problems(s.after(60)) == []  # t=60: links 0-5
+    (f,) = problems(s.after(60))  # t=120: links 6-11: link 8 +60 since its read at t=0
     assert f.entity.id.endswith("/nvlink/8") and f.severity is Severity.WARNING
     assert f.evidence["crc_increase"] == 60 and f.evidence["window_s"] == 120.0
-    (again,) = s.after(60)  # t=180: links 12-17; link 8's last reading still stands
+    (again,) = problems(s.after(60))  # t=180: links 12-17; link 8's last reading still stands
     assert again.evidence == f.evidence
-    assert s.after(60) and s.after(60) == []  # t=300: link 8 re-read, no growth since t=120: quiet
+    assert problems(s.after(60))
+    assert problems(s.after(60)) == []  # t=300: link 8 re-read, no growth since t=120: quiet
 
 
 def test_crc_growth_warns_then_critical_at_100_per_second_and_replay_is_critical(clock):
     b = scenario("nvlink_crc_ramp.yaml", clock)
     s = Sweeper(nvlink.NvlinkCollector(counter_links_per_sweep=None), b, clock)  # every link, every sweep
-    assert s.sweep() == []
-    found = {x.entity.id.rsplit("/", 1)[1]: x for x in s.after(20)}
+    assert problems(s.sweep()) == []
+    found = {x.entity.id.rsplit("/", 1)[1]: x for x in problems(s.after(20))}
     uuid = b.query(1, "UUID")
     assert set(found) == {"3", "7"}
     crc, replay = found["3"], found["7"]
@@ -125,7 +126,7 @@ def test_crc_growth_warns_then_critical_at_100_per_second_and_replay_is_critical
     assert crc.evidence["crc_increase"] == 100 and crc.evidence["crc_per_second"] == pytest.approx(5.0)
     assert (replay.severity, replay.action, replay.evidence["replay_increase"]) == (Severity.CRITICAL,
                                                                                     Action.DRAIN, 2)
-    (crc2,) = [x for x in s.after(20) if x.entity.id.endswith("/nvlink/3")]
+    (crc2,) = [x for x in problems(s.after(20)) if x.entity.id.endswith("/nvlink/3")]
     assert crc2.severity is Severity.CRITICAL  # +30000 in the 20 s since the last read: 1500/s ≥ 100/s
     assert crc2.evidence["crc_per_second"] == pytest.approx(1500.0)
 
@@ -153,16 +154,16 @@ def test_fabric_not_finished(clock, state, severity):
 
 def test_fabric_healthy_and_not_supported_are_quiet(clock):
     b = inline(clock, {"0": {"GpuFabricInfo": {"state": 3, "status": 0, "cliqueId": 1}}})
-    assert Sweeper(nvlink.create(), b, clock).sweep() == []
+    assert problems(Sweeper(nvlink.create(), b, clock).sweep()) == []
     h100 = recording("nvml_h100x1.json", clock)  # state NOT_SUPPORTED
-    assert Sweeper(nvlink.create(), h100, clock).sweep() == []
+    assert problems(Sweeper(nvlink.create(), h100, clock).sweep()) == []
 
 
 def test_a_lost_gpu_is_not_reported_as_all_links_down(clock):
     b = inline(clock, events=[{"at": 60, "type": "lost", "gpu": 1}])
     s = Sweeper(nvlink.create(), b, clock)
-    assert s.sweep() == []  # link count learnt and cached while the GPU answered
-    assert s.after(60) == []  # GPU 1 fell off the bus: presence reports gpu.lost, not 18 links down
+    assert problems(s.sweep()) == []  # link count learnt and cached while the GPU answered
+    assert problems(s.after(60)) == []  # GPU 1 fell off the bus: presence reports gpu.lost, not 18 links down
     assert s.last_obs.per_gpu[1] == {"link_count": 18, "nvswitch_links": 18, "unreadable": True}
     assert {e.gpu for e in s.last_obs.errors} == {1}
     assert len(s.last_obs.per_gpu[0]["link_states"]) == 18  # the other GPU is still read

@@ -178,11 +178,16 @@ def test_prolog_not_fit_drains_with_finding_codes_and_fails_the_job_start(slurm:
     assert slurm.node()["state"] == "IDLE+DRAIN"
 
 
-def test_prolog_not_fit_without_a_readable_report_still_drains_with_our_prefix(slurm: Slurm) -> None:
+def test_prolog_exit_1_without_a_report_is_could_not_check_and_follows_on_error(slurm: Slurm) -> None:
+    # Exit 1 is the slurm profile's "not fit" and its "could not check" alike: a verdict of not fit always comes
+    # with a report naming the findings, so none at all means the check could not judge (GPUHEALTH_ON_ERROR).
     slurm.verdict(1, None)
-    assert slurm.run("gpuhealth-prolog.sh", SLURM_JOB_ID="1").returncode == 1
+    result = slurm.run("gpuhealth-prolog.sh", SLURM_JOB_ID="1")
+    assert result.returncode == 0 and slurm.scontrol_updates() == []
+    assert "could not check: no report (check exited 1)" in result.stderr
+    assert slurm.run("gpuhealth-prolog.sh", SLURM_JOB_ID="1", GPUHEALTH_ON_ERROR="drain").returncode == 1
     (update,) = slurm.scontrol_updates()
-    assert _reason(update) == "gpuhealth: not fit (check exited 1)"
+    assert _reason(update) == "gpuhealth: could not check: no report (check exited 1)"
 
 
 def test_prolog_does_not_overwrite_an_admins_drain(slurm: Slurm) -> None:
