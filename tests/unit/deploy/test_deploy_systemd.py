@@ -104,6 +104,16 @@ def test_agent_gets_nvml_and_kmsg_devices_and_nothing_else() -> None:
     assert s["StateDirectory"] == ["gpuhealth"] and s["RuntimeDirectory"] == ["gpuhealth"]
 
 
+def test_the_prologs_files_in_the_runtime_directory_survive_an_agent_restart() -> None:
+    # The Slurm hooks keep the GPU -> job map and the screen locks under /run/gpuhealth, the agent's
+    # RuntimeDirectory: systemd must not remove it when the agent stops or restarts.
+    s = _unit_settings(SYSTEMD / UNITS[0])
+    assert s["RuntimeDirectoryPreserve"] == ["yes"]
+    lib = (REPO / "deploy" / "slurm" / "gpuhealth-slurm-lib.sh").read_text()
+    for default in ("GPUHEALTH_SLURM_JOB_DIR:-/run/gpuhealth/", "GPUHEALTH_SCREEN_BLOCK_DIR:-/run/gpuhealth/"):
+        assert default in lib
+
+
 def test_coordinator_gets_no_devices_and_its_own_state() -> None:
     s = _unit_settings(SYSTEMD / UNITS[1])
     assert "DeviceAllow" not in s and s["PrivateDevices"] == ["yes"]

@@ -182,3 +182,17 @@ print(json.dumps({"diag": args[0], "status": "ok", "reason": "", "findings": [],
     runner.env["SLOW"] = "1"
     assert runner.run("quick", gpus=GPUS[:1], timeout_s=0.5).status == "timeout"
     assert runner.budget.estimate("quick", "GPU-a") == 6.0
+
+
+def test_the_child_keeps_compiled_kernels_beside_the_runners_state(tmp_path: Path) -> None:
+    # Triton's default cache (~/.triton) is unwritable for the systemd agent: without this every screen recompiled
+    # the SDC hash. A site's own TRITON_CACHE_DIR wins.
+    child = """
+print(json.dumps({"diag": args[0], "status": "ok", "reason": "", "findings": [], "gpu_seconds": {},
+                  "result": {"triton": os.environ.get("TRITON_CACHE_DIR")}}))
+"""
+    runner = DiagRunner(DiagConfig(), state_dir=tmp_path / "st", python=fake_child(tmp_path, child), env={})
+    assert runner.run("sdc", gpus=GPUS).result["triton"] == str(tmp_path / "st" / "triton-cache")
+    site = DiagRunner(DiagConfig(), state_dir=tmp_path / "st", python=fake_child(tmp_path, child),
+                      env={"TRITON_CACHE_DIR": "/srv/triton"})
+    assert site.run("sdc", gpus=GPUS).result["triton"] == "/srv/triton"
