@@ -98,7 +98,8 @@ dcgm-exporter's names under `--dcgm-compat`, and what `gpuhealth coordinator` se
   metadata in labels (join on them); everything else is a gauge.
 - **GPU labels.** Every per-GPU series carries `gpu` (NVML index), `uuid`, `pci_bus_id` (NVML form,
   `00000000:18:00.0`) and `model_name`. On Kubernetes the agent adds `pod`, `namespace` and
-  `container` of the pod holding the GPU (kubelet PodResources API), and on Slurm `slurm_job_id`
+  `container` of the pod holding the GPU (kubelet PodResources API: `nvidia.com/gpu`, time-sliced
+  `nvidia.com/gpu.shared`, MIG `nvidia.com/mig-*`; pods sharing a GPU are joined `a,b`), and on Slurm `slurm_job_id`
   (job map written by the prolog) — only on GPUs that are allocated. There is no hostname label:
   the scrape target (`instance`) names the node, as Prometheus expects.
 - **Formats.** Text format 0.0.4 by default; OpenMetrics 1.0 when the scraper asks for it

@@ -3,8 +3,9 @@
 Two sources, both optional and both cheap enough to ask every few seconds:
 
 * **Kubernetes**: the kubelet PodResources v1 API (``List()`` on
-  ``config.agent.pod_resources_socket``). Devices of resource ``nvidia.com/gpu`` and
-  ``nvidia.com/mig-*`` give ``pod``, ``namespace`` and ``container``. The NVIDIA device plugin
+  ``config.agent.pod_resources_socket``). Devices of resource ``nvidia.com/gpu``,
+  ``nvidia.com/gpu.shared`` (time-slicing with ``renameByDefault``) and ``nvidia.com/mig-*`` give ``pod``,
+  ``namespace`` and ``container``. The NVIDIA device plugin
   advertises GPU UUIDs (``GPU-…``) or MIG UUIDs (``MIG-…``); with time-slicing a replica suffix
   ``::<n>`` is appended, which we strip. Some plugins (GKE) advertise ``nvidia<N>``: that is a GPU
   index.
@@ -43,6 +44,7 @@ LabelProvider = Callable[[], Labels]
 IndexToUuid = Callable[[], Mapping[int, str]]
 
 GPU_RESOURCE = "nvidia.com/gpu"
+SHARED_GPU_RESOURCE = "nvidia.com/gpu.shared"  # time-sliced / MPS replicas under the device plugin's renameByDefault
 MIG_RESOURCE_PREFIX = "nvidia.com/mig-"
 POD_LABELS = ("pod", "namespace", "container")
 SLURM_LABEL = "slurm_job_id"
@@ -56,7 +58,9 @@ FAILURE_GRACE_S = 120.0
 
 
 def is_gpu_resource(resource_name: str) -> bool:
-    return resource_name == GPU_RESOURCE or resource_name.startswith(MIG_RESOURCE_PREFIX)
+    """``nvidia.com/gpu``, ``nvidia.com/gpu.shared`` (time-slicing or MPS with the device plugin's
+    ``renameByDefault``), and every ``nvidia.com/mig-<profile>[.shared]``."""
+    return resource_name in (GPU_RESOURCE, SHARED_GPU_RESOURCE) or resource_name.startswith(MIG_RESOURCE_PREFIX)
 
 
 def normalize_device_id(device_id: str) -> str:

@@ -114,6 +114,24 @@ def test_time_sliced_gpu_shared_by_two_pods_gets_both_names(kubelet: tuple[FakeK
     assert provider()[UUID1] == {"pod": "a,b", "namespace": "ns", "container": "c"}
 
 
+def test_time_sliced_gpus_renamed_shared_get_pod_labels_like_mig_shares(kubelet: tuple[FakeKubelet, Path]) -> None:
+    # The NVIDIA device plugin with time-slicing and renameByDefault advertises nvidia.com/gpu.shared (MIG
+    # slices: nvidia.com/mig-1g.10gb.shared): the replicas' holders are named like any GPU's.
+    servicer, sock = kubelet
+    servicer.pods = [
+        _pod("a", "ns", [("c", [("nvidia.com/gpu.shared", [f"{UUID1}::0"])])]),
+        _pod("b", "ns", [("c", [("nvidia.com/gpu.shared", [f"{UUID1}::3"])])]),
+        _pod("m", "ns", [("c", [("nvidia.com/mig-1g.10gb.shared", [f"{MIG0}::1"])])]),
+        _pod("x", "ns", [("c", [("example.com/nic", ["eth3"])])]),
+    ]
+    provider = build_label_provider(_config(sock))
+    assert provider is not None
+    labels = provider()
+    assert labels[UUID1] == {"pod": "a,b", "namespace": "ns", "container": "c"}
+    assert labels[MIG0] == {"pod": "m", "namespace": "ns", "container": "c"}
+    assert set(labels) == {UUID1, MIG0}
+
+
 def test_results_are_cached_for_the_ttl(kubelet: tuple[FakeKubelet, Path], clock: Any) -> None:
     servicer, sock = kubelet
     servicer.pods = [_pod("p", "n", [("c", [("nvidia.com/gpu", [UUID0])])])]
