@@ -24,13 +24,17 @@ from gpuhealth.backends.plausible import check_field, check_nvlink, check_readin
 
 
 def plain(value: Any, depth: int = 0) -> Any:
-    """ctypes structs/arrays and bytes → dicts/lists/str (the recorder's conversion)."""
+    """ctypes structs/arrays, dicts and bytes → dicts/lists/str (the recorder's conversion)."""
     if depth > 5:
         return repr(value)
     if isinstance(value, (int, float, str, bool)) or value is None:
         return value
     if isinstance(value, bytes):
         return value.decode(errors="replace")
+    if isinstance(value, dict):
+        # our own readers' answers (GPM metrics, MIG instances): as a repr, the GPM ratios never reached /metrics on
+        # real GPUs (2 x H200: gpuhealth_gpu_sm_active_ratio absent while NVML measured it)
+        return {str(k): plain(v, depth + 1) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
         return [plain(x, depth + 1) for x in value]
     if isinstance(value, ctypes.Array):

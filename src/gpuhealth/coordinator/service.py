@@ -153,6 +153,9 @@ class Coordinator:
         self.reported_hang_grace_s = REPORTED_HANG_GRACE_S
         # node → job → rank → the straggler finding its agent's periodic dumps gave (zero-code jobs)
         self.reported_stragglers: dict[str, dict[str, dict[int, Finding]]] = {}
+        # job → the nodes whose agents report it silently mismatched (a running job's ranks called different
+        # collectives: periodic dumps or NCCL RAS); a ``mismatch`` verdict when the first node says so
+        self.reported_mismatches: dict[str, set[str]] = {}
         self._pending: dict[Session, int] = {}
         self._pending_records = 0
         self._flush_handle: asyncio.TimerHandle | None = None
@@ -204,6 +207,7 @@ class Coordinator:
         # stragglers its periodic dumps found stay the job's.
         for node, view in self.nodes.items():
             self._reported_stragglers(node, view.findings)
+            self._reported_mismatches(node, view.findings, restoring=True)
             for f in view.findings:
                 stuck_id = _stuck_job(f)
                 stuck = self.jobs.jobs.get(stuck_id) if stuck_id is not None else None
@@ -328,6 +332,7 @@ class Coordinator:
                 view.findings, view.findings_at = findings, rec.findings.at or now
                 self._reported_hangs(session.node, findings)
                 self._reported_stragglers(session.node, findings)
+                self._reported_mismatches(session.node, findings)
             elif kind == "screens":
                 screens = self._own_screens(session.node, screens_from_pb(rec.screens, session.node, now), now)
                 self._begin_group()
@@ -729,6 +734,50 @@ class Coordinator:
         else:
             self.reported_stragglers.pop(node, None)
 
+    def _reported_mismatches(self, node: str, findings: list[Finding], *, restoring: bool = False) -> None:
+        """A node's agent proves a running job silently mismatched (critical ``collective.*_mismatch`` tagged with
+        the job: two ranks' periodic dumps recorded different collectives at one sequence number and both completed
+        it; or NCCL RAS showed one collective type a fixed count apart while every rank launched on). The first node
+        to say so opens the episode and its ``mismatch`` verdict; it ends when no node says so any more. After a
+        restart the stored findings reopen the episodes without a second verdict."""
+        now_reported: dict[str, Finding] = {}
+        for f in findings:
+            job_id = f.evidence.get("job_id")
+            if (f.code in MISMATCH_CODES and f.severity is Severity.CRITICAL and isinstance(job_id, str) and job_id
+                    and len(job_id) <= 256):
+                now_reported.setdefault(job_id, f)
+        for job_id, nodes in list(self.reported_mismatches.items()):
+            if job_id not in now_reported:
+                nodes.discard(node)
+                if not nodes:
+                    del self.reported_mismatches[job_id]
+        for job_id, f in now_reported.items():
+            nodes = self.reported_mismatches.setdefault(job_id, set())
+            opened = not nodes
+            nodes.add(node)
+            if opened and not restoring:
+                doc = self.mismatch_verdict(job_id, node, f)
+                self.record_verdict(job_id, "mismatch", doc)
+                log.warning("job %s: %s", job_id, doc["summary"])
+
+    def mismatch_verdict(self, job_id: str, node: str, finding: Finding) -> dict[str, Any]:
+        """The verdict of a reported silent mismatch: the group (or communicator), the sequence number where the
+        flight recorder saw it, each side (op, sizes, dtypes, ranks), and who said so."""
+        ev = finding.evidence
+        sides = [v for v in ev.get("variants") or [] if isinstance(v, dict)][:16]
+        culprits = sorted({int(r) for v in sides for r in v.get("ranks") or []
+                           if isinstance(r, int) and not isinstance(r, bool) and 0 <= r < MAX_REPORTED_RANK})
+        job = self.jobs.jobs.get(job_id)
+        return {
+            "verdict": "mismatch", "job_id": job_id, "culprits": culprits,
+            "culprit_details": [self.culprit(job, r) for r in culprits] if job is not None else [],
+            "group": ev.get("group") if ev.get("group") is not None else ev.get("communicator"),
+            "seq": ev.get("seq"), "sides": sides or ev.get("ranks"), "collective": ev.get("collective"),
+            "summary": f"mismatch: {finding.message[:1000]}",
+            "reported_by": {"node": node, "source": str(ev.get("source") or finding.source)[:200]},
+            "findings": [finding.to_dict()], "created_at": self.clock(),
+        }
+
     def _end_reported_hangs(self, mono: float) -> None:
         """A reported hang ends once its node's findings have gone without it for ``reported_hang_grace_s``:
         one update without it (a poll that missed the process while it was dumped) is not the rank moving on."""
@@ -958,6 +1007,9 @@ class Coordinator:
 # agent accepts (``cpu``, ``cuda``, ``cuda:N[,cuda:M]``).
 KNOWN_DIAGNOSTICS = ("sdc", "busbw", "bandwidth")
 REPORTED_HANG_GRACE_S = 60.0  # a node's hang report ends this long after its findings stopped saying so
+# What an agent reports of a running job's silent mismatch (agent/zerocode/watcher.py): periodic dumps, NCCL RAS.
+MISMATCH_CODES = frozenset({"collective.type_mismatch", "collective.size_mismatch", "collective.dtype_mismatch",
+                            "collective.launch_mismatch"})
 MAX_REPORTED_RANK = 1 << 20  # a straggler rank an agent reports beyond this is not a rank
 MAX_DIGESTS_PER_RECORD = 4096  # a node's GPUs × golden keys; a record over it is refused in one line
 _DEVICE = re.compile(r"cpu|cuda(:\d{1,4}(,cuda:\d{1,4}){0,63})?")

@@ -12,6 +12,15 @@ host-stuck rank). ``--mismatch-rank R --mismatch-step S``: rank R broadcasts whe
 all-reduce (a collective mismatch). ``--slow-rank R --slow-factor F``: rank R computes F× longer.
 ``--steps-out FILE``: rank 0 appends one JSON line per step ({"step", "t", "dt"}).
 
+``--pattern fsdp``: each step all-gathers three shards (``all_gather_into_tensor``), computes, and reduce-scatters
+three (``reduce_scatter_tensor``), as FSDP does. ``--skip-rank R --skip-step S`` (fsdp): rank R skips one
+reduce_scatter at step S and runs one collective out of phase from then on: NCCL pairs its all_gathers with
+the other ranks' reduce_scatters (the same bytes move), every result is wrong, the step time is unchanged.
+``--checkpoint-rank R --checkpoint-step S --checkpoint-s T``: rank R spends T s on the host at step S (writing
+a checkpoint alone) while the others wait in the next collective. ``--host-slow-rank R --host-slow-s T``: rank
+R waits T s on the host before each step's compute (a slow data loader: its GPU idles). ``--jitter J``: each
+step's compute varies by up to ±J (fraction), drawn per rank.
+
 ``--emulate-pipe`` (CPU only) stands in for NCCL's dump pipe, which Gloo does not have: like
 ``ProcessGroupNCCL``'s watchdog it creates the FIFO ``$TORCH_NCCL_DEBUG_INFO_PIPE_FILE<rank>.pipe``
 (mkfifo 0666, opened O_RDONLY|O_NONBLOCK), reads it once a second, and on any byte writes its
@@ -23,6 +32,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import threading
 import time
 
@@ -52,6 +62,21 @@ def _pipe_watchdog(rank: int, torch_c10d: object) -> None:
                 fh.write(trace)
 
 
+def _checkpoint(seconds: float, rank: int) -> None:
+    """What a rank writing a checkpoint does for ``seconds``: serialize tensors and write them to disk (CPU and
+    I/O), as torch.save of a model's state does."""
+    import tempfile
+
+    import torch
+
+    state = {f"layer{i}": torch.randn(1 << 20) for i in range(16)}  # 64 MiB of float32
+    end = time.monotonic() + seconds
+    with tempfile.TemporaryDirectory(prefix=f"ckpt{rank}-") as folder:
+        while time.monotonic() < end:
+            torch.save(state, os.path.join(folder, "state.pt"))
+            os.sync()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--backend", default="gloo")
@@ -67,6 +92,15 @@ def main() -> None:
     ap.add_argument("--subgroup", action="store_true")
     ap.add_argument("--steps-out", default="")
     ap.add_argument("--emulate-pipe", action="store_true")
+    ap.add_argument("--pattern", choices=("allreduce", "fsdp"), default="allreduce")
+    ap.add_argument("--skip-rank", type=int, default=-1)
+    ap.add_argument("--skip-step", type=int, default=-1)
+    ap.add_argument("--checkpoint-rank", type=int, default=-1)
+    ap.add_argument("--checkpoint-step", type=int, default=-1)
+    ap.add_argument("--checkpoint-s", type=float, default=20.0)
+    ap.add_argument("--host-slow-rank", type=int, default=-1)
+    ap.add_argument("--host-slow-s", type=float, default=0.0)
+    ap.add_argument("--jitter", type=float, default=0.0)
     args = ap.parse_args()
 
     import torch
@@ -101,6 +135,9 @@ def main() -> None:
         dist.broadcast(sized, src=0)
         iters = int(sized.item())
     factor = args.slow_factor if rank == args.slow_rank else 1.0
+    rng = random.Random(rank * 7919 + 17)
+    shard = torch.ones(args.size, device=device)
+    gathered = torch.empty(args.size * world, device=device)
     step = 0
     last = time.time()
     steps_out = open(args.steps_out, "a", buffering=1 << 16) if rank == 0 and args.steps_out else None  # noqa: SIM115
@@ -110,12 +147,27 @@ def main() -> None:
             print(f"rank {rank} hangs at step {step} t={time.time():.3f}", flush=True)
             while True:
                 time.sleep(3600)  # the host is stuck: no more collectives from this rank
+        if rank == args.host_slow_rank and args.host_slow_s > 0:
+            time.sleep(args.host_slow_s)  # the data loader: the host is late, the GPU idles
+        if args.pattern == "fsdp":
+            for _ in range(3):
+                dist.all_gather_into_tensor(gathered, shard)
+        jitter = 1.0 + (rng.uniform(-args.jitter, args.jitter) if args.jitter else 0.0)
         if gpu and a is not None:
-            for _ in range(max(1, round(iters * factor))):
+            for _ in range(max(1, round(iters * factor * jitter))):
                 a @ a
         else:
-            time.sleep(args.compute_s * factor)
-        if rank == args.mismatch_rank and step == args.mismatch_step:
+            time.sleep(args.compute_s * factor * jitter)
+        if args.pattern == "fsdp":
+            for k in range(3):
+                if rank == args.skip_rank and step == args.skip_step and k == 1:
+                    print(f"rank {rank} skips a reduce_scatter at step {step} t={time.time():.3f}", flush=True)
+                    continue
+                dist.reduce_scatter_tensor(shard, gathered)
+            if gpu:
+                torch.cuda.synchronize()
+            shard.fill_(1.0)  # keep values bounded: wrong results are the fault under test, not overflow
+        elif rank == args.mismatch_rank and step == args.mismatch_step:
             print(f"rank {rank} broadcasts instead at step {step} t={time.time():.3f}", flush=True)
             dist.broadcast(grad, src=rank)
         else:
@@ -124,6 +176,9 @@ def main() -> None:
             dist.all_reduce(grad, group=sub)
         if gpu:
             torch.cuda.synchronize()
+        if rank == args.checkpoint_rank and step == args.checkpoint_step:
+            print(f"rank {rank} checkpoints for {args.checkpoint_s:g} s at step {step} t={time.time():.3f}", flush=True)
+            _checkpoint(args.checkpoint_s, rank)  # alone; the others already wait in the next collective
         now = time.time()
         if steps_out is not None:
             # one open file, flushed now and then: an open/close per step cost rank 0 ~2.8 ms a step on a

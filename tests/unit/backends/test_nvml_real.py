@@ -129,3 +129,22 @@ def test_a_constant_the_bindings_lack_makes_only_its_key_unavailable() -> None:
         assert real.query(0, "ClockInfo_SM") == 345
     finally:
         real.shutdown()
+
+
+def test_gpm_ratios_and_mig_instances_come_back_as_data_not_text(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Our own readers answer GPM and MIG with dicts: turned into a repr, the GPM ratios never reached /metrics on
+    # real GPUs (2 x H200, 2026-11-28: gpuhealth_gpu_sm_active_ratio absent) and MIG instances were unreadable.
+    from gpuhealth.backends import nvml_real
+    from gpuhealth.collectors.telemetry import TelemetryCollector
+
+    monkeypatch.setattr(nvml_real, "read_gpm", lambda n, h, state: {"SM_UTIL": 95.2, "GRAPHICS_UTIL": 99.4})
+    monkeypatch.setattr(nvml_real, "read_mig_devices", lambda n, h: [{"uuid": "MIG-1", "name": "H200 MIG 1g.18gb"}])
+    real = RealNvml(BindingsDriver(FakeNvml.bundled("nvml_h200x2.json")))
+    real.init()
+    assert real.query(0, "GpmMetrics") == {"SM_UTIL": 95.2, "GRAPHICS_UTIL": 99.4}
+    assert real.query(0, "MigDevices") == [{"uuid": "MIG-1", "name": "H200 MIG 1g.18gb"}]
+    report = collect_once(real, Config(), collectors=[TelemetryCollector()])
+    [run] = report.runs
+    sm = {s.gpu: s.value for s in run.samples if s.name == "gpu_sm_active_ratio"}
+    assert sm == {0: pytest.approx(0.952), 1: pytest.approx(0.952)}
+    real.shutdown()

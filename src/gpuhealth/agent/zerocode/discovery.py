@@ -9,6 +9,12 @@ from the host. A process that is not a torch rank is still listed, by GPU.
 
 Reading another user's ``environ`` or ``root`` needs root or CAP_SYS_PTRACE: without it the process
 is listed with the reason (``error``), never dropped.
+
+A job id and rank come from the process's environment, which its user wrote: they are trusted only within that
+user. The kernel says who the process is (its uid in ``/proc/<pid>/status``); a job belongs to the uid whose
+ranks the agent saw first under that id (``owners``), and a process of another uid naming the same job is kept
+apart as ``<job>~uid<N>`` — watched, never joined to (nor reported to the coordinator as part of) a job another
+user owns.
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ class DiscoveredProcess:
     used_memory_bytes: int | None = None
     ns_pid: int | None = None  # its PID in its own namespace (what NCCL prints); None: unknown
     uid: int | None = None
+    gids: frozenset[int] = frozenset()  # its groups (real gid and supplementary): who may write its FIFO
     name: str = ""
     cmdline: str = ""
     launch: LaunchInfo | None = None
@@ -120,9 +127,10 @@ def _read(path: Path, limit: int) -> bytes:
         return fh.read(limit)
 
 
-def _status(text: str) -> tuple[str, int | None, int | None]:
-    """(Name, real UID, PID in the innermost namespace) from ``/proc/<pid>/status``."""
+def _status(text: str) -> tuple[str, int | None, int | None, frozenset[int]]:
+    """(Name, real UID, PID in the innermost namespace, groups) from ``/proc/<pid>/status``."""
     name, uid, ns_pid = "", None, None
+    gids: set[int] = set()
     for line in text.splitlines():
         key, _, value = line.partition(":")
         fields = value.split()
@@ -130,9 +138,13 @@ def _status(text: str) -> tuple[str, int | None, int | None]:
             name = value.strip()
         elif key == "Uid" and fields and fields[0].isdigit():
             uid = int(fields[0])
+        elif key == "Gid" and fields and fields[0].isdigit():
+            gids.add(int(fields[0]))
+        elif key == "Groups":
+            gids.update(int(g) for g in fields if g.isdigit())
         elif key == "NSpid" and fields and fields[-1].isdigit():
             ns_pid = int(fields[-1])
-    return name, uid, ns_pid
+    return name, uid, ns_pid, frozenset(gids)
 
 
 def _cgroup_ids(text: str) -> tuple[str | None, str | None]:
@@ -159,12 +171,12 @@ def inspect_process(pid: int, gpus: Sequence[tuple[int, str]], *, used_memory: i
     base = proc / str(pid)
     out = DiscoveredProcess(pid=pid, gpus=tuple(gpus), used_memory_bytes=used_memory)
     try:
-        name, uid, ns_pid = _status(_read(base / "status", MAX_SMALL_FILE_BYTES).decode("utf-8", "replace"))
+        name, uid, ns_pid, gids = _status(_read(base / "status", MAX_SMALL_FILE_BYTES).decode("utf-8", "replace"))
     except FileNotFoundError:
         return None
     except OSError as exc:
         return replace(out, error=_why(exc, f"/proc/{pid}/status", None))
-    out = replace(out, name=name, uid=uid, ns_pid=ns_pid)
+    out = replace(out, name=name, uid=uid, ns_pid=ns_pid, gids=gids)
     errors: list[str] = []
     try:
         raw = _read(base / "cmdline", 4096)
@@ -185,8 +197,68 @@ def inspect_process(pid: int, gpus: Sequence[tuple[int, str]], *, used_memory: i
     return replace(out, error="; ".join(errors) or None)
 
 
-def discover(gpu_processes: Iterable[GpuProcess], *, proc: Path = Path("/proc")) -> Discovery:
-    """Every process NVML lists, inspected once (a process on several GPUs is one entry)."""
+def bind_to_owners(processes: Sequence[DiscoveredProcess], owners: dict[str, int]) -> tuple[DiscoveredProcess, ...]:
+    """Keep each job id to one uid: the owner seen before (``owners``, updated here), else the uid with the most
+    ranks under that id (the lowest on a tie). Ranks of another uid naming the job become ``<job>~uid<N>``."""
+    claims: dict[str, dict[int | None, int]] = {}
+    for p in processes:
+        if p.launch is not None and p.launch.is_rank:
+            by_uid = claims.setdefault(str(p.launch.job_id), {})
+            by_uid[p.uid] = by_uid.get(p.uid, 0) + 1
+    for job_id, by_uid in claims.items():
+        if owners.get(job_id) not in by_uid:
+            owners[job_id] = min(by_uid, key=lambda u: (-by_uid[u], -1 if u is None else u))  # type: ignore[assignment]
+    for gone in set(owners) - set(claims):
+        del owners[gone]
+    out = []
+    for p in processes:
+        li = p.launch
+        if li is not None and li.is_rank and owners.get(str(li.job_id)) != p.uid:
+            p = replace(p, launch=replace(li, job_id=f"{li.job_id}~uid{p.uid}"))
+        out.append(p)
+    return tuple(out)
+
+
+def start_time(pid: int, proc: Path = Path("/proc")) -> int | None:
+    """The process's start time (clock ticks since boot, ``/proc/<pid>/stat`` field 22): with the pid, who it is."""
+    try:
+        return int(_read(proc / str(pid) / "stat", 4096).rsplit(b")", 1)[1].split()[19])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+class InspectCache:
+    """What was read of each process, kept while the same process (pid and start time) holds its GPUs: a process's
+    environment, user and container do not change, so a poll reads one small file per known process instead of
+    four (issue 27). Processes that ended are forgotten at once."""
+
+    def __init__(self) -> None:
+        self._seen: dict[int, tuple[int, DiscoveredProcess]] = {}
+
+    def get(self, pid: int, gpus: Sequence[tuple[int, str]], used_memory: int | None, proc: Path
+            ) -> DiscoveredProcess | None:
+        started = start_time(pid, proc)
+        if started is None:
+            return None  # gone
+        known = self._seen.get(pid)
+        if known is not None and known[0] == started and known[1].error is None:
+            return replace(known[1], gpus=tuple(gpus), used_memory_bytes=used_memory)
+        found = inspect_process(pid, gpus, used_memory=used_memory, proc=proc)
+        if found is not None:
+            self._seen[pid] = (started, found)
+        return found
+
+    def forget_all_but(self, pids: Iterable[int]) -> None:
+        keep = set(pids)
+        for pid in set(self._seen) - keep:
+            del self._seen[pid]
+
+
+def discover(gpu_processes: Iterable[GpuProcess], *, proc: Path = Path("/proc"),
+             owners: dict[str, int] | None = None, cache: InspectCache | None = None) -> Discovery:
+    """Every process NVML lists, inspected once (a process on several GPUs is one entry). ``owners`` (job id →
+    uid, kept by the caller across polls) binds each job id to the user that first ran it; ``cache`` keeps what
+    was read of processes seen before."""
     gpus: dict[int, list[tuple[int, str]]] = {}
     memory: dict[int, int] = {}
     for gp in gpu_processes:
@@ -197,8 +269,14 @@ def discover(gpu_processes: Iterable[GpuProcess], *, proc: Path = Path("/proc"))
             gpus[gp.pid].append(entry)
         if gp.used_memory_bytes is not None:
             memory[gp.pid] = memory.get(gp.pid, 0) + gp.used_memory_bytes
-    found = [inspect_process(pid, sorted(g), used_memory=memory.get(pid), proc=proc) for pid, g in sorted(gpus.items())]
-    return Discovery(tuple(p for p in found if p is not None))
+    if cache is None:
+        found = [inspect_process(pid, sorted(g), used_memory=memory.get(pid), proc=proc)
+                 for pid, g in sorted(gpus.items())]
+    else:
+        found = [cache.get(pid, sorted(g), memory.get(pid), proc) for pid, g in sorted(gpus.items())]
+        cache.forget_all_but(gpus)
+    present = tuple(p for p in found if p is not None)
+    return Discovery(bind_to_owners(present, owners if owners is not None else {}))
 
 
 def path_in_process(pid: int, path: str, *, proc: Path = Path("/proc")) -> Path:
@@ -209,4 +287,5 @@ def path_in_process(pid: int, path: str, *, proc: Path = Path("/proc")) -> Path:
     return proc / str(pid) / "cwd" / path
 
 
-__all__ = ["DiscoveredJob", "DiscoveredProcess", "Discovery", "discover", "inspect_process", "path_in_process"]
+__all__ = ["DiscoveredJob", "DiscoveredProcess", "Discovery", "InspectCache", "bind_to_owners", "discover",
+           "inspect_process", "path_in_process", "start_time"]

@@ -105,6 +105,10 @@ def poke(proc_info: DiscoveredProcess, *, proc: Path = Path("/proc")) -> tuple[s
         st = os.fstat(pfd)
         if not stat.S_ISFIFO(st.st_mode):
             raise DumpError(f"rank {li.rank}: {fifo} is not a FIFO; nothing written to it")
+        if not _owner_may_write(st, proc_info):
+            raise DumpError(f"rank {li.rank}: {fifo} belongs to uid {st.st_uid} (mode {stat.S_IMODE(st.st_mode):o}): "
+                            f"the rank's own user (uid {proc_info.uid}) could not write it, so the agent does not "
+                            "either (it never acts for a process beyond what the process itself may do)")
         try:
             fd = reopen(pfd, os.O_WRONLY | os.O_NONBLOCK)
         except OSError as exc:
@@ -124,6 +128,21 @@ def poke(proc_info: DiscoveredProcess, *, proc: Path = Path("/proc")) -> tuple[s
     finally:
         os.close(pfd)
     return fifo, dump
+
+
+def _owner_may_write(st: os.stat_result, p: DiscoveredProcess) -> bool:
+    """Could the process's own user write this FIFO? (The agent runs as root: without this, a job could make it
+    write another user's FIFO — a confused deputy forcing that job to dump.)"""
+    if p.uid is None:
+        return False
+    if p.uid == 0:
+        return True
+    mode = st.st_mode
+    if st.st_uid == p.uid:
+        return bool(mode & stat.S_IWUSR)
+    if st.st_gid in p.gids:
+        return bool(mode & stat.S_IWGRP)
+    return bool(mode & stat.S_IWOTH)
 
 
 def request_dump(proc_info: DiscoveredProcess, *, timeout_s: float = 15.0, poll_s: float = 0.1,

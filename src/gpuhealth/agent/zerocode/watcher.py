@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import ipaddress
 import logging
 import os
 import shutil
@@ -34,10 +35,10 @@ from typing import Any
 
 from gpuhealth.agent.view import AgentView, GpuProcess, ListsGpuProcesses
 from gpuhealth.agent.zerocode import ras
-from gpuhealth.agent.zerocode.discovery import DiscoveredJob, DiscoveredProcess, Discovery, discover
+from gpuhealth.agent.zerocode.discovery import DiscoveredJob, DiscoveredProcess, Discovery, InspectCache, discover
 from gpuhealth.agent.zerocode.evidence import Evidence, collect
 from gpuhealth.agent.zerocode.fifo import DumpError, request_dump
-from gpuhealth.agent.zerocode.hang import BehindRank, HangJudge, HangVerdict
+from gpuhealth.agent.zerocode.hang import Activity, BehindRank, HangJudge, HangVerdict, Process
 from gpuhealth.agent.zerocode.stacks import pyspy_stacks
 from gpuhealth.model import Action, Entity, EntityKind, Finding, MetricKind, RankIdentity, Sample, Severity
 
@@ -46,6 +47,15 @@ log = logging.getLogger("gpuhealth.agent.zerocode")
 SOURCE = "zerocode"
 SPIN_UTIL_MIN = 0.95  # a GPU this busy …
 SPIN_POWER_MAX = 0.25  # … at no more than this share of its power limit is spinning, not computing
+# Stragglers with no launch variables, from the GPUs alone (issue 25, measured on 2 x H200 with NVML's GPM):
+# a GPU-side straggler keeps its SMs busier than its peers, whose SMs idle in NCCL's waiting kernels (SM activity
+# 95 % vs 74 % for a rank doing 1.3x the work: ratio 1.29; 1.15x: 1.15; a healthy job 1.00); a host-side one
+# leaves its GPU idle while the host is late (busy 75 % vs 99 %). Info until their false-alarm rate is known.
+GPU_HINT_POLLS = 6  # polls of readings (30 s at the default poll) before a hint
+GPU_HINT_SM_RATIO = 1.10
+GPU_HINT_SM_MIN = 0.30
+HOST_HINT_BUSY_GAP = 0.10
+HOST_HINT_PEERS_BUSY = 0.90
 
 
 @dataclass(slots=True)
@@ -53,6 +63,9 @@ class ZeroCodeSettings:
     enabled: bool = True
     poll_interval_s: float = 5.0
     hang_threshold_s: float = 30.0  # counts still this long, a rank behind, over >= 2 polls: a hang
+    # ... or this long (and at least 50 of the job's own gaps between launches) when the rank behind runs here and
+    # is idle on its host (no CPU, no I/O): a job of hundreds of collectives a second is named within seconds
+    fast_hang_floor_s: float = 5.0
     ras_timeout_s: float = 10.0
     ras_format: str = "json"  # text on NCCL without JSON (older than 2.28.9) either way
     dump_on_hang: bool = True
@@ -91,6 +104,8 @@ class JobState:
     evidence_running: bool = False
     last_periodic: float = 0.0
     periodic_findings: list[Finding] = field(default_factory=list)
+    gpu_history: list[dict[int, dict[str, float]]] = field(default_factory=list)  # per poll: rank -> GPU readings
+    launched: list[bool] = field(default_factory=list)  # per poll of that history: did the job launch more since
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,6 +115,17 @@ class PollResult:
     verdicts: Mapping[str, HangVerdict]
     findings: list[Finding]
     seconds: float
+
+
+def _loopback(host: str) -> bool:
+    """localhost, 127/8, ::1, or the unspecified address (RAS listening everywhere is reached on loopback too)."""
+    h = host.strip().lower().strip("[]")
+    if h in ("localhost", "", "0.0.0.0", "::", "::1", "ip6-localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(h).is_loopback
+    except ValueError:
+        return False
 
 
 def _netns_pid(p: DiscoveredProcess, proc: Path) -> int | None:
@@ -128,6 +154,8 @@ class ZeroCodeWatcher:
         self._discovery = Discovery()
         self._jobs: dict[str, JobState] = {}
         self._announced: dict[tuple[str, int], RankIdentity] = {}
+        self._owners: dict[str, int] = {}  # job id -> the uid that owns it (discovery.bind_to_owners)
+        self._inspected = InspectCache()  # what was read of each process, while it lives
         self._on_identity: list[Callable[[RankIdentity], None]] = []
         self._on_disconnect: list[Callable[[RankIdentity], None]] = []
         self._stop = threading.Event()
@@ -222,7 +250,7 @@ class ZeroCodeWatcher:
         started = time.monotonic()
         now = self._clock() if now is None else now
         procs = list(self._processes()) if self._processes is not None else []
-        disc = discover(procs, proc=self._proc)
+        disc = discover(procs, proc=self._proc, owners=self._owners, cache=self._inspected)
         with self._lock:
             self._discovery = disc
         self._announce(disc)
@@ -233,12 +261,13 @@ class ZeroCodeWatcher:
             for job in jobs:
                 # the first periodic dump one interval after the job is found: its first collectives are
                 # warm-up (a rank timing its loop while the others wait) and would read as a straggler
-                st = self._jobs.setdefault(job.job_id, JobState(HangJudge(self.settings.hang_threshold_s),
-                                                                last_periodic=now))
+                st = self._jobs.setdefault(job.job_id, JobState(
+                    HangJudge(self.settings.hang_threshold_s, fast_floor_s=self.settings.fast_hang_floor_s),
+                    last_periodic=now))
                 status = statuses.get(job.job_id)
                 if isinstance(status, ras.RasStatus):
                     st.ras_seen, st.ras_error = True, None
-                    judged = st.judge.observe(status, now)
+                    judged = st.judge.observe(status, now, _activity(job, status, self._proc))
                     st.verdict = next((v for v in judged if v.kind != "diverged"), None)
                     st.diverged = [v for v in judged if v.kind == "diverged"]
                 else:
@@ -254,6 +283,14 @@ class ZeroCodeWatcher:
             for gone in set(self._jobs) - {j.job_id for j in jobs}:
                 del self._jobs[gone]
             self._counters["polls"] += 1
+        readings = self._gpu_readings()
+        with self._lock:
+            for job in jobs:
+                st = self._jobs[job.job_id]
+                row = {r: dict(readings[p.gpu_index]) for r, p in job.ranks.items()
+                       if p.gpu_index is not None and p.gpu_index in readings}
+                st.gpu_history = [*st.gpu_history, row][-GPU_HINT_POLLS:]
+                st.launched = [*st.launched, st.judge.last_advance == now][-GPU_HINT_POLLS:]
         findings = self.findings(disc, jobs)
         if self.view is not None:
             self.view.publish_findings(SOURCE, findings, interval_s=self.settings.poll_interval_s)
@@ -272,7 +309,13 @@ class ZeroCodeWatcher:
             if not li.ras_enabled:
                 out[job.job_id] = "NCCL RAS is off in this job (NCCL_RAS_ENABLE=0 at launch)"
                 continue
-            by_addr.setdefault((li.ras_host, li.ras_port, _netns_pid(first, self._proc)), []).append(job)
+            if not _loopback(li.ras_host):
+                # the job's environment names the address: the agent connects only to loopback (the job's own
+                # network namespace), never to a host a process points it at
+                out[job.job_id] = (f"NCCL_RAS_ADDR names {li.ras_host[:64]}, not loopback: the agent asks NCCL RAS "
+                                   "only on loopback")
+                continue
+            by_addr.setdefault(("localhost", li.ras_port, _netns_pid(first, self._proc)), []).append(job)
         for (host, port, netns), group in by_addr.items():
             waiting = {j.job_id: j for j in group}
             for _attempt in range(len(group) + 2):
@@ -340,7 +383,7 @@ class ZeroCodeWatcher:
             with self._lock:
                 st.evidence_running = False
                 if periodic:
-                    st.periodic_findings = _straggler_findings(ev, job.job_id)
+                    st.periodic_findings = _periodic_findings(ev, job.job_id)
                     shutil.rmtree(folder, ignore_errors=True)  # only the verdict is kept
                 else:
                     st.evidence = ev
@@ -414,6 +457,13 @@ class ZeroCodeWatcher:
                 out += self._hang_findings(job, st, readings)
             out += [_diverged_finding(job, v) for v in st.diverged]
             out += st.periodic_findings
+            # a hint only over polls at each of which the job launched more: a hung rank's GPU idles too, and so
+            # does a rank writing a checkpoint (seen on 2 x H200: a "host-side" hint right after a 20 s checkpoint
+            # when the window still held it)
+            moving = len(st.launched) >= GPU_HINT_POLLS and all(st.launched)
+            if moving and st.verdict is None and not any(f.code.startswith("rank.straggler")
+                                                         for f in st.periodic_findings):
+                out += _gpu_straggler_hints(job, st.gpu_history)
         return out
 
     def _hang_findings(self, job: DiscoveredJob, st: JobState, readings: Mapping[int, Mapping[str, float]]
@@ -453,7 +503,8 @@ class ZeroCodeWatcher:
         out: dict[int, dict[str, float]] = {}
         if self.view is None:
             return out
-        wanted = {"gpu_utilization_ratio": "util", "gpu_power_watts": "power_w", "gpu_power_limit_watts": "limit_w"}
+        wanted = {"gpu_utilization_ratio": "util", "gpu_power_watts": "power_w", "gpu_power_limit_watts": "limit_w",
+                  "gpu_sm_active_ratio": "sm"}
         for s in self.view.snapshot().samples:
             if s.gpu is not None and s.name in wanted:
                 out.setdefault(s.gpu, {})[wanted[s.name]] = s.value
@@ -520,32 +571,143 @@ def _diverged_finding(job: DiscoveredJob, v: HangVerdict) -> Finding:
         local = job.by_pid(c.rank.pid) if c.rank.pid is not None else None
         who = (f"rank {local.launch.rank}" if local is not None and local.launch is not None
                else f"process {c.rank.pid} on {c.rank.host or '?'}")
-        names.append(f"{who} launched {c.op} up to #{c.count}")
+        names.append(f"{who} launched {c.op} up to #{c.count} (the others #{c.ahead_count})"
+                     if c.count != c.ahead_count else f"{who} launched {c.op} up to #{c.count}")
     op = v.culprits[0].op if v.culprits else "?"
     msg = (f"job {job.job_id}: its ranks launched different collectives and NCCL paired them — "
-           f"{'; '.join(names)}, unchanged for {v.stalled_s:.0f} s while the job goes on: results computed "
-           "since may be wrong")
-    return Finding("collective.launch_mismatch", Severity.WARNING, Entity(EntityKind.JOB, job.job_id), msg,
+           f"{'; '.join(names)}; held for {v.stalled_s:.0f} s while the job goes on: every result computed "
+           "since is silently wrong")
+    return Finding("collective.launch_mismatch", Severity.CRITICAL, Entity(EntityKind.JOB, job.job_id), msg,
                    Action.CHECK_JOB, {"job_id": job.job_id, "communicator": v.comms[0] if v.comms else None,
-                                      "collective": op, "ranks": names, "stalled_s": round(v.stalled_s, 1),
+                                      "collective": op, "collectives": sorted({c.op for c in v.culprits}),
+                                      "ranks": names, "stalled_s": round(v.stalled_s, 1),
                                       "polls": v.polls, "source": "NCCL RAS"}, SOURCE)
 
 
-def _straggler_findings(ev: Evidence, job_id: str) -> list[Finding]:
-    """The straggler findings of a periodic dump's triage (the detector's own codes and words), tagged with
-    the job: the coordinator keeps them as the job's stragglers (a discovered job sends no steps)."""
+SILENT_MISMATCH_CODES = ("collective.type_mismatch", "collective.size_mismatch", "collective.dtype_mismatch")
+
+
+def _periodic_findings(ev: Evidence, job_id: str) -> list[Finding]:
+    """What a periodic dump's triage proves about a running job, tagged with the job for the coordinator:
+
+    - stragglers (the detector's own codes and words): the coordinator keeps them as the job's stragglers (a
+      discovered job sends no steps);
+    - silent mismatches: two ranks recorded different collectives (type, size or dtype) at the same sequence
+      number of a group, and the op **completed** on both: every rank is past it, so no timing of the dumps
+      explains it, and the results are wrong. Critical: the loss curve looks fine while the model is garbage.
+
+    Live dumps are taken a moment apart: any other verdict (an op one rank's dump does not show yet) is about
+    that, not the job, and is dropped."""
     out: list[Finding] = []
-    if (ev.report or {}).get("verdict") != "straggler":
-        return out  # live dumps are taken a moment apart: any other verdict is about that, not the job
-    for f in (ev.report or {}).get("findings") or []:
+    report = ev.report or {}
+    verdict = report.get("verdict")
+    if verdict not in ("straggler", "mismatch"):
+        return out
+    for f in report.get("findings") or []:
         try:
             finding = Finding.from_dict(f)
         except (KeyError, ValueError, TypeError):
             continue
-        if finding.code.startswith("rank.straggler") or finding.code == "job.slowdown":
-            out.append(dataclasses.replace(finding, evidence={**finding.evidence, "job_id": job_id,
-                                                              "source": "periodic flight-recorder dumps"}))
+        tagged = {**finding.evidence, "job_id": job_id, "source": "periodic flight-recorder dumps"}
+        if verdict == "straggler" and (finding.code.startswith("rank.straggler") or finding.code == "job.slowdown"):
+            out.append(dataclasses.replace(finding, evidence=tagged))
+        elif (verdict == "mismatch" and finding.code in SILENT_MISMATCH_CODES
+              and finding.evidence.get("completed") is True):
+            where = (finding.evidence.get("group"), finding.evidence.get("seq"))
+            if any((g.evidence.get("group"), g.evidence.get("seq")) == where for g in out):
+                continue  # one finding per collective: the other side of a tie says the same (both in "variants")
+            out.append(dataclasses.replace(
+                finding, severity=Severity.CRITICAL, entity=Entity(EntityKind.JOB, job_id),
+                message=f"job {job_id}: {finding.message}", evidence=tagged))
     return out
+
+
+def _median(values: Sequence[float]) -> float:
+    ordered = sorted(values)
+    return ordered[len(ordered) // 2] if len(ordered) % 2 else (ordered[len(ordered) // 2 - 1]
+                                                                 + ordered[len(ordered) // 2]) / 2
+
+
+def _gpu_straggler_hints(job: DiscoveredJob, history: Sequence[Mapping[int, Mapping[str, float]]]) -> list[Finding]:
+    """Info ``rank.straggler`` hints from the local ranks' GPUs over the last polls (``GPU_HINT_*``): the rank whose
+    GPU's SMs are busier than every peer's by the ratio (GPU-side: it computes more, or slower), or whose GPU
+    idles while every peer's is busy (host-side: its data loader or host code is late). Only for a job that keeps
+    launching (the caller checks): a hung rank's GPU idles too, and so does a rank writing a checkpoint."""
+    if len(history) < GPU_HINT_POLLS:
+        return []
+    ranks = sorted(set.intersection(*(set(h) for h in history)))
+    if len(ranks) < 2:
+        return []
+
+    def medians(part: Sequence[Mapping[int, Mapping[str, float]]], key: str) -> dict[int, float]:
+        return {r: _median([h[r][key] for h in part if key in h[r]] or [0.0]) for r in ranks}
+
+    sm, busy = medians(history, "sm"), medians(history, "util")
+    # a hint must hold in both halves of the window: a healthy job's ranks trade places (a flight-recorder dump
+    # held one for a few seconds: one half's ratio 1.28, the other's 0.96), a straggler stays put (1.28, 1.29)
+    halves = (history[:len(history) // 2], history[len(history) // 2:])
+    half_sm, half_busy = [medians(h, "sm") for h in halves], [medians(h, "util") for h in halves]
+    out: list[Finding] = []
+    for r in ranks:
+        peers = [p for p in ranks if p != r]
+        peer_sm, peer_busy = _median([sm[p] for p in peers]), _median([busy[p] for p in peers])
+        ev: dict[str, Any] = {"job_id": job.job_id, "rank": r, "gpu": job.ranks[r].gpu_index,
+                              "source": "GPU activity (NVML)", "polls": len(history),
+                              "sm_active": round(sm[r], 3), "peers_sm_active": round(peer_sm, 3),
+                              "busy": round(busy[r], 3), "peers_busy": round(peer_busy, 3)}
+        sm_held = all(h[r] >= GPU_HINT_SM_MIN and h[r] >= GPU_HINT_SM_RATIO * _median([h[p] for p in peers]) > 0
+                      for h in half_sm)
+        host_held = all(_median([h[p] for p in peers]) >= HOST_HINT_PEERS_BUSY
+                        and _median([h[p] for p in peers]) - h[r] >= HOST_HINT_BUSY_GAP for h in half_busy)
+        if sm_held:
+            ratio = sm[r] / peer_sm
+            out.append(Finding(
+                "rank.straggler", Severity.INFO, Entity(EntityKind.RANK, str(r), job.ranks[r].gpu_index),
+                f"job {job.job_id}: rank {r}'s GPU keeps its SMs {ratio:.2f}x as busy as its peers' "
+                f"({sm[r]:.0%} vs {peer_sm:.0%}): a GPU-side straggler (more work, or a slower GPU); a hint from "
+                "the GPUs alone", Action.NONE, {**ev, "kind": "gpu", "ratio": round(ratio, 3)}, SOURCE))
+        elif host_held:
+            out.append(Finding(
+                "rank.straggler", Severity.INFO, Entity(EntityKind.RANK, str(r), job.ranks[r].gpu_index),
+                f"job {job.job_id}: rank {r}'s GPU is busy {busy[r]:.0%} of the time while its peers' are "
+                f"{peer_busy:.0%}: a host-side straggler (its data loader or host code is late); a hint from the "
+                "GPUs alone", Action.NONE, {**ev, "kind": "host", "idle_share": round(1 - busy[r], 3)}, SOURCE))
+    return out
+
+
+def _activity(job: DiscoveredJob, status: ras.RasStatus, proc: Path) -> dict[Process, Activity]:
+    """Each local rank's CPU seconds and I/O bytes now (``/proc/<pid>/stat``, ``/proc/<pid>/io``), keyed as RAS
+    names its process (host, pid in its namespace); a rank RAS shows whose pid and GPU match a local one."""
+    local = {pid: p for p in job.ranks.values() for pid in p.pids()}
+    out: dict[Process, Activity] = {}
+    for comm in status.communicators:
+        for r in comm.ranks:
+            p = local.get(r.pid or -1)
+            if p is None or (r.nvml_dev is not None and p.gpu_index is not None and r.nvml_dev != p.gpu_index):
+                continue  # another node's process with the same number
+            act = read_activity(p.pid, proc)
+            if act is not None:
+                out[(r.host, r.pid or 0)] = act
+    return out
+
+
+def read_activity(pid: int, proc: Path = Path("/proc")) -> Activity | None:
+    """CPU seconds (user + system, every thread) and bytes read and written (``rchar`` + ``wchar``: page cache
+    included, so a checkpoint's writes count before they reach the disk); None when unreadable."""
+    try:
+        stat = (proc / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()
+        cpu = (int(stat[11]) + int(stat[12])) / _CLOCK_TICKS
+        io = 0.0
+        for line in (proc / str(pid) / "io").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key in ("rchar", "wchar"):
+                io += float(value)
+    except (OSError, IndexError, ValueError):
+        return None
+    return Activity(cpu, io)
+
+
+_CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 
 def _safe(text: str) -> str:

@@ -148,7 +148,7 @@ def test_the_permission_that_is_missing_is_named(shared_dir: Path) -> None:
         said = _as_user(65534, lambda: poke(as_root))
         assert "cannot look into process" in said and "CAP_SYS_PTRACE" in said and "uid 0" in said
         said = _as_user(65534, lambda: poke(as_user))
-        assert "no permission to write" in said and "mode 644" in said and "owner uid 0" in said
+        assert "could not write" in said and "mode 644" in said and "uid 0" in said
     finally:
         for p in (root_rank, user_rank):
             p.kill()
@@ -179,3 +179,33 @@ def test_paths_are_resolved_inside_the_process_root(tmp_path: Path) -> None:
         open_path(100, "../etc/hostname", proc=tmp_path / "proc")
     with pytest.raises(PathError, match="no such file"):
         open_path(100, "/nope", proc=tmp_path / "proc")
+
+
+def test_root_never_writes_a_fifo_the_ranks_own_user_could_not(shared_dir: Path) -> None:
+    """A confused deputy: the agent runs as root; a job's FIFO that another user owns (mode 0644) is one its rank
+    could not write, so the agent does not either. The rank's own FIFO (0600) is written as before."""
+    if os.getuid() != 0:
+        pytest.fail("this test needs root (scripts/test.sh runs as root)")
+    rank = subprocess.Popen(["sleep", "60"], env=_rank_env(str(shared_dir), rank=1), user=65534, group=65534,
+                            extra_groups=[])
+    fifo = shared_dir / "gpuhealth-t-pipe-1.pipe"
+    try:
+        os.mkfifo(fifo, 0o644)
+        os.chown(fifo, 1234, 1234)  # another user's FIFO: uid 65534 may not write it
+        said = str(_catch(lambda: poke(_inspect(rank.pid))))
+        assert "belongs to uid 1234" in said and "could not write" in said
+        os.chown(fifo, 65534, 65534)
+        os.chmod(fifo, 0o600)  # the rank's own: allowed (here nobody reads it, which is what is said)
+        said = str(_catch(lambda: poke(_inspect(rank.pid))))
+        assert "nobody reads" in said
+    finally:
+        rank.kill()
+        rank.wait()
+
+
+def _catch(fn: Any) -> Exception | None:
+    try:
+        fn()
+    except Exception as exc:
+        return exc
+    return None
