@@ -16,7 +16,7 @@ and normalized within a work budget proportional to its size; values are capped
 (:mod:`gpuhealth.flightrec.normalize`: ``MAX_TENSORS``, ``MAX_DIMS``, ``MAX_FRAMES``, …) and counted
 in one warning line; ranks must be below :data:`MAX_RANKS`.
 
-Format tolerance (FLIGHT_RECORDER.md): versions 2.x; ``nccl_version`` (old) or ``comm_lib_version``;
+Format tolerance (docs/reference/FLIGHT_RECORDER.md): versions 2.x; ``nccl_version`` (old) or ``comm_lib_version``;
 ``pg_status`` values as strings (JSON) or ints (pickle); unset timestamps as 0 (JSON) or None
 (pickle); ``process_group`` as a list or a tuple; ``frames`` present (pickle) or not (JSON);
 ``entries`` absent when empty; NCCL (``nccl:``) and Gloo (``gloo:``) profiling names; any-source

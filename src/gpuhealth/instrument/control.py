@@ -2,7 +2,7 @@
 
 - ``dump_fr``: the process's flight recorder as JSON (``_dump_nccl_trace_json`` for NCCL,
   ``_dump_fr_trace_json`` for Gloo and the rest; the wrong one returns an empty trace,
-  FLIGHT_RECORDER.md), sent back inline over the socket in chunks — or, for an agent that only
+  docs/reference/FLIGHT_RECORDER.md), sent back inline over the socket in chunks — or, for an agent that only
   gives a ``dir``, written to ``<dir>/rank<N>.json``. Works while the main thread waits in a
   collective (torch releases the GIL there).
 - ``python_stacks``: every thread's Python stack (``sys._current_frames``), as text and as frames.

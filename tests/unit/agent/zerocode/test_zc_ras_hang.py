@@ -11,7 +11,7 @@ from gpuhealth.agent.zerocode import ras
 from gpuhealth.agent.zerocode.hang import HangJudge, judge
 
 # The text report as NCCL prints it (client_support.cc format strings), for a 2-rank job where rank 1
-# stopped launching all-reduces (ZERO_CODE.md, measured on 2 x H200 with NCCL 2.28.9).
+# stopped launching all-reduces (docs/reference/ZERO_CODE.md, measured on 2 x H200 with NCCL 2.28.9).
 TEXT_HUNG = """NCCL version 2.28.9+cuda13.0 compiled with CUDA 13.0
 CUDA runtime version 13000, driver version 13000
 
