@@ -30,6 +30,7 @@ from typing import Any
 
 from gpuhealth import __version__
 from gpuhealth.agent.cache import Cache
+from gpuhealth.agent.health_log import HealthLog
 from gpuhealth.agent.nvml_supervisor import (
     NvmlChange,
     NvmlEvent,
@@ -106,6 +107,8 @@ class Agent:
         self._listeners_lock = threading.RLock()  # serialises deliveries (see _on_snapshot)
         self._label_provider: GpuLabelProvider | None = None
         self._last_findings: tuple[Finding, ...] = ()
+        self._health_log = HealthLog()
+        self._health_seen: tuple[Any, ...] | None = None  # what the health log last judged
         self._loop: threading.Thread | None = None
         self._stop = threading.Event()
         self._reload_requested = threading.Event()
@@ -493,6 +496,7 @@ class Agent:
         # Writers run on several threads: deliver the cache's newest state, in order, so a slower
         # writer can never leave listeners (the coordinator link) holding an older set.
         with self._listeners_lock:
+            self._log_health_changes(self.cache.snapshot())
             findings = self.cache.snapshot().findings
             if findings == self._last_findings:
                 return
@@ -502,6 +506,24 @@ class Agent:
                     cb(list(findings))
                 except Exception:
                     log.exception("findings listener failed")
+
+    def _log_health_changes(self, snap: ExportSnapshot) -> None:
+        """One line per change of a GPU's or the node's health (``health_log``), from the first full sweep."""
+        if not snap.ready:
+            return
+        seen = (snap.findings, snap.gpus, snap.nvml_up)
+        if seen == self._health_seen:
+            return
+        self._health_seen = seen
+        from gpuhealth.node import report_of_snapshot
+
+        try:
+            changes = self._health_log.observe(report_of_snapshot(snap))
+        except Exception:  # the journal line is worth a lot, but never the agent
+            log.exception("health change log failed")
+            return
+        for change in changes:
+            log.log(change.level, change.text, extra=change.extra)
 
 
 # ====================================================================== helpers
