@@ -2,8 +2,9 @@
 ``gpuhealth.instrument.Tracker`` hook in the loop, and one rank doing twice the compute of the others
 (a straggler that wall step times cannot show: every rank waits at the all-reduce).
 
-Run as ``python -m gpuhealth.demo_job`` with RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT,
-GPUHEALTH_SOCKET and GPUHEALTH_JOB_ID set (``gpuhealth demo --job`` does it). Needs torch.
+Run as ``python -m gpuhealth.demo_job`` with RANK, WORLD_SIZE, GPUHEALTH_SOCKET, GPUHEALTH_JOB_ID and
+either GPUHEALTH_DEMO_INIT (a ``file://`` rendezvous: ``gpuhealth demo --job`` uses one, so no port is
+chosen before it is bound) or MASTER_ADDR and MASTER_PORT set. Needs torch.
 """
 
 from __future__ import annotations
@@ -25,7 +26,12 @@ def train(steps: int, straggler: int, size: int = 128, gpu_time_s: float = 0.02)
     from gpuhealth.instrument import Tracker
 
     rank = int(os.environ["RANK"])
-    dist.init_process_group("gloo", timeout=timedelta(seconds=120))
+    init = os.environ.get("GPUHEALTH_DEMO_INIT")
+    if init:
+        dist.init_process_group("gloo", init_method=init, rank=rank, world_size=int(os.environ["WORLD_SIZE"]),
+                                timeout=timedelta(seconds=120))
+    else:
+        dist.init_process_group("gloo", timeout=timedelta(seconds=120))
     torch.manual_seed(rank)
     torch.set_num_threads(1)
     weight = torch.randn(size, size)

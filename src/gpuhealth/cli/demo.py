@@ -2,6 +2,12 @@
 
 With an NVIDIA driver the agent reads the live GPUs. Without one it replays the bundled real H200
 recording, and every line it prints says SIMULATED. Runs until Ctrl-C (or ``--duration``).
+
+Stopping: Ctrl-C reaches the whole foreground process group — the demo, the agent, the coordinator and
+the job's ranks at once — so a child that exits a moment before the demo hears the signal is the same
+stop, not a failure. The demo handles SIGINT even where its parent left it ignored (a background job of
+a script), stops whatever is still running (its whole process tree), exits 0 and removes its temporary
+folder (``--keep`` keeps it; a ``--state-dir`` is never removed; a failure keeps the logs).
 """
 
 from __future__ import annotations
@@ -9,8 +15,9 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
+import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -39,10 +46,9 @@ def _live_gpus() -> int:
             nvml.shutdown()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+# The agent's own word on where it listens (it binds port 0 and the kernel picks: no port race).
+_SERVING = re.compile(r"serving /metrics, /health, /ready on http://(\S+)")
+CHILD_EXIT_GRACE_S = 1.0  # how long a child's exit waits for the stop signal that probably caused it
 
 
 def _get_json(url: str, timeout: float = 2.0) -> tuple[int, Any]:
@@ -55,12 +61,20 @@ def _get_json(url: str, timeout: float = 2.0) -> tuple[int, Any]:
         return 0, None
 
 
+def _check_children(procs: list[subprocess.Popen[bytes]], what: str) -> None:
+    """A child that exited is a failure — unless a stop signal is on its way to us too: Ctrl-C reaches
+    the whole process group, and a child may exit before our handler runs (the handler then raises
+    KeyboardInterrupt out of this sleep)."""
+    for p in procs:
+        if p.poll() is not None:
+            time.sleep(CHILD_EXIT_GRACE_S)
+            raise click.ClickException(f"{what} (code {p.returncode})")
+
+
 def _wait(predicate: Any, timeout_s: float, what: str, procs: list[subprocess.Popen[bytes]]) -> Any:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        for p in procs:
-            if p.poll() is not None:
-                raise click.ClickException(f"{what}: a process exited early (code {p.returncode}); see its log")
+        _check_children(procs, f"{what}: a process exited early; see its log")
         value = predicate()
         if value:
             return value
@@ -69,7 +83,13 @@ def _wait(predicate: Any, timeout_s: float, what: str, procs: list[subprocess.Po
 
 
 def _interrupt(signum: int, frame: Any) -> None:
+    # From here on a second signal only stops us again, never halfway through the cleanup.
+    for sig in _STOP_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
     raise KeyboardInterrupt
+
+
+_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
 def _stop(procs: list[subprocess.Popen[bytes]]) -> None:
@@ -81,28 +101,75 @@ def _stop(procs: list[subprocess.Popen[bytes]]) -> None:
             p.wait(10)
         except subprocess.TimeoutExpired:
             p.kill()
+            p.wait()
+
+
+def _stop_tree() -> None:
+    """Whatever this process started and is still running (a rank, a ``gpuhealth jobs`` call): TERM,
+    then KILL what is left after 5 s. Nothing the demo started outlives it."""
+    import psutil
+
+    children = psutil.Process().children(recursive=True)
+    for c in children:
+        with contextlib.suppress(psutil.Error):
+            c.terminate()
+    _, alive = psutil.wait_procs(children, timeout=5)
+    for c in alive:
+        with contextlib.suppress(psutil.Error):
+            c.kill()
+    psutil.wait_procs(alive, timeout=5)
+
+
+def _agent_address(log: Path) -> str | None:
+    try:
+        m = _SERVING.search(log.read_text(errors="replace"))
+    except OSError:
+        return None
+    return m.group(1) if m else None
 
 
 @click.command(name="demo")
 @click.option("--duration", type=float, default=0.0, help="Stop after this many seconds (0: until Ctrl-C).")
 @click.option("--agent-listen", default=None, help="Agent /metrics address (default 127.0.0.1:<free port>).")
 @click.option("--state-dir", type=click.Path(file_okay=False), default=None,
-              help="Where the coordinator database, spool and logs go (default: a temp folder).")
+              help="Where the coordinator database, spool and logs go (default: a temp folder, removed at exit).")
+@click.option("--keep", is_flag=True, help="Keep the temp folder (logs, database) after the demo stops.")
 @click.option("--simulate/--auto", default=False,
               help="Replay the bundled recording even when a driver is present.")
 @click.option("--job/--no-job", default=True, show_default=True,
               help="Also run a real 4-rank PyTorch Gloo job (CPU) with one slow rank and show what the "
                    "coordinator makes of it (needs torch: gpuhealth[diag]).")
-def command(duration: float, agent_listen: str | None, state_dir: str | None, simulate: bool, job: bool) -> None:
+def command(duration: float, agent_listen: str | None, state_dir: str | None, keep: bool, simulate: bool,
+            job: bool) -> None:
     """Run agent + coordinator on this machine; simulated on the bundled real recording without a GPU."""
-    # SIGTERM (systemd, kill, a CI runner's timeout) and SIGHUP (a closed terminal) stop the demo as
-    # Ctrl-C does: through ``finally``, which stops the agent and the coordinator it started.
-    for sig in (signal.SIGTERM, signal.SIGHUP):
+    # Ctrl-C, SIGTERM (systemd, kill, a CI runner's timeout) and SIGHUP (a closed terminal) stop the demo
+    # the same way: through ``finally``, which stops everything it started. SIGINT is set here even when
+    # inherited as ignored (a script's background job): the children set theirs, and would otherwise
+    # stop on Ctrl-C while the demo went on and reported them dead.
+    for sig in _STOP_SIGNALS:
         signal.signal(sig, _interrupt)
-    gpus = 0 if simulate else _live_gpus()
-    simulated = gpus == 0
-    state = Path(state_dir or tempfile.mkdtemp(prefix="gpuhealth-demo-"))
-    state.mkdir(parents=True, exist_ok=True)
+    state: Path | None = None
+    remove = state_dir is None and not keep
+    try:
+        gpus = 0 if simulate else _live_gpus()
+        state = Path(state_dir or tempfile.mkdtemp(prefix="gpuhealth-demo-"))
+        state.mkdir(parents=True, exist_ok=True)
+        _run(state, duration, agent_listen, gpus == 0, gpus, job, removed=remove)
+    except KeyboardInterrupt:
+        pass  # stopped before (or after) the part that says so: nothing more to say
+    except click.ClickException:
+        remove = False  # the logs say what went wrong: keep them (the message names the folder)
+        raise
+    finally:
+        for sig in _STOP_SIGNALS:  # the cleanup runs to its end
+            signal.signal(sig, signal.SIG_IGN)
+        _stop_tree()
+        if remove and state is not None:
+            shutil.rmtree(state, ignore_errors=True)
+
+
+def _run(state: Path, duration: float, agent_listen: str | None, simulated: bool, gpus: int, job: bool, *,
+         removed: bool) -> None:
     recording = bundled_recording_path(DEFAULT_RECORDING)
     tag = "SIMULATED" if simulated else "LIVE"
     if simulated:
@@ -111,7 +178,6 @@ def command(duration: float, agent_listen: str | None, state_dir: str | None, si
     else:
         click.secho(f"[{tag}] NVIDIA driver found: {gpus} GPU(s).", fg="green")
 
-    agent_addr = agent_listen or f"127.0.0.1:{_free_port()}"
     ready_file = state / "coordinator.ready.json"
     ready_file.unlink(missing_ok=True)
     base = [sys.executable, "-m", "gpuhealth.cli.main"]
@@ -132,11 +198,12 @@ def command(duration: float, agent_listen: str | None, state_dir: str | None, si
                    GPUHEALTH_AGENT_STATE_DIR=str(state / "agent"),
                    GPUHEALTH_AGENT_SOCKET_PATH=str(state / "agent.sock"),
                    GPUHEALTH_AGENT_NODE_NAME=os.environ.get("GPUHEALTH_AGENT_NODE_NAME", "demo-node"))
-        agent_cmd = [*base, "agent", "--listen", agent_addr]
+        agent_cmd = [*base, "agent", "--listen", agent_listen or "127.0.0.1:0"]
         if simulated:
             agent_cmd += ["--nvml-snapshot", str(recording)]
         agent = subprocess.Popen(agent_cmd, env=env, stdout=logs["agent"], stderr=subprocess.STDOUT)
         procs.append(agent)
+        agent_addr = _wait(lambda: _agent_address(state / "agent.log"), 60, "the agent's HTTP server", procs)
         _wait(lambda: _get_json(f"http://{agent_addr}/ready")[0] == 200, 60, "the agent's first sweep", procs)
         _, health = _get_json(f"http://{agent_addr}/health")
         _print_health(health or {}, tag)
@@ -145,7 +212,8 @@ def command(duration: float, agent_listen: str | None, state_dir: str | None, si
         click.echo(f"[{tag}] rank socket  {state / 'agent.sock'}  (GPUHEALTH_SOCKET for gpuhealth.instrument.Tracker)")
         click.echo(f"[{tag}] try:  gpuhealth fleet --coordinator {coord_addr}   |   "
                    f"gpuhealth jobs --coordinator {coord_addr}")
-        click.echo(f"[{tag}] logs and database in {state}")
+        click.echo(f"[{tag}] logs and database in {state}"
+                   + (" (removed at exit; --keep keeps it)" if removed else ""))
         _wait(lambda: _fleet_has_node(coord_addr), 30, "the agent to register with the coordinator", procs)
         click.echo(f"[{tag}] agent registered with the coordinator; running "
                    + (f"for {duration:g} s" if duration else "until Ctrl-C"))
@@ -156,9 +224,7 @@ def command(duration: float, agent_listen: str | None, state_dir: str | None, si
             _run_demo_job(env, state, coord_addr, tag, procs, gpus_seen)
         deadline = time.monotonic() + duration if duration else None
         while deadline is None or time.monotonic() < deadline:
-            for p in procs:
-                if p.poll() is not None:
-                    raise click.ClickException(f"a process exited (code {p.returncode}); logs in {state}")
+            _check_children(procs, f"a process exited; logs in {state}")
             time.sleep(0.5)
     except KeyboardInterrupt:
         pass
@@ -166,7 +232,7 @@ def command(duration: float, agent_listen: str | None, state_dir: str | None, si
         _stop(procs)
         for f in logs.values():
             f.close()
-    click.echo(f"[{tag}] stopped")
+    click.echo(f"[{tag}] stopped" + (f"; removing {state}" if removed else ""))
 
 
 def _run_demo_job(env: dict[str, str], state: Path, coord_addr: str, tag: str,
@@ -179,14 +245,15 @@ def _run_demo_job(env: dict[str, str], state: Path, coord_addr: str, tag: str,
         return
     world, straggler, steps = 4, 2, 80
     job_id = f"demo-{int(time.time())}"
-    port = _free_port()
+    rendezvous = state / f"{job_id}.rendezvous"  # a file, not a port that someone may take first
+    rendezvous.unlink(missing_ok=True)
     on = f", rank r on recorded GPU r mod {len(gpus)}" if gpus else ""
     click.echo(f"[{tag}] job {job_id}: {world} ranks (PyTorch Gloo on CPU{on}), rank {straggler} does 2× compute, "
                f"{steps} steps …")
     ranks = []
     for rank in range(world):
         rank_env = {**env, "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
-                    "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "GPUHEALTH_JOB_ID": job_id,
+                    "GPUHEALTH_DEMO_INIT": f"file://{rendezvous}", "GPUHEALTH_JOB_ID": job_id,
                     "GPUHEALTH_SOCKET": env["GPUHEALTH_AGENT_SOCKET_PATH"]}
         if gpus:
             gpu = gpus[rank % len(gpus)]
