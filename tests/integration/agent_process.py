@@ -1,13 +1,16 @@
 """Start ``gpuhealth agent`` as a real subprocess for integration tests (and the overhead benchmark).
 
 The child runs through a tiny wrapper that, at exit, writes whether ``torch`` was ever imported
-(the agent process must never import it) to ``<workdir>/modules.json``.
+(the agent process must never import it) to ``<workdir>/modules.json``. It listens on port 0 (the
+kernel picks a free one: no port chosen here can be taken by someone else before the agent binds it)
+and says which in its log line "serving /metrics, /health, /ready on http://127.0.0.1:PORT".
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -31,7 +34,12 @@ main()
 """
 
 
+_SERVING = re.compile(r"serving /metrics, /health, /ready on http://127\.0\.0\.1:(\d+)")
+
+
 def free_port() -> int:
+    """A port free now, for servers that cannot bind port 0 and say which (Prometheus). It may be taken
+    before they bind it: use only where there is no other way."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
@@ -48,24 +56,43 @@ def http_get(url: str, timeout: float = 5.0, headers: dict[str, str] | None = No
 
 class AgentProcess:
     def __init__(self, workdir: Path, args: list[str], *, env: dict[str, str] | None = None) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        self._port: int | None = None
         self.workdir = workdir
         self.log_path = workdir / "agent.log"
         self.modules_path = workdir / "modules.json"
         full_env = {**os.environ, **(env or {})}
         self._log = self.log_path.open("wb")
         self.proc = subprocess.Popen(
-            [sys.executable, "-c", _WRAPPER, str(self.modules_path), "agent", "--listen",
-             f"127.0.0.1:{self.port}", *args],
+            [sys.executable, "-c", _WRAPPER, str(self.modules_path), "agent", "--listen", "127.0.0.1:0", *args],
             stdout=self._log, stderr=subprocess.STDOUT, env=full_env,
         )
+
+    @property
+    def port(self) -> int:
+        """The port the agent bound, from its log (waits up to 30 s for the line)."""
+        deadline = time.monotonic() + 30.0
+        while self._port is None:
+            m = _SERVING.search(self.log())
+            if m is not None:
+                self._port = int(m.group(1))
+            elif self.proc.poll() is not None or time.monotonic() > deadline:
+                raise AssertionError(f"the agent never said which port it serves on:\n{self.log()}")
+            else:
+                time.sleep(0.05)
+        return self._port
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
 
     def wait_ready(self, timeout: float = 30.0) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise AssertionError(f"agent exited with {self.proc.returncode}:\n{self.log()}")
+            if self._port is None and _SERVING.search(self.log()) is None:
+                time.sleep(0.05)
+                continue
             try:
                 code, _ = http_get(self.url + "/ready", timeout=1)
                 if code == 200:

@@ -27,8 +27,30 @@ def _xid_lines(pci: str, xid: int, n: int, start_usec: int, step_s: float) -> li
             for k in range(n)]
 
 
+UPTIME_S = 30 * 86400  # the kernel log of a node up 30 days: room for XIDs hours apart, whenever the tests run
+
+
+@pytest.fixture(autouse=True)
+def _booted_long_ago(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The kernel's boot time is the boundary faked here: kernel-log times are boot time + offset, so a
+    test placing XIDs 2.5 h in the past must not depend on this machine having been up that long."""
+    import gpuhealth.backends.kmsg as kmsg_mod
+    import gpuhealth.collectors.xid as xid_mod
+
+    for mod in (kmsg_mod, xid_mod):
+        monkeypatch.setattr(mod, "boot_time", lambda: time.time() - UPTIME_S - _since_start())
+
+
+_START = time.monotonic()
+
+
+def _since_start() -> float:
+    return time.monotonic() - _START
+
+
 def _boot_usec() -> int:
-    return int(time.clock_gettime(time.CLOCK_BOOTTIME) * 1e6)
+    """Now, as the faked kernel's microseconds since boot."""
+    return int((UPTIME_S + _since_start()) * 1e6)
 
 
 def _with(tmp_path: Path, policy: dict[str, Any]) -> dict[str, Any]:
