@@ -101,6 +101,12 @@ def render(report: Mapping[str, Any]) -> str:
         lines += [f"  {p['path']}: {p['message']}" for p in errors[:10]]
         if len(errors) > 10:
             lines.append(f"  … and {len(errors) - 10} more (see --json)")
+    warnings = [p for p in report.get("problems", []) if p.get("severity") == "warning"]
+    if warnings:  # read, with a caveat that may change the picture (a second dump of a rank set aside)
+        lines.append(f"{len(warnings)} file(s) read with a caveat:")
+        lines += [f"  {p['path']}: {p['message']}" for p in warnings[:10]]
+        if len(warnings) > 10:
+            lines.append(f"  … and {len(warnings) - 10} more (see --json)")
     for note in report.get("notes", []) or []:
         lines.append(f"note: {note}")
     return "\n".join(lines)
@@ -190,28 +196,104 @@ def command(path: str | None, steps: tuple[str, ...], world_size: int | None, gr
             except ValueError as exc:
                 _fail(str(exc), profile)
                 return
-        step_records, step_problems = read_steps(_expand_steps(steps))
         if path is not None and stacks_path is None and (Path(path) / "fr").is_dir():
             # A coordinator evidence folder: the dumps are in fr/, the ranks' stacks beside them.
             stacks_path = str(Path(path) / "stacks.json") if (Path(path) / "stacks.json").is_file() else None
             path = str(Path(path) / "fr")
-        stacks, stack_problem = _read_stacks(stacks_path)
-        if stack_problem:
-            step_problems.append(stack_problem)
-        from gpuhealth.flightrec.verdict import triage
-
-        rep = triage([path] if path else [], steps=step_records, job=job, tail_entries=tail_entries, stacks=stacks)
-        report = rep.to_dict()
-        report["notes"] = list(report.get("notes", [])) + step_problems
+        report = _offline(path, steps, job, stacks_path, tail_entries, profile)
     if as_json:
         click.echo(json.dumps(report, indent=2, default=str))
     else:
-        click.echo(render(report))
+        click.echo(render_jobs(report) if "jobs" in report else render(report))
     try:
         health = Verdict(str(report.get("verdict", "incomplete"))).health
     except ValueError:
         health = Health.UNKNOWN
     sys.exit(exit_code(health, profile))
+
+
+def _offline(path: str | None, steps: Sequence[str], job: dict[str, Any], stacks_path: str | None,
+             tail_entries: int | None, profile: str) -> dict[str, Any]:
+    """Triage the dumps under PATH: each job found there on its own (``flightrec.jobs``), with the step
+    records given — or, given none, those in ``*.jsonl`` files beside the dumps."""
+    from gpuhealth.flightrec.jobs import assign_steps, find_jobs, no_clean_bill_on_evidence_set_aside
+    from gpuhealth.flightrec.verdict import triage
+
+    jobs, loose = find_jobs(path) if path is not None else ([], [])
+    if len(jobs) > 1 and (job or stacks_path):
+        _fail(f"--world-size, --group and --stacks describe one job, but {path} holds {len(jobs)} jobs "
+              f"({_names(jobs)}): give one job's folder", profile)
+    step_files, notes = _step_files(steps, path)
+    stacks, stack_problem = _read_stacks(stacks_path)
+    notes += [stack_problem] if stack_problem else []
+    if len(jobs) <= 1:
+        records = [r for _, recs in step_files for r in recs]
+        rep = triage([path] if path else [], steps=records, job=job, tail_entries=tail_entries, stacks=stacks)
+        report = no_clean_bill_on_evidence_set_aside(rep).to_dict()
+        report["notes"] = list(report.get("notes", [])) + notes
+        return report
+    per_job, set_aside = assign_steps(step_files, jobs)
+    reports = []
+    for one, records in zip(jobs, per_job, strict=True):
+        rep = triage(one.files, steps=records, tail_entries=tail_entries)
+        reports.append({"job": one.name, "files": len(one.files),
+                        **no_clean_bill_on_evidence_set_aside(rep, set_aside).to_dict()})
+    worst = max(reports, key=lambda r: _WORSE.index(str(r["verdict"])))
+    counts = ", ".join(f"{sum(r['verdict'] == v for r in reports)} {v}" for v in _WORSE[::-1]
+                       if any(r["verdict"] == v for r in reports))
+    return {"verdict": worst["verdict"],
+            "summary": f"{len(jobs)} jobs in {path}, each triaged on its own: {counts}",
+            "jobs": reports, "problems": [p.to_dict() for p in loose], "notes": notes + set_aside}
+
+
+# From least to most in need of a look: the verdict of several jobs is the worst of theirs.
+_WORSE = ["healthy", "straggler", "incomplete", "hang", "mismatch"]
+
+
+def _names(jobs: Sequence[Any]) -> str:
+    names = [j.name for j in jobs]
+    return ", ".join(names[:5]) + (f", … ({len(names) - 5} more)" if len(names) > 5 else "")
+
+
+def _step_files(steps: Sequence[str], path: str | None) -> tuple[list[tuple[str, list[StepRecord]]], list[str]]:
+    """(file, records) for the --steps given, else for the ``*.jsonl`` under PATH that hold step records
+    (a straggler shows in step times, not in dumps: files beside the dumps are read, not left out)."""
+    if steps:
+        files, found = _expand_steps(steps), False
+    elif path is not None and Path(path).is_dir():
+        files, found = sorted(str(p) for p in Path(path).rglob("*.jsonl") if not p.name.startswith(".")), True
+    else:
+        files, found = [], False
+    out: list[tuple[str, list[StepRecord]]] = []
+    notes: list[str] = []
+    for f in files:
+        records, problems = read_steps([f])
+        if found and not records:
+            continue  # another kind of JSON lines (a log): not step records, nothing set aside
+        notes += problems
+        if records:
+            out.append((f, records))
+    if found and out:
+        notes.insert(0, f"step records read from {len(out)} file(s) beside the dumps "
+                        f"({', '.join(Path(f).name for f, _ in out[:4])}{', …' if len(out) > 4 else ''})")
+    return out, notes
+
+
+def render_jobs(report: Mapping[str, Any]) -> str:
+    """Several jobs: the line that says so, one line per job, then each job as ``render`` shows one."""
+    lines = [str(report.get("summary", ""))]
+    for r in report.get("jobs", []):
+        lines.append(f"  {r['job']}: {str(r.get('summary', '')).strip()}")
+    for r in report.get("jobs", []):
+        lines += ["", f"=== job {r['job']} ({r['files']} file(s)) ===", render(r)]
+    loose = report.get("problems") or []
+    if loose:
+        lines += ["", f"{len(loose)} file(s) outside any job could not be read as dumps:"]
+        lines += [f"  {p['path']}: {p['message']}" for p in loose[:10]]
+        if len(loose) > 10:
+            lines.append(f"  … and {len(loose) - 10} more (see --json)")
+    lines += [f"note: {n}" for n in report.get("notes", []) or []]
+    return "\n".join(lines)
 
 
 MAX_STACKS_BYTES = 256 * 2**20
