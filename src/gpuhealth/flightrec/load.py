@@ -69,8 +69,11 @@ __all__ = [
     "Problem", "RankDump", "load_dumps", "paused_gc", "rank_from_filename",
 ]
 
-DEFAULT_MAX_FILE_BYTES = 1 << 30  # a whole-file parse above this is refused (tail reading still works)
-MAX_PICKLE_BYTES = 256 << 20  # a pickle is unpickled whole: up to ~40× its size in objects
+# Set from measured growth (BENCHMARKS.md, "Hardening, round two") so that the worst file of each format
+# costs `gpuhealth triage` under 1 GiB: a JSON dump takes up to ~13× its size as normalized records, a pickle
+# at most safe_pickle.MEMORY_BUDGET of objects whatever its size.
+DEFAULT_MAX_FILE_BYTES = 64 << 20  # a whole-file parse above this is refused (tail reading still works)
+MAX_PICKLE_BYTES = 64 << 20  # a pickle is unpickled whole, within safe_pickle's memory budget
 SUPPORTED_MAJOR = 2
 _SKIP_SUFFIXES = {".jsonl", ".txt", ".log", ".tmp", ".md", ".csv"}
 # The top-level blocks the loader reads; any other (nccl_comm_state, …) is skipped unread.
@@ -229,7 +232,8 @@ def _as_problem(problems: list[Problem], display: str, name: str) -> Iterator[No
         problems.append(_unreadable(display, name, str(exc)))
     except OSError as exc:
         problems.append(_unreadable(display, name, f"cannot be read: {exc.strerror or exc}"))
-    except MemoryError:
+    except MemoryError as exc:
+        exc.__traceback__ = None  # its frames hold what filled memory: let it go before saying so
         problems.append(_unreadable(display, name, "ran out of memory reading it"))
     except Exception as exc:  # a bug of ours: still one line, never a traceback
         problems.append(_unreadable(display, name, f"could not be read: {type(exc).__name__}: {exc} "

@@ -137,6 +137,75 @@ def test_pickles_that_inflate_through_reused_references_are_refused(tmp_path: Pa
     assert len([p for p in report["problems"] if p["severity"] == "error"]) == 6
 
 
+TRIAGE_CEILING = 1 << 30  # what `gpuhealth triage` may take for the worst single dump (docs/security.md)
+
+
+def _triage_measured(folder: Path, cap: int) -> tuple[int, dict[str, Any] | None, str, int]:
+    """``gpuhealth triage FOLDER --json`` under RLIMIT_AS=cap: (exit code, report, stderr, peak RSS in bytes)."""
+    out, err = folder.parent / f"{folder.name}.out", folder.parent / f"{folder.name}.err"
+    wrapper = ("import os, resource, sys; cap = int(sys.argv[1]); resource.setrlimit(resource.RLIMIT_AS, (cap, cap)); "
+               "os.execv(sys.argv[2], sys.argv[2:])")
+    with out.open("wb") as o, err.open("wb") as e:
+        proc = subprocess.Popen([sys.executable, "-c", wrapper, str(cap), *_exec_cli(), "triage", str(folder),
+                                 "--json"], stdout=o, stderr=e)
+        try:
+            _, status, usage = os.wait4(proc.pid, 0)  # the exec'd triage itself: its own peak, not the suite's
+        finally:
+            proc.returncode = 0  # reaped here
+    text = out.read_text()
+    try:
+        report = json.loads(text)
+    except ValueError:
+        report = None
+    return os.waitstatus_to_exitcode(status), report, err.read_text(), usage.ru_maxrss * 1024
+
+
+def _exec_cli() -> list[str]:
+    return [str(_GPUHEALTH)] if _GPUHEALTH.exists() else [sys.executable, "-m", "gpuhealth.cli.main"]
+
+
+def _vsz_of_the_cli() -> int:
+    """Address space the triage command takes before reading anything (imports, libraries)."""
+    probe = ("import gpuhealth.cli.main, gpuhealth.flightrec.verdict, gpuhealth.flightrec.load; "
+             "from pathlib import Path; status = Path('/proc/self/status').read_text().splitlines(); "
+             "print(next(int(l.split()[1]) for l in status if l.startswith('VmSize:')) * 1024)")
+    return int(subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout)
+
+
+def test_flat_pickles_of_one_byte_opcodes_stay_under_the_triage_ceiling(tmp_path: Path) -> None:
+    """Issue 24: a 16 MiB pickle of 1-byte opcodes took `gpuhealth triage` to 1.2 GiB (64 MiB: 4.7 GiB), and
+    a MemoryError traceback under a cap. Empty sets are the worst opcode (232 bytes each): they stop at the
+    unpickler's budget, whatever the file's size."""
+    folder = tmp_path / "dumps"
+    folder.mkdir()
+    (folder / "rank0.pkl").write_bytes(b"\x80\x04" + b"\x8f" * (16 * MIB) + b".")  # EMPTY_SET: ~3.7 GB if built
+    (folder / "rank1.pkl").write_bytes(b"\x80\x04" + b"]" * (16 * MIB) + b".")  # EMPTY_LIST: ~1.2 GB
+    _healthy_job(folder, range(2, 4))
+    code, report, stderr, peak = _triage_measured(folder, 2 << 30)
+    assert "Traceback" not in stderr and report is not None, stderr[-2000:]
+    assert code == 3 and report["verdict"] == "incomplete"
+    errors = {p["rank"]: p["message"] for p in report["problems"] if p["severity"] == "error"}
+    assert set(errors) == {0, 1}
+    for message in errors.values():
+        assert message.startswith("refused: the pickle builds more than its 384 MiB memory budget"), message
+    assert report["ranks_seen"] == [2, 3]
+    assert peak < TRIAGE_CEILING, f"peak RSS {peak >> 20} MiB"
+
+
+def test_running_out_of_memory_reading_a_dump_is_one_line(tmp_path: Path) -> None:
+    """A process allowed less than the pickle budget (here: ~160 MiB past its imports) runs out while
+    unpickling: one problem line naming the file, the memory given back, the other ranks judged."""
+    folder = tmp_path / "dumps"
+    folder.mkdir()
+    (folder / "rank0.pkl").write_bytes(b"\x80\x04" + b"]" * (8 * MIB) + b".")  # 640 MiB of lists if built
+    _healthy_job(folder, range(1, 3))
+    code, report, stderr, _ = _triage_measured(folder, _vsz_of_the_cli() + 160 * MIB)
+    assert "Traceback" not in stderr and "MemoryError" not in stderr and report is not None, stderr[-2000:]
+    errors = {p["rank"]: p["message"] for p in report["problems"] if p["severity"] == "error"}
+    assert list(errors) == [0] and errors[0].startswith("ran out of memory unpickling it"), errors
+    assert code == 3 and report["ranks_seen"] == [1, 2]
+
+
 def test_pickle_opcodes_that_grow_the_unpickler_itself_are_bounded(tmp_path: Path) -> None:
     # LONG_BINPUT 2^30: the C unpickler sizes its memo array by this number (16 GB for 12 bytes).
     (tmp_path / "rank0.pkl").write_bytes(b"\x80\x02N" + b"r" + (1 << 30).to_bytes(4, "little") + b".")
@@ -341,9 +410,12 @@ def test_decompression_bombs_are_problem_lines(tmp_path: Path) -> None:
     out = load_capped(tmp_path)
     assert out["ranks"] == [1]
     errors = {p["rank"]: p["message"] for p in out["problems"] if p["severity"] == "error"}
-    assert set(errors) == {0, 2, 3, 4}, out["problems"]
-    for r in (0, 2, 3):
+    # rank3's tar header says 300 MiB: over the per-file limit before a byte of it is unpacked (and the tar
+    # itself, read past that member, is over its own allowance: a line without a rank).
+    assert set(errors) == {0, 2, 3, 4, None}, out["problems"]
+    for r in (0, 2, None):
         assert "zip bomb?" in errors[r] and "unpacks to more than" in errors[r], errors[r]
+    assert errors[3] == "unpacks to 300 MiB, over the 64 MiB limit for one dump"
     assert errors[4] == ("compressed with zstd, which gpuhealth does not unpack: unpack it first "
                          "(zstd -d rank4.json.zst)")
 
