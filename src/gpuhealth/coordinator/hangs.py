@@ -3,8 +3,9 @@
 On a hang (or a live ``triage --job``), the coordinator asks every agent that hosts ranks of the job for
 flight-recorder dumps and Python stacks, waits until all answered or the deadline passed (partial
 evidence is fine: the analyser says what it can), writes the dumps as the agents sent them into the
-evidence folder, runs the flight-recorder analyser on them once, off the event loop, and joins the
-culprit ranks with their GPUs' findings. The result is a ``pb.TriageReply``: the analyser's typed report
+evidence folder, runs the flight-recorder analyser on them once — in a child process under a memory cap
+(``coordinator/triage_child.py``), never in the coordinator's own — and joins the culprit ranks with their
+GPUs' findings. The result is a ``pb.TriageReply``: the analyser's typed report
 plus where each culprit runs.
 
 This module works for the coordinator through :class:`EvidenceSource` — the few things it needs — and
@@ -26,6 +27,8 @@ from typing import Any, Protocol
 
 from gpuhealth.coordinator.jobs import HangCheck, JobState
 from gpuhealth.coordinator.requests import PendingRequest
+from gpuhealth.coordinator.triage_child import run_triage as run_triage  # in this process: tests
+from gpuhealth.coordinator.triage_child import triage_in_child
 from gpuhealth.coordinator.triage_wire import report_to_pb
 from gpuhealth.flightrec.report import RootKind, TriageReport, Verdict
 from gpuhealth.model import Finding
@@ -56,13 +59,6 @@ def safe_name(text: str) -> str:
     and unique (a hash of the full id, so ids that differ only in replaced characters don't collide)."""
     readable = re.sub(r"[^A-Za-z0-9_-]", "_", text)[:64].strip("_") or "job"
     return f"{readable}-{hashlib.sha256(text.encode()).hexdigest()[:12]}"
-
-
-def run_triage(folder: Path, job: Mapping[str, Any], stacks: Mapping[int, Any] | None = None) -> TriageReport:
-    """The flight-recorder analyser on the dumps we got (one parse of each), with the ranks' stacks."""
-    from gpuhealth.flightrec.verdict import triage
-
-    return triage(str(folder), job=job, stacks=stacks)
 
 
 def culprit_ranks(report: TriageReport) -> list[int]:
@@ -101,13 +97,10 @@ async def investigate(source: EvidenceSource, job: JobState, *, reason: str, tim
     dump_dir = folder / "fr"
     dumps, errors = await asyncio.to_thread(_write_evidence, root, folder, dump_dir, fr, st)
     stacks = {r: a.payload for r, a in sorted(st.answers.items()) if a.ok}
-    try:
-        job_info = {"job_id": job.job_id, "world_size": job.world_size or None}
-        report = await asyncio.to_thread(run_triage, dump_dir, {k: v for k, v in job_info.items() if v}, stacks)
-        error = ""
-    except Exception as exc:  # the analyser's own bugs must not lose the evidence we gathered
-        error = f"triage failed: {type(exc).__name__}: {exc}"
-        report = _failed_report(sorted(dumps), error)
+    job_info = {"job_id": job.job_id, "world_size": job.world_size or None}
+    # Never in this process: the dumps are the job's, and the analyser's memory is theirs to spend.
+    got, error = await triage_in_child(dump_dir, {k: v for k, v in job_info.items() if v}, folder / "stacks.json")
+    report = got if got is not None else _failed_report(sorted(dumps), error)
 
     ranks = culprit_ranks(report)
     if not ranks and reason == "hang":
