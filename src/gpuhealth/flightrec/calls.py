@@ -63,10 +63,12 @@ class Signature(NamedTuple):
 
 
 def _absent(sizes: tuple[tuple[int, ...], ...], dtypes: tuple[str, ...]) -> bool:
-    """A buffer the rank did not pass: recorded as nothing (Gloo) or an undefined tensor (NCCL: [0],
-    UNKNOWN_SCALAR)."""
-    return not sizes or all(math.prod(s) == 0 for s in sizes) or bool(dtypes and all(d == "UNKNOWN_SCALAR"
-                                                                                    for d in dtypes))
+    """A buffer the rank did not pass: recorded as nothing (Gloo), an undefined tensor (NCCL: [0],
+    UNKNOWN_SCALAR), or a list of shapeless tensors with no dtype (``[[]]`` and ``""``, as PyTorch's own
+    analyser tests write a gather's non-root output: a real scalar carries a dtype)."""
+    return (not sizes or all(math.prod(s) == 0 for s in sizes)
+            or bool(dtypes and all(d == "UNKNOWN_SCALAR" for d in dtypes))
+            or (not dtypes and all(not s for s in sizes)))
 
 
 def per_rank_side(e: Entry) -> tuple[tuple[tuple[int, ...], ...], tuple[str, ...]]:
@@ -169,6 +171,14 @@ def build_calls(entries: Sequence[Entry]) -> dict[int, Call]:
 
 def numel(sizes: tuple[tuple[int, ...], ...]) -> int:
     return sum(math.prod(s) for s in sizes)
+
+
+# Ops whose relation between input and output holds for every producer we know of — PyTorch's process groups
+# and c10d's FlightRecorderHook (list-form all_gather/reduce_scatter: one buffer per rank; flattened: one of
+# world × the chunk): a record that breaks it is wrong even when every rank recorded it so. The ``*_single``
+# spellings are left out: producers record them with input and output alike (PyTorch's analyser tests).
+SURE_OPS = (SAME_SHAPE_OPS - {"reduce"}) | (ALL_GATHER_OPS - {"all_gather_single"}) | \
+    (REDUCE_SCATTER_OPS - {"reduce_scatter_single"})
 
 
 def self_inconsistency(e: Entry, group_size: int) -> str | None:

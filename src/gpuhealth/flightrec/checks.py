@@ -21,7 +21,16 @@ from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from gpuhealth.flightrec.calls import ALL_TO_ALL_OPS, Call, CallSignature, Signature, numel, self_inconsistency
+from gpuhealth.flightrec.calls import (
+    ALL_TO_ALL_OPS,
+    SAME_SHAPE_OPS,
+    SURE_OPS,
+    Call,
+    CallSignature,
+    Signature,
+    numel,
+    self_inconsistency,
+)
 from gpuhealth.flightrec.groups import GroupView
 
 
@@ -195,21 +204,32 @@ def _remember_all_to_all(calls: Mapping[int, Call], previous: dict[str, dict[int
             previous.setdefault(e.op, {})[r] = (numel(e.in_sizes), numel(e.out_sizes))
 
 
+# Where a group's members come from a record of them (not guessed from the ranks that dumped): its size,
+# which an all_gather's or reduce_scatter's record is checked against, is known.
+_SIZE_KNOWN = frozenset({"job", "pg_config"})
+
+
 def _own_record(view: GroupView, seq: int, calls: Mapping[int, Call]) -> Mismatch | None:
-    """Ranks whose own record of this call cannot be right, when most ranks' records are consistent."""
+    """Ranks whose own record of this call cannot be right: when most ranks' records are consistent, or —
+    for an op whose rule holds for every producer (``SURE_OPS``), in a group of known size (or an op that
+    keeps its shape) — however many ranks recorded it so: an all_gather of [8] into [24] over two ranks
+    is wrong on every rank that asked for it, and the collective can never complete."""
     size = len(view.members)
     faults: dict[int, str] = {}
+    sure: set[int] = set()
     for r, c in calls.items():
         for e in c.ops:
             why = self_inconsistency(e, size)
             if why is not None:
                 faults[r] = why
+                if e.op in SURE_OPS and (e.op in SAME_SHAPE_OPS or view.membership_source in _SIZE_KNOWN):
+                    sure.add(r)
                 break
-    if not faults or len(faults) * 2 >= len(calls):
-        return None  # all (or half) inconsistent: more likely an op we do not model than a bug
+    if not faults or (len(faults) * 2 >= len(calls) and sure != set(faults)):
+        return None  # all (or half) inconsistent on an op we may not model: more likely ours than a bug
     culprits = tuple(sorted(faults))
     by_rank = {r: Signature.of(c.head) for r, c in calls.items()}
-    ref = next(r for r in sorted(calls) if r not in faults)
+    ref = next((r for r in sorted(calls) if r not in faults), culprits[0])
     why = faults[culprits[0]]
     kind = "dtype" if "reads" in why and "writes" in why else "size"
     return Mismatch(view.name, seq, kind, "self", culprits, by_rank[ref], by_rank, "own_record",

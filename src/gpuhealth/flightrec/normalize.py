@@ -238,6 +238,8 @@ def _strs_fast(v: Any) -> tuple[str, ...] | None:
 def _strs_slow(v: Any, fix: Repairs, field: str) -> tuple[str, ...]:
     if v is None:
         return ()
+    if isinstance(v, str):  # one dtype for every tensor, as PyTorch's analyser tests write it ("" = none)
+        return (_intern(text(v, fix, field)),) if v else ()
     if not isinstance(v, list | tuple):
         fix.note(field)
         return ()
@@ -271,10 +273,10 @@ def _peer(s: str, fix: Repairs) -> int | None:
 
 
 def _names(pname: str, g0: Any, g1: Any, fix: Repairs) -> _Names:
-    backend, _, op = pname.partition(":")
-    if not op:
-        backend, op = "", pname
-    op, _, meta = op.partition(" ")
+    # "<backend>:<op>[ <peers>]": the op is after the last colon of the first word, so a library name with a
+    # colon in it ("weird:backend:all_reduce") keeps the op.
+    head, _, meta = pname.partition(" ")
+    backend, _, op = head.rpartition(":")
     src = dst = None
     if meta:
         m = _P2P_META.match(meta.strip())
