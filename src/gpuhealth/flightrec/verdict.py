@@ -20,13 +20,13 @@ from gpuhealth.flightrec.findings import root_findings
 from gpuhealth.flightrec.groups import GroupView, build_groups
 from gpuhealth.flightrec.lag import find_laggards, idle_seconds
 from gpuhealth.flightrec.load import LoadResult, RankDump, load_dumps, paused_gc, rank_from_filename
-from gpuhealth.flightrec.p2p import P2PMismatch, find_p2p_mismatches, pending_pairs
+from gpuhealth.flightrec.p2p import P2PMismatch, P2PPair, find_p2p_mismatches, pending_pairs
 from gpuhealth.flightrec.report import EVIDENCE_GAP_KINDS, HANG_KINDS, RootCause, RootKind, TriageReport, Verdict
 from gpuhealth.flightrec.roots import assemble, with_stacks
 from gpuhealth.flightrec.running import still_running
 from gpuhealth.flightrec.stacks import main_threads
 from gpuhealth.flightrec.text import format_ranks
-from gpuhealth.flightrec.waits import build_graph, find_hang_roots
+from gpuhealth.flightrec.waits import build_graph, find_hang_roots, unmatched_behind
 from gpuhealth.model import MAX_RANKS, Action, Finding, Severity, StepRecord
 from gpuhealth.stragglers import StragglerConfig, detect_from_durations, detect_stragglers
 
@@ -79,6 +79,13 @@ def _triage(
     running = still_running(dumps)
     if running is not None:  # a moment's wait in a running job is not a hang (flightrec/running.py)
         roots = [r for r in roots if r.kind not in HANG_KINDS]
+    untimed = [r for r in roots if _untimed_stall(r)]
+    if untimed:  # every rank posted it and nothing says when: a running job shows the same
+        roots = [r for r in roots if r not in untimed]
+        # ... but a send/recv queued behind it that no peer matches will block for good
+        behind = {(b.group, b.seq, b.ranks): b for r in untimed
+                  if (b := unmatched_behind(groups, analysis.pairs, r, dumps)) is not None}
+        roots += list(behind.values())
     with_stacks(roots, mains)
     findings: list[Finding] = []
     for root in roots:
@@ -117,11 +124,25 @@ def _triage(
         report.notes.append(NOTHING_RECORDED)
     if running is not None:
         report.notes.append(running.note())
+    report.notes += [UNTIMED_STALL.format(what=r.what or f"collective #{r.seq} of group {r.group}",
+                                          ranks=format_ranks(r.waiting_ranks or r.ranks)) for r in untimed]
     if any(d.tail_only for d in dumps.values()):
         report.notes.append(f"large job: read the newest entries of each dump only (≥{tail_used} per rank, "
                             "more where a group's frontier needed it); older history was not compared")
     report.summary = _summary(report)
     return report
+
+
+UNTIMED_STALL = ("rank(s) {ranks} all posted {what} and it had not completed when they dumped, but the dumps carry no "
+                 "time for it (time_created_ns 0): a running job dumped at that moment looks the same, so no hang is "
+                 "claimed; dump again later — if the same op is still pending, it is stuck")
+
+
+def _untimed_stall(root: RootCause) -> bool:
+    """A stall (every participant posted the op, it does not complete) whose op carries no creation time on
+    any rank: nothing shows that the wait lasted (PyTorch's analyser tests write such dumps: every event
+    ``scheduled``, ``time_created_ns`` 0). Real dumps always time their entries."""
+    return root.kind is RootKind.GPU_STALL and not root.created_ns
 
 
 def _as_context(f: Finding) -> Finding:
@@ -137,6 +158,7 @@ class Analysis:
     roots: list[RootCause]
     mismatches: list[Mismatch]
     p2p_mismatches: list[P2PMismatch]
+    pairs: list[P2PPair]
 
 
 def analyse(groups: Mapping[str, GroupView], dumps: Mapping[int, RankDump], unreadable: Sequence[int] = (),
@@ -152,7 +174,7 @@ def analyse(groups: Mapping[str, GroupView], dumps: Mapping[int, RankDump], unre
     laggards = [lg for g in groups.values() for lg in find_laggards(g, idle)]
     waiting = {r: True for r in graph.heads}
     return Analysis(assemble(groups, hang_roots, mismatches, p2p_mismatches, laggards, waiting), mismatches,
-                    p2p_mismatches)
+                    p2p_mismatches, pairs)
 
 
 def _unreadable_ranks(loaded: LoadResult) -> list[int]:

@@ -540,6 +540,32 @@ def _stall_root(groups: Mapping[str, GroupView], graph: WaitGraph, w: Work) -> R
                      waiting_ranks=tuple(not_done), created_ns=_created(graph, w), what=what, decided_by=decided)
 
 
+def unmatched_behind(groups: Mapping[str, GroupView], pairs: Sequence[P2PPair], stall: RootCause,
+                     dumped: Iterable[int]) -> RootCause | None:
+    """Behind a send/recv pair both sides posted (a stall nothing shows has lasted, ``verdict._untimed_stall``):
+    the oldest later send or recv of the stalled ranks that no peer's op matches. Once the pair goes through,
+    that op blocks for good — the peer that never posted its side is the culprit."""
+    if stall.group is None or stall.op not in ("send", "recv"):
+        return None
+    have = set(dumped)
+    ranks = set(stall.waiting_ranks) | set(stall.ranks)
+    lonely = [p for p in pairs if p.group == stall.group and p.op.rank in ranks and p.partner is None
+              and p.op.peer is not None and p.op.peer in have]
+    if not lonely:
+        return None
+    p = min(lonely, key=lambda x: x.op.entry.record_id)
+    peer = p.op.peer
+    assert peer is not None
+    w = Work(p.group, None, p.op.rank, p.op.batch)
+    want = "recv" if p.op.kind == "send" else "send"
+    what, op = describe_work(groups, w, p)
+    listed = f"the {want} {'from' if want == 'recv' else 'to'} rank {p.op.rank} that matches {what}"
+    return RootCause(RootKind.P2P_UNMATCHED, (peer,), _why_missing(RootKind.P2P_UNMATCHED, (peer,), listed, ()),
+                     group=p.group, seq=p.op.entry.p2p_seq, op=op, waiting_ranks=(p.op.rank,),
+                     created_ns=p.op.entry.created_ns, what=listed,
+                     blocks=(Blocked(listed, p.group, None, (p.op.rank,)),))
+
+
 def _unstarted(states: Mapping[int, str]) -> list[int]:
     """Ranks that never started an op others started (NCCL records "started"; Gloo never does)."""
     if "started" not in states.values():
