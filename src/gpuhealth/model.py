@@ -222,6 +222,9 @@ class RankIdentity:
         )
 
 
+_MAX_SECTION_NAME = 128  # characters kept of a step record's section name
+
+
 @dataclass(frozen=True, slots=True)
 class StepRecord:
     """One training step of one rank. Wall time alone cannot show a straggler (every rank waits at
@@ -235,12 +238,18 @@ class StepRecord:
     wall_s: float
     compute_s: float | None = None
     comm_wait_s: float | None = None
+    # One code section of the step (``compute_s`` is that section's), or None: the whole step. Offline
+    # triage judges each section on its own (docs/stragglers.md).
+    section: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        d: dict[str, Any] = {
             "job_id": self.job_id, "rank": self.rank, "step": self.step, "start_time": self.start_time,
             "wall_s": self.wall_s, "compute_s": self.compute_s, "comm_wait_s": self.comm_wait_s,
         }
+        if self.section is not None:
+            d["section"] = self.section
+        return d
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> StepRecord:
@@ -252,6 +261,7 @@ class StepRecord:
             job_id=str(d["job_id"]), rank=int(d["rank"]), step=int(d["step"]),
             start_time=float(d["start_time"]), wall_s=float(d["wall_s"]),
             compute_s=opt("compute_s"), comm_wait_s=opt("comm_wait_s"),
+            section=None if d.get("section") is None else str(d["section"])[:_MAX_SECTION_NAME],
         )
 
 

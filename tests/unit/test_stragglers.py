@@ -106,6 +106,49 @@ def test_when_most_ranks_are_slow_they_are_named_against_the_fastest_ranks() -> 
     assert detect_stragglers(_records(_job(16, 120, noise=0.05, slow={r: 1.3 for r in range(8)}))) != []
 
 
+def test_ranks_slow_by_different_amounts_in_a_small_job_are_all_named_against_the_fastest() -> None:
+    # 1x, 1.1x, 1.2x, 1.3x among four: the 1.1x rank is below the median of the other three.
+    for seed in range(3):
+        found = _stragglers(_records(_job(4, 100, noise=0.03, seed=seed, slow={1: 1.1, 2: 1.2, 3: 1.3})))
+        assert sorted(found) == [1, 2, 3], seed
+        ratio = float(found[1]["ratio_to_median"])  # type: ignore[arg-type]
+        assert found[1]["compared_with"] == "fastest quarter of the ranks" and 1.05 <= ratio <= 1.15
+
+
+def test_one_fast_rank_in_a_small_job_makes_nobody_a_straggler() -> None:
+    # Three ranks agree on one pace, one is 10 % faster: it is the odd one out, not they. (Compared step by step,
+    # the median of the other three is the smaller of two normal ranks: a normal rank was named in 4 of 6 seeds.)
+    for seed in range(6):
+        assert _stragglers(_records(_job(4, 150, noise=0.05, seed=seed, slow={0: 0.9}))) == {}, seed
+
+
+def test_ranks_straggling_together_carry_the_worst_ones_severity() -> None:
+    recs = _records(_job(4, 60, slow={1: 2.0, 2: 3.0, 3: 4.0}))
+    found = {int(f.evidence["rank"]): f for f in detect_stragglers(recs)}  # type: ignore[call-overload]
+    assert sorted(found) == [1, 2, 3]
+    assert {f.severity for f in found.values()} == {Severity.CRITICAL}
+    assert found[1].evidence["straggling_with"] == [2, 3]
+    assert float(found[1].evidence["cost_share"]) < 1 / 3  # type: ignore[arg-type]  # its own cost alone: warning
+
+
+def test_a_rank_slow_in_one_code_section_is_named_for_that_section() -> None:
+    # Two sections of 10 ms each; rank 2 takes 1.3x in "backward" only; records per section and per step.
+    rng = np.random.default_rng(3)
+    recs = []
+    for step in range(80):
+        times = {(s, r): 0.010 * (1.3 if (s, r) == ("backward", 2) else 1.0) * (1 + 0.05 * rng.normal())
+                 for s in ("forward", "backward") for r in range(4)}
+        for r in range(4):
+            for s in ("forward", "backward"):
+                recs.append(StepRecord("j", r, step, 1000.0 + step, 0.03, times[s, r], None, s))
+    found = [f for f in detect_stragglers(recs) if f.code == "rank.straggler"]
+    assert [(f.evidence["section"], f.evidence["rank"]) for f in found] == [("backward", 2)]
+    assert found[0].message.startswith("in section 'backward': rank 2 is a straggler")
+    # Without the section names the two sections of one step collide and nothing is right.
+    assert _stragglers([StepRecord(r.job_id, r.rank, r.step, r.start_time, r.wall_s, r.compute_s)
+                        for r in recs]) != {2: found[0].evidence}
+
+
 def test_spikes_and_checkpoints_are_never_a_straggler() -> None:
     spiky = _job(16, 200, noise=0.10, spikes=0.03)
     assert detect_stragglers(_records(spiky)) == []

@@ -4,6 +4,7 @@ online detector over it (:class:`~gpuhealth.stragglers.detector.StragglerDetecto
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 
 import numpy as np
@@ -13,13 +14,36 @@ from gpuhealth.stragglers.config import StragglerConfig
 from gpuhealth.stragglers.detector import CODE, StragglerDetector
 from gpuhealth.stragglers.frsteps import MAX_RANK, DurationItem, fr_steps
 
+MAX_SECTIONS = 64  # distinct code sections judged per run (a section per record would be a bug, not a profile)
+
 
 def detect_stragglers(records: Sequence[StepRecord], config: StragglerConfig | None = None, *,
                       job_slowdown: bool = False) -> list[Finding]:
     """Stragglers in a finished run: one ``rank.straggler`` finding per rank that was a straggler
     (its latest episode; ``evidence.active`` False if it recovered before the end). Healthy run → [].
     ``job_slowdown``: also the ``job.slowdown`` finding (no ``rank``) when the whole job slowed down
-    against its own best pace."""
+    against its own best pace.
+
+    Records with a ``section`` time one code section of a step: each section is judged on its own, like
+    a job of its own, and its findings say which (``evidence.section``): a rank 2× slower in one of two
+    sections is named for that section."""
+    whole = [r for r in records if r.section is None]
+    by_section: dict[str, list[StepRecord]] = {}
+    for r in records:
+        if r.section is not None and (r.section in by_section or len(by_section) < MAX_SECTIONS):
+            by_section.setdefault(r.section, []).append(r)
+    out = _detect(whole, config, job_slowdown=job_slowdown) if whole else []
+    for name, recs in sorted(by_section.items()):
+        out += [_in_section(f, name) for f in _detect(recs, config, job_slowdown=False)]
+    return out
+
+
+def _in_section(f: Finding, section: str) -> Finding:
+    return dataclasses.replace(f, message=f"in section {section!r}: {f.message}", evidence={**f.evidence,
+                                                                                           "section": section})
+
+
+def _detect(records: Sequence[StepRecord], config: StragglerConfig | None, *, job_slowdown: bool) -> list[Finding]:
     ranks: list[int] = []
     steps: list[int] = []
     values: list[float] = []
@@ -81,8 +105,10 @@ def detect_from_durations(
     if fr.periods is not None:
         period = fr.periods[:, None]
         compute = np.where(np.isfinite(fr.waits), np.maximum(period - fr.waits, 0.01 * period), np.nan)
+        # Not against the fastest rank in small jobs: from durations alone a pipeline's stages (whose
+        # send/recv are not timed) reach the world collective later stage by stage, a graded pattern by design.
         det = StragglerDetector(config, world_size=fr.waits.shape[1], source_label="flight-recorder duration_ms",
-                                unit="collective")
+                                unit="collective", small_job_fastest=False)
         det.label_of, det.rank_ids = label, fr.ranks
         det.add_steps(fr.steps, compute, np.broadcast_to(period, compute.shape))
     else:

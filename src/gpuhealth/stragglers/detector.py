@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -41,6 +41,11 @@ _MAX_VALUES = 1 << 24  # ring buffer cap: 64 MiB of float32 for the biggest jobs
 _MEDIAN = "median of the other ranks"
 _FASTEST = "fastest quarter of the ranks"
 _RECENT = 64  # steps an active episode's numbers are taken over
+# Below this many ranks the "fastest quarter" is the fastest rank: it is compared through each rank's level in
+# the step (log compute − the step's median), not through the leave-one-out ratios, which with 3–7 ranks
+# mix the ranks being compared into each other's reference.
+_SMALL_JOB = 8
+_SMALL_JOB_FASTEST_MIN_WINDOW = 16  # steps: the comparison with the fastest rank needs this many (spikes)
 
 
 @dataclass(slots=True)
@@ -53,6 +58,7 @@ class _Episode:
     compared_with: str
     worst: float  # largest window excess seen (log ratio, or seconds)
     offset: float = 0.0  # the reference against the median reference: the fastest quarter's (≤ 0), or 0
+    level: bool = False  # measured on the step-level series (small jobs against their fastest rank)
     active: bool = True
     recovered_step: int | None = None
     recovered_pos: int | None = None
@@ -74,6 +80,7 @@ class _Candidate:
     excess: float
     compared_with: str
     offset: float = 0.0
+    level: bool = False
 
 
 @dataclass(slots=True)
@@ -83,6 +90,12 @@ class _Window:
     enough: np.ndarray
     fastest: float = 0.0  # the fastest quarter's location (0: not compared)
     candidates: dict[int, _Candidate] = field(default_factory=dict)
+    # small jobs: each rank's level in the window, the median of the other ranks' levels, and the fastest
+    # rank's level (None: not computed)
+    level_loc: np.ndarray | None = None
+    level_se: np.ndarray | None = None
+    level_ref: np.ndarray | None = None
+    level_fastest: float | None = None
 
 
 class StragglerDetector:
@@ -93,13 +106,17 @@ class StragglerDetector:
     False); ``job.slowdown`` likewise."""
 
     def __init__(self, config: StragglerConfig | None = None, *, job_id: str = "", world_size: int | None = None,
-                 source_label: str = "step records", unit: str = "step", relative: bool = True) -> None:
+                 source_label: str = "step records", unit: str = "step", relative: bool = True,
+                 small_job_fastest: bool = True) -> None:
         self.config = config or StragglerConfig()
         self.job_id = job_id
         self.world_size = world_size
         self.source_label = source_label
         self.unit = unit
         self.relative = relative  # False: values are seconds compared by difference (no step to divide by)
+        # 3–7 ranks: also compare with the fastest rank when the median is pulled up (off for flight-recorder
+        # durations: pipeline stages reach the collectives later stage by stage, by design)
+        self.small_job_fastest = small_job_fastest
         # (rank, step) -> display name: flight-recorder steps are named by each rank's own collectives
         self.label_of: Callable[[int, int], str] | None = None
         # column -> the rank it is (offline paths give each rank seen one column: sparse rank ids of a
@@ -109,6 +126,8 @@ class StragglerDetector:
         self._width = 0
         self._cap = 0
         self._ring = np.zeros((0, 0), np.float32)
+        # small jobs (relative mode): each rank's log compute minus the step's median log compute
+        self._level: np.ndarray | None = None
         self._ring_steps = np.zeros(0, np.int64)
         self._centre = np.zeros(0)
         # per step, the median of the other ranks for the slowest rank: a straggler's excess is measured
@@ -230,7 +249,7 @@ class StragglerDetector:
 
     def active_findings(self) -> list[Finding]:
         """Current ``rank.straggler`` findings (ranks in an open episode)."""
-        return [ep.finding for _, ep in sorted(self._episodes.items()) if ep.active and ep.finding is not None]
+        return _joint([ep.finding for _, ep in sorted(self._episodes.items()) if ep.active and ep.finding is not None])
 
     def slowdown(self) -> Finding | None:
         """The whole job's open slowdown (``job.slowdown``, ``evidence.active``), else None."""
@@ -240,7 +259,7 @@ class StragglerDetector:
     def findings(self) -> list[Finding]:
         """The latest episode of every rank that had one (``evidence.active`` False if it recovered),
         then the latest ``job.slowdown`` if the whole job slowed down."""
-        out = [ep.finding for _, ep in sorted(self._episodes.items()) if ep.finding is not None]
+        out = _joint([ep.finding for _, ep in sorted(self._episodes.items()) if ep.finding is not None])
         if self._trend is not None and self._trend.finding is not None:
             out.append(self._trend.finding)
         return out
@@ -278,7 +297,13 @@ class StragglerDetector:
             centre[old % cap] = self._centre[old % self._cap]
             others[old % cap] = self._others[old % self._cap]
             wall[old % cap] = self._wall[old % self._cap]
+        level = None
+        if self.relative and self.small_job_fastest and width < _SMALL_JOB:
+            level = np.full((width, cap), np.nan, np.float32)
+            if keep and self._level is not None:
+                level[: self._width, old % cap] = self._level[:, old % self._cap]
         self._ring, self._ring_steps, self._centre, self._wall = ring, steps, centre, wall
+        self._level = level
         self._others = others
         seen = np.zeros(width, bool)
         seen[: self._width] = self._seen
@@ -337,6 +362,9 @@ class StragglerDetector:
         slot = self._count % self._cap
         self._ring[: len(diff), slot] = diff
         self._ring[len(diff):, slot] = np.nan
+        if self._level is not None:
+            self._level[: len(diff), slot] = lx - centre_log
+            self._level[len(diff):, slot] = np.nan
         self._ring_steps[slot] = step
         self._centre[slot] = centre
         self._others[slot] = others
@@ -354,13 +382,14 @@ class StragglerDetector:
             return self._evaluate()
         return []
 
-    def _block(self, n: int) -> np.ndarray:
+    def _block(self, n: int, ring: np.ndarray | None = None) -> np.ndarray:
         """The last ``n`` closed steps, ranks × steps (time order): a view unless the ring wraps."""
+        ring = self._ring if ring is None else ring
         n = min(n, self._count, self._cap)
         end = self._count % self._cap or self._cap
         if end >= n:
-            return self._ring[:, end - n:end]
-        return np.concatenate((self._ring[:, self._cap - (n - end):], self._ring[:, :end]), axis=1)
+            return ring[:, end - n:end]
+        return np.concatenate((ring[:, self._cap - (n - end):], ring[:, :end]), axis=1)
 
     # ------------------------------------------------------------------------------- evaluation
 
@@ -400,8 +429,15 @@ class StragglerDetector:
             for r, ep in active.items():
                 if r in recovered or self._count - ep.onset_pos < w or not win.enough[r]:
                     continue  # only windows inside the episode can show recovery
-                ref = win.fastest if ep.compared_with == _FASTEST else 0.0
-                loc, se = float(win.loc[r]) - ref, float(win.se[r])
+                if ep.level:
+                    ref_level = win.level_fastest if ep.compared_with == _FASTEST else (
+                        float(win.level_ref[r]) if win.level_ref is not None else None)
+                    if win.level_loc is None or win.level_se is None or ref_level is None:
+                        continue
+                    loc, se = float(win.level_loc[r]) - ref_level, float(win.level_se[r])
+                else:
+                    ref = win.fastest if ep.compared_with == _FASTEST else 0.0
+                    loc, se = float(win.loc[r]) - ref, float(win.se[r])
                 if not (math.isfinite(loc) and math.isfinite(se)):
                     continue
                 if loc >= floor:
@@ -426,6 +462,8 @@ class StragglerDetector:
 
     def _window(self, w: int, sigma: float, z_crit: float, floor: float, n_ranks: int) -> _Window:
         cfg = self.config
+        if self._level is not None and 3 <= n_ranks < _SMALL_JOB:
+            return self._small_job_window(w, sigma, z_crit, floor)
         loc, se_own, k, srt = trimmed_window(self._block(w), cfg.trim)
         se = np.fmax(se_own, trimmed_se_from_sigma(np.full(len(k), sigma), k))
         enough = (k >= max(4, int(0.6 * w))) & np.isfinite(loc) & np.isfinite(se)
@@ -454,34 +492,90 @@ class StragglerDetector:
                     win.candidates[r] = _Candidate(float(zf[r]), w, float(excess[r]), _FASTEST, ref)
         return win
 
+    def _small_job_window(self, w: int, sigma: float, z_crit: float, floor: float) -> _Window:
+        """3–7 ranks. Each rank's *level* in a step (log compute − the step's median) is averaged over the
+        window first, and only then compared with the other ranks' levels: per step, the median of two or
+        three other ranks is biased toward the faster of them (with one fast rank among four it is the min of
+        the two others), which a window's average turns into a false straggler.
+
+        * against the median of the other ranks' levels, as in larger jobs;
+        * against the fastest rank, when the median is clearly pulled up and the slower ranks do not agree on
+          one pace (1×, 1.1×, 1.2×, 1.3× among four: the 1.1× rank is below the median of the other three).
+          When they agree (1×, 1×, 1× and one 0.9×), the fast rank is the odd one out and nobody is named."""
+        assert self._level is not None
+        cfg = self.config
+        lv, se_own, k, srt = trimmed_window(self._block(w, self._level), cfg.trim)
+        se = np.fmax(se_own, trimmed_se_from_sigma(np.full(len(k), sigma), k))
+        enough = (k >= max(4, int(0.6 * w))) & np.isfinite(lv) & np.isfinite(se)
+        others = np.full(len(lv), np.nan)
+        idx = np.flatnonzero(enough)
+        for r in idx.tolist():
+            # Two other ranks have no median, only a mean, which one fast rank drags down: with three ranks
+            # the reference is the middle one's level (the pace two of the three keep).
+            rest = lv[idx] if len(idx) == 3 else lv[idx[idx != r]]
+            if len(rest):
+                others[r] = float(np.median(rest))
+        loc = lv - others
+        win = _Window(loc, se, enough & np.isfinite(loc), level_loc=lv, level_se=se, level_ref=others)
+        if len(idx) < 3:
+            return win
+        with np.errstate(invalid="ignore", divide="ignore"):
+            z = loc / se
+            frac = (srt > (others + loc / 2)[:, None]).sum(axis=1) / np.maximum(k, 1)
+            cand = win.enough & (z >= z_crit) & (loc >= floor) & (frac >= cfg.min_slow_fraction)
+        for r in np.flatnonzero(cand).tolist():
+            win.candidates[r] = _Candidate(float(z[r]), w, float(loc[r]), _MEDIAN, float(others[r]), level=True)
+        good = np.sort(lv[idx])
+        ref = float(good[0])
+        win.level_fastest = ref
+        if w < _SMALL_JOB_FASTEST_MIN_WINDOW:
+            return win  # two spikes in a row on one rank survive an 8-step trimmed mean and fake a spread
+        typical_se = float(np.median(se[idx]))
+        if float(np.median(good)) - ref < max(floor, 3 * typical_se):
+            return win  # the median is where most ranks are: the comparison above is the right one
+        if float(good[-1] - good[1]) < max(floor, z_crit * typical_se):
+            return win  # the others agree on one pace (no more spread than noise): the fast rank is the odd one
+        with np.errstate(invalid="ignore", divide="ignore"):
+            excess = lv - ref
+            zf = excess / se
+            fracf = (srt > (ref + excess / 2)[:, None]).sum(axis=1) / np.maximum(k, 1)
+            candf = enough & ~cand & (zf >= z_crit) & (excess >= floor) & (fracf >= cfg.min_slow_fraction)
+        for r in np.flatnonzero(candf).tolist():
+            win.candidates[r] = _Candidate(float(zf[r]), w, float(excess[r]), _FASTEST, ref, level=True)
+        return win
+
     # ---------------------------------------------------------------------------------- episodes
 
-    def _series(self, rank: int, start_pos: int, end_pos: int) -> tuple[np.ndarray, np.ndarray]:
-        """(positions, values) of ``rank`` over [start_pos, end_pos) still in the ring, finite only."""
+    def _series(self, rank: int, start_pos: int, end_pos: int, level: bool = False) -> tuple[np.ndarray, np.ndarray]:
+        """(positions, values) of ``rank`` over [start_pos, end_pos) still in the ring, finite only (``level``:
+        the small-job level series; empty once the job grew past it)."""
+        ring = self._level if level else self._ring
+        if ring is None:
+            return np.zeros(0, np.int64), np.zeros(0)
         start = max(start_pos, self._count - self._cap, 0)
         pos = np.arange(start, max(start, end_pos))
-        vals = self._ring[rank, pos % self._cap].astype(np.float64) if len(pos) else np.zeros(0)
+        vals = ring[rank, pos % self._cap].astype(np.float64) if len(pos) else np.zeros(0)
         ok = np.isfinite(vals)
         return pos[ok], vals[ok]
 
     def _enter(self, rank: int, cand: _Candidate) -> Finding:
         prev = self._episodes.get(rank)
         start = prev.recovered_pos if prev is not None and prev.recovered_pos is not None else 0
-        pos, vals = self._series(rank, start, self._count)
+        pos, vals = self._series(rank, start, self._count, cand.level)
         onset_pos = int(pos[0]) if len(pos) else self._count - 1
         if len(pos) >= 4:
             idx, strength = change_point(vals)
             if strength >= 3.0:
                 onset_pos = int(pos[idx])
         ep = _Episode(rank, int(self._ring_steps[onset_pos % self._cap]), onset_pos, cand.z, cand.window,
-                      cand.compared_with, cand.excess, cand.offset)
+                      cand.compared_with, cand.excess, cand.offset, cand.level)
         self._episodes[rank] = ep
         ep.finding = self._finding(ep)
         ep.reported_ratio = float(ep.finding.evidence["ratio_to_median"])
         return ep.finding
 
     def _leave(self, ep: _Episode, window: int) -> Finding:
-        pos, vals = self._series(ep.rank, ep.onset_pos, self._count)
+        pos, vals = self._series(ep.rank, ep.onset_pos, self._count, ep.level)
         rec_pos = self._count - window
         if len(pos) >= 4:
             idx, strength = change_point(vals, rising=False)
@@ -516,12 +610,14 @@ class StragglerDetector:
             start, end = max(ep.onset_pos, self._count - _RECENT), self._count
         else:
             start, end = ep.onset_pos, ep.recovered_pos if ep.recovered_pos is not None else self._count
-        pos, own_vals = self._series(ep.rank, start, end)
+        pos, own_vals = self._series(ep.rank, start, end, ep.level)
         vals = own_vals - ep.offset  # against the reference it was named against
         if len(pos) < 2 and ep.finding is not None and ep.active:
             return ep.finding  # a resumed episode without new data yet: keep what the store had
         slots = pos % self._cap if len(pos) else np.zeros(0, np.int64)
-        centre = _trimmed(self._others[slots])
+        # The reference compute its excess is measured against: the other ranks' median, or (small jobs, level
+        # series) the fastest rank's level in each step.
+        centre = _trimmed(self._centre[slots] * math.exp(ep.offset)) if ep.level else _trimmed(self._others[slots])
         walls = self._wall[slots]
         walls = walls[np.isfinite(walls)]
         if self.relative:
@@ -561,7 +657,7 @@ class StragglerDetector:
             return None
         prev = self._episodes.get(ep.rank)
         start = prev.recovered_pos if prev is not None and prev is not ep and prev.recovered_pos else 0
-        bpos, bvals = self._series(ep.rank, start, ep.onset_pos)
+        bpos, bvals = self._series(ep.rank, start, ep.onset_pos, ep.level)
         if len(bvals) < 8:
             return None
         before = np.median(bvals + np.log(self._centre[bpos % self._cap]))
@@ -588,6 +684,30 @@ class StragglerDetector:
             msg += f"; it costs the job {cost:.0%} of its step time (the other ranks wait for it)"
         critical = cost is not None and cost >= self.config.critical_cost_share
         return (Severity.CRITICAL if critical else Severity.WARNING), msg, Action.CHECK_JOB
+
+
+def _joint(findings: list[Finding]) -> list[Finding]:
+    """Ranks straggling at the same time are one fault: the job waits for the slowest of them, and mending
+    one leaves the next slowest holding it up. Each active one carries the severity of the worst, with the
+    others named in ``evidence.straggling_with``."""
+    active = [f for f in findings if f.evidence.get("active") is not False and f.severity > Severity.INFO]
+    if len(active) < 2:
+        return findings
+    worst = max(f.severity for f in active)
+    ranks = sorted(_rank_of(f) for f in active)
+    chosen = {id(f) for f in active}
+    out = []
+    for f in findings:
+        if id(f) in chosen:
+            me = _rank_of(f)
+            f = replace(f, severity=worst, evidence={**f.evidence, "straggling_with": [r for r in ranks if r != me]})
+        out.append(f)
+    return out
+
+
+def _rank_of(f: Finding) -> int:
+    rank = f.evidence["rank"]
+    return rank if isinstance(rank, int) else int(f.entity.id)
 
 
 def _trimmed(values: np.ndarray, trim: float = 0.2) -> float:
