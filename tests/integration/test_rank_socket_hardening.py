@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import socket
 import subprocess
 import sys
@@ -131,7 +132,9 @@ BUDGET = 64 * MiB
 
 
 def test_300_connections_of_unfinished_lines_cost_one_budget_and_give_it_back(sock_dir: Path) -> None:
-    hub = HubProcess(sock_dir / "a.sock", hello_timeout_s=60.0, line_timeout_s=8.0)
+    # (one process, one user here: its shares are lifted to measure the budget alone)
+    hub = HubProcess(sock_dir / "a.sock", hello_timeout_s=60.0, line_timeout_s=8.0, max_connections_per_uid=1024,
+                     max_connections_per_pid=1024)
     socks: list[socket.socket] = []
     try:
         base = hub.stats()
@@ -141,7 +144,10 @@ def test_300_connections_of_unfinished_lines_cost_one_budget_and_give_it_back(so
         socks = _connect(sock_dir / "a.sock", 150, hello=False) + _connect(sock_dir / "a.sock", 150, hello=True)
         _push(socks, seconds=5.0)
         during = hub.stats()
-        assert during["connected"] >= 250, during  # they are there, and held by the budget, not by luck
+        # Those without a hello are closed once their first line is longer than a hello; the others are
+        # there, and held by the budget, not by luck.
+        assert during["refused_before_hello"] == 150, during
+        assert during["connected"] >= 100, during
         assert during["buffered_bytes"] <= BUDGET
         # The peak of the hub's memory: its budget plus the interpreter, not 300 × 8 MiB (2.58 GB before).
         assert during["VmHWM"] - base["VmRSS"] < (BUDGET + 96 * MiB) // 1024, (base, during)
@@ -165,7 +171,8 @@ def test_300_connections_of_unfinished_lines_cost_one_budget_and_give_it_back(so
 
 
 def test_the_connection_cap_and_the_hello_and_line_timeouts(sock_dir: Path) -> None:
-    hub = HubProcess(sock_dir / "a.sock", max_connections=40, hello_timeout_s=1.5, line_timeout_s=1.5)
+    hub = HubProcess(sock_dir / "a.sock", max_connections=40, hello_timeout_s=1.5, line_timeout_s=1.5,
+                     max_connections_per_uid=40, max_connections_per_pid=40)
     try:
         silent = [socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) for _ in range(60)]
         for s in silent:
@@ -330,3 +337,151 @@ def test_the_job_variables_are_the_instruments() -> None:
     from gpuhealth.instrument.identity import JOB_ID_VARS
 
     assert tuple(JOB_ENV_VARS) == tuple(JOB_ID_VARS)
+
+
+# ------------------------------------------------------------------- through the shipped agent (issue 24)
+SCENARIO = Path(__file__).parents[1] / "fixtures" / "scenarios" / "faulty_node.yaml"
+
+
+@pytest.fixture
+def agent(tmp_path: Path, sock_dir: Path) -> Iterator[Any]:
+    """``gpuhealth agent`` with its rank socket in ``sock_dir`` (mode 0660, as shipped)."""
+    import yaml
+    from agent_process import AgentProcess
+
+    cfg = tmp_path / "agent.yaml"
+    cfg.write_text(yaml.safe_dump({"agent": {"socket_path": str(sock_dir / "agent.sock"),
+                                             "pod_resources_socket": str(tmp_path / "no-kubelet.sock")}}))
+    proc = AgentProcess(tmp_path, ["--config", str(cfg), "--scenario", str(SCENARIO)])
+    try:
+        proc.wait_ready()
+        until(lambda: (sock_dir / "agent.sock").exists(), 10, "the rank socket")
+        yield proc
+    finally:
+        proc.stop()
+
+
+def _kib(pid: int, key: str) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(key + ":"):
+            return int(line.split()[1])
+    raise KeyError(key)
+
+
+def _counter(agent: Any, name: str, labels: str = "") -> float:
+    for line in agent.metrics().splitlines():
+        if line.startswith(f"gpuhealth_{name}{labels} "):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def _send_all(s: socket.socket, data: bytes) -> bool:
+    """Send what the agent takes; False once it closed the connection."""
+    try:
+        s.sendall(data)
+        return True
+    except OSError:
+        return False
+
+
+def test_the_agent_decodes_nothing_larger_than_a_hello_before_one(agent: Any, sock_dir: Path) -> None:
+    """Issue 24: one 8 MiB line of empty records before any hello took the agent from 36 to 243 MiB (four
+    connections: 294 MiB; its pod's limit is 256 Mi). Now such a line is not decoded: the connection is
+    closed once the line is longer than a hello. A rank that did say hello and sends such a line has it read
+    record by record. The agent's peak stays put either way, and a real rank's records still count."""
+    path = str(sock_dir / "agent.sock")
+    flood = b'{"type":"steps","records":[' + b"{}," * ((8 * MiB - 64) // 3) + b"{}]}\n"  # just under 8 MiB
+    time.sleep(1.0)
+    before = _kib(agent.proc.pid, "VmHWM")
+    closed = 0
+    for _ in range(4):
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.connect(path)
+        closed += not _send_all(s, flood)
+        s.close()
+    rank = Rank(sock_dir / "agent.sock", "real", 0)
+    rank.sock.sendall(flood)  # after its hello: streamed, every record counted as malformed, none kept
+    rank.steps(0, 3)
+    until(lambda: _counter(agent, "agent_rank_step_records_total") == 3, 20, "the real rank's records")
+    grown = _kib(agent.proc.pid, "VmHWM") - before
+    assert grown < 32 * 1024, f"agent VmHWM grew {grown // 1024} MiB"
+    assert closed == 4  # each flood was cut off: the agent stopped reading after 16 KiB
+    assert _counter(agent, "agent_rank_socket_refusals_total") >= 4
+    # The hello'd flood: records judged one by one up to a line's 65,536, the rest of the line dropped.
+    assert _counter(agent, "agent_rank_malformed_messages_total") == 65536 + 1
+    rank.sock.close()
+
+
+def test_one_process_cannot_take_every_slot_of_the_agent(agent: Any, sock_dir: Path) -> None:
+    """Issue 24: 1,024 connections with hellos from one process took every slot, and a real rank's hello
+    then failed (BrokenPipe). A process gets 64, a user a quarter of the slots; the real rank gets in."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard < 1200:
+        pytest.skip(f"needs 1,200 open files (hard limit {hard})")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 1200), hard))
+    path = str(sock_dir / "agent.sock")
+    flood: list[socket.socket] = []
+    try:
+        for i in range(1024):
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            s.connect(path)
+            _send_all(s, protocol.encode(protocol.hello(RankIdentity("flood", i, 1024, "h", os.getpid()))))
+            flood.append(s)
+        until(lambda: _counter(agent, "agent_rank_socket_refusals_total") >= 1024 - 64, 30, "the flood refused")
+        real = RankProcess(sock_dir / "agent.sock", "real", 0)  # another process, the same user
+        real.do("steps real 0 1")
+        until(lambda: _counter(agent, "agent_rank_step_records_total") == 1, 20, "the real rank's record")
+        assert _counter(agent, "agent_job_ranks_connected", '{job_id="flood"}') == 64
+        assert _counter(agent, "agent_job_ranks_connected", '{job_id="real"}') == 1
+        real.kill()
+    finally:
+        for s in flood:
+            s.close()
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+FLOODER = """
+import os, socket, sys, time
+from gpuhealth.instrument import protocol
+from gpuhealth.model import RankIdentity
+path, first, n = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+os.setgid(65534)
+os.setuid(65534)
+socks = []
+for i in range(first, first + n):
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.connect(path)
+    try:
+        s.sendall(protocol.encode(protocol.hello(RankIdentity("flood", i, 1024, "h", os.getpid()))))
+    except OSError:
+        pass
+    socks.append(s)
+print("done", flush=True)
+sys.stdin.read()
+"""
+
+
+@needs_root
+def test_one_user_cannot_take_every_slot_of_the_agent(agent: Any, sock_dir: Path) -> None:
+    """Sixteen processes of one user, 64 connections each: the user gets its share (256 of 1,024 slots),
+    and a rank of another user connects."""
+    sock = sock_dir / "agent.sock"
+    os.chown(sock, -1, NOBODY)  # the socket's group: what a site gives its training users
+    procs = []
+    try:
+        for k in range(16):
+            p = subprocess.Popen([sys.executable, "-c", FLOODER, str(sock), str(64 * k), "64"],
+                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+            procs.append(p)
+            assert p.stdout is not None and p.stdout.readline().strip() == "done"
+        until(lambda: _counter(agent, "agent_job_ranks_connected", '{job_id="flood"}') == 256, 20,
+              "the user's share connected")
+        assert _counter(agent, "agent_rank_socket_refusals_total") == 1024 - 256
+        real = RankProcess(sock, "real", 0)  # root's rank: another user
+        real.do("steps real 0 1")
+        until(lambda: _counter(agent, "agent_rank_step_records_total") == 1, 20, "the real rank's record")
+        real.kill()
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait(10)

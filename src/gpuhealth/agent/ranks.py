@@ -24,8 +24,14 @@ Any local process that may open the socket can talk to it, so what it can cost a
 - Memory: partial lines of all connections share one budget (``max_buffered_bytes``); a connection
   that would go over it is not read until others' lines complete (the kernel holds the rest and the
   sender waits). A line not finished within ``line_timeout_s``, or no hello within
-  ``hello_timeout_s``, closes the connection; at most ``max_connections`` are open at once. Freed
-  buffers are handed back to the OS (``malloc_trim``), so the agent shrinks when they go.
+  ``hello_timeout_s``, closes the connection; at most ``max_connections`` are open at once, at most
+  ``max_connections_per_uid`` of one user and ``max_connections_per_pid`` of one process (the kernel's
+  ``SO_PEERCRED``). Freed buffers are handed back to the OS (``malloc_trim``), so the agent shrinks when
+  they go.
+- Judged before parsed: until its hello a connection's lines may be no longer than a hello
+  (``protocol.MAX_HELLO_BYTES``; a longer one closes it, unread); a steps line is read record by record
+  (``protocol.iter_steps_line``), never decoded as one document; a line longer than a hello is decoded
+  only when it answers a request pending on that connection (a dump chunk, a reply).
 - Identity: the kernel says who connected (``SO_PEERCRED``: pid, uid). A hello for a job whose ranks
   here run as another user is refused unless the caller's environment (or Slurm cgroup) names that
   job; a rank held by a live connection is not taken over (a restarted rank's old connection is
@@ -173,6 +179,7 @@ class _Conn:
     partial_since: float | None = None  # monotonic time its first byte came
     discarding: bool = False  # inside an over-long line: drop bytes up to its newline
     paused: bool = False  # not read until the budget has room
+    share: tuple[int | None, int | None] = (None, None)  # (uid, pid) slots it holds (see RankHub._accept)
 
     @property
     def peer_pid(self) -> int | None:
@@ -217,12 +224,18 @@ class RankHub:
     def __init__(self, socket_path: str | os.PathLike[str], *, mode: int = 0o660, send_timeout_s: float = 2.0,
                  max_dump_bytes: int = 32 * 1024 * 1024, max_inflight_dump_bytes: int = 64 * 1024 * 1024,
                  max_connections: int = 1024, max_buffered_bytes: int = 64 * 1024 * 1024,
-                 hello_timeout_s: float = 10.0, line_timeout_s: float = 30.0) -> None:
+                 hello_timeout_s: float = 10.0, line_timeout_s: float = 30.0,
+                 max_connections_per_uid: int | None = None, max_connections_per_pid: int = 64) -> None:
         self.socket_path = Path(socket_path)
         # Whatever connects: open connections, bytes of unfinished lines over all of them, and how long a
         # connection may stay silent about who it is, or keep a line unfinished (a rank's line is
         # written in one go: milliseconds).
         self.max_connections = max_connections
+        # One user's share (a quarter by default), and one process's (a rank holds one connection): a
+        # flood from one user leaves slots for everyone else's ranks.
+        self.max_connections_per_uid = max_connections_per_uid or max(1, max_connections // 4)
+        self.max_connections_per_pid = max_connections_per_pid
+        self._held: dict[tuple[str, int], int] = {}  # ("uid"|"pid", id) -> connections open
         self.max_buffered_bytes = max_buffered_bytes
         self.hello_timeout_s = hello_timeout_s
         self.line_timeout_s = line_timeout_s
@@ -255,7 +268,8 @@ class RankHub:
         self._stats = {"connections": 0, "disconnects": 0, "malformed": 0, "bad_records": 0, "records": 0,
                        "listener_errors": 0, "unknown_messages": 0, "late_replies": 0, "foreign_replies": 0,
                        "dump_budget_refusals": 0, "refused_connections": 0, "refused_hellos": 0,
-                       "foreign_records": 0, "hello_timeouts": 0, "line_timeouts": 0, "budget_pauses": 0}
+                       "foreign_records": 0, "hello_timeouts": 0, "line_timeouts": 0, "budget_pauses": 0,
+                       "refused_over_share": 0, "refused_before_hello": 0, "unexpected_lines": 0}
 
     # -- lifecycle ----------------------------------------------------------------------------------
 
@@ -378,9 +392,11 @@ class RankHub:
                    "Flight-recorder dumps refused for the agent's memory budget (asked again one at a time)",
                    MetricKind.COUNTER),
             Sample("agent_rank_socket_refusals", float(st["refused_connections"] + st["refused_hellos"]
-                                                       + st["hello_timeouts"] + st["line_timeouts"]),
-                   "Rank-socket connections the agent closed: over the connection cap, a hello claiming a live rank "
-                   "or another user's job, no hello in time, a line left unfinished (docs/security.md)",
+                                                       + st["hello_timeouts"] + st["line_timeouts"]
+                                                       + st["refused_over_share"] + st["refused_before_hello"]),
+                   "Rank-socket connections the agent closed: over the connection cap or one user's or process's "
+                   "share, a hello claiming a live rank or another user's job, anything but a hello first, no hello "
+                   "in time, a line left unfinished (docs/security.md)",
                    MetricKind.COUNTER),
         ]
         out += [Sample("agent_job_ranks_connected", float(n), "Connected ranks of one job on this node",
@@ -553,20 +569,44 @@ class RankHub:
             except OSError as exc:  # out of file descriptors: the next select tries again
                 self._warn(f"rank socket: cannot accept: {exc}")
                 return
+            peer = peer_credentials(sock)
             with self._lock:
-                full = len(self._conns) >= self.max_connections
-                if full:
-                    self._stats["refused_connections"] += 1
-            if full:
+                why = self._over_share(peer)
+                if why:
+                    self._stats["refused_connections" if why.startswith("the agent") else "refused_over_share"] += 1
+                else:
+                    conn = _Conn(sock, peer=peer, share=(peer.uid, peer.pid))
+                    self._take_share(conn, 1)
+                    self._conns.add(conn)
+                    self._stats["connections"] += 1
+            if why:
+                self._warn(f"rank socket: refused a connection from pid {peer.pid} uid {peer.uid}: {why}")
+                with contextlib.suppress(OSError, protocol.ProtocolError):  # say why; the peer may not listen
+                    sock.send(protocol.encode({"type": "refused", "error": why}), socket.MSG_DONTWAIT)
                 sock.close()
-                self._warn(f"rank socket: {self.max_connections} connections open; refusing more")
                 continue
             sock.settimeout(self._send_timeout)  # sends from request threads must not hang forever
-            conn = _Conn(sock, peer=peer_credentials(sock))
-            with self._lock:
-                self._conns.add(conn)
-                self._stats["connections"] += 1
             self._sel.register(sock, selectors.EVENT_READ, conn)
+
+    def _over_share(self, peer: PeerCredentials) -> str:
+        """Why a connection from ``peer`` may not have a slot, or "" (call with the lock held)."""
+        if len(self._conns) >= self.max_connections:
+            return f"the agent has {self.max_connections} connections open"
+        if peer.uid is not None and self._held.get(("uid", peer.uid), 0) >= self.max_connections_per_uid:
+            return f"uid {peer.uid} holds {self.max_connections_per_uid} connections, its share"
+        if peer.pid is not None and self._held.get(("pid", peer.pid), 0) >= self.max_connections_per_pid:
+            return f"pid {peer.pid} holds {self.max_connections_per_pid} connections, its share"
+        return ""
+
+    def _take_share(self, conn: _Conn, n: int) -> None:
+        """Count ``conn`` in (n=1) or out of (n=-1) its user's and process's shares (lock held)."""
+        uid, pid = conn.share
+        for key in ((("uid", uid),) if uid is not None else ()) + ((("pid", pid),) if pid is not None else ()):
+            left = self._held.get(key, 0) + n
+            if left > 0:
+                self._held[key] = left
+            else:
+                self._held.pop(key, None)
 
     # One read at most this large, and never more than the budget has room for.
     _READ_BYTES = 256 * 1024
@@ -586,17 +626,55 @@ class RankHub:
             self._drop(conn)
             return
         for line in self._lines(conn, data):
+            self._on_line(conn, line)
+            del line
+            if conn not in self._conns:
+                break  # refused: nothing more from it
+        self._trimmer.freed(len(data))
+
+    def _on_line(self, conn: _Conn, line: bytes) -> None:
+        """One complete line, judged before it is decoded (its size, who sent it, what it answers)."""
+        if conn.identity is not None and line.startswith(protocol.STEPS_HEAD):
+            self._on_steps_line(conn, line)
+            return
+        else:  # before a hello, _lines lets through nothing longer than one (and records then count for nobody)
+            if len(line) > protocol.MAX_HELLO_BYTES:
+                head = protocol.request_head(line)
+                with self._lock:
+                    w = self._waiters.get(head[1]) if head is not None else None
+                    if w is None or w.conn is not conn:
+                        self._stats["unexpected_lines"] += 1  # a large line that answers nothing asked of it
+                        return
             try:
                 message = protocol.decode(line)
             except protocol.ProtocolError:
                 with self._lock:
                     self._stats["malformed"] += 1
-                continue
-            del line
-            self._on_message(conn, message)
-            if conn not in self._conns:
-                break  # refused: nothing more from it
-        self._trimmer.freed(len(data))
+                return
+        self._on_message(conn, message)
+
+    def _on_steps_line(self, conn: _Conn, line: bytes) -> None:
+        """A steps line, record by record: only the sender's own records are kept (a rank speaks for itself)."""
+        ident = conn.identity
+        assert ident is not None
+        own: list[StepRecord] = []
+        bad = foreign = 0
+        try:
+            for rec in protocol.iter_steps_line(line):
+                if rec is None:
+                    bad += 1
+                elif (rec.job_id, rec.rank) == (ident.job_id, ident.rank):
+                    own.append(dataclasses.replace(rec, job_id=ident.job_id))  # one job-id string, not one each
+                else:
+                    foreign += 1
+        except protocol.ProtocolError:
+            bad += 1
+        with self._lock:
+            self._stats["records"] += len(own)
+            self._stats["bad_records"] += bad
+            self._stats["foreign_records"] += foreign
+        if own:
+            self._notify(lambda li: li.on_steps and li.on_steps(ident, own))
 
     def _lines(self, conn: _Conn, data: bytes) -> Iterator[bytes]:
         """Complete lines of ``conn`` as ``data`` finishes them; the rest stays as its partial line,
@@ -612,15 +690,23 @@ class RankHub:
                 parts = [*conn.partial, data[start:nl]]
                 size = conn.partial_bytes + nl - start
                 self._release(conn)
+                if conn.identity is None and size > protocol.MAX_HELLO_BYTES:
+                    self._refuse_unidentified(conn, f"a first line over {protocol.MAX_HELLO_BYTES} bytes")
+                    return
                 if size > protocol.MAX_LINE_BYTES:
                     with self._lock:
                         self._stats["malformed"] += 1
                 elif size and (line := b"".join(parts)).strip():
                     del parts
                     yield line
+                    if conn not in self._conns:
+                        return
             self._release(conn)
             start = nl + 1
         rest = len(data) - start
+        if rest and conn.identity is None and conn.partial_bytes + rest > protocol.MAX_HELLO_BYTES:
+            self._refuse_unidentified(conn, f"a first line over {protocol.MAX_HELLO_BYTES} bytes")
+            return
         if rest and not conn.discarding:
             if conn.partial_bytes + rest > protocol.MAX_LINE_BYTES:
                 self._release(conn)
@@ -699,7 +785,7 @@ class RankHub:
         try:
             if kind == protocol.HELLO:
                 self._on_hello(conn, protocol.read_identity(msg))
-            elif kind == protocol.STEPS:
+            elif kind == protocol.STEPS:  # a short steps line not in the hook's own layout
                 records, bad = protocol.read_steps(msg)
                 # A rank speaks for itself: records of another job or rank (or before any hello) do not count.
                 ident = conn.identity
@@ -811,6 +897,15 @@ class RankHub:
             self._by_rank[key] = conn
         self._notify(lambda li: li.on_identity and li.on_identity(ident))
 
+    def _refuse_unidentified(self, conn: _Conn, why: str) -> None:
+        """Close a connection that, before its hello, sent a line longer than a hello (not decoded)."""
+        with self._lock:
+            self._stats["refused_before_hello"] += 1
+        self._warn(f"rank socket: closed a connection from pid {conn.peer.pid} uid {conn.peer.uid}: {why}")
+        with contextlib.suppress(OSError, protocol.ProtocolError):
+            conn.sock.send(protocol.encode({"type": "refused", "error": why}), socket.MSG_DONTWAIT)
+        self._drop(conn)
+
     def _refuse(self, conn: _Conn, ident: RankIdentity, why: str) -> None:
         with self._lock:
             self._stats["refused_hellos"] += 1
@@ -827,6 +922,7 @@ class RankHub:
             if conn not in self._conns:
                 return
             self._conns.discard(conn)
+            self._take_share(conn, -1)
             self._stats["disconnects"] += 1
             ident = conn.identity
             if ident is not None and self._by_rank.get((ident.job_id, ident.rank)) is conn:

@@ -24,6 +24,11 @@ older than ``inline``, which write ``<dir>/rank<N>.json`` and answer with its pa
 Either side ignores message types it does not know (forward compatibility) and lines that are
 not valid JSON objects (counted, never fatal). A line longer than ``MAX_LINE_BYTES`` is discarded
 whole, up to its newline.
+
+What the agent decodes is judged first (the hello's size, a steps line's shape, a reply's request id):
+a hello is at most ``MAX_HELLO_BYTES``, and a steps line is read record by record
+(:func:`iter_steps_line`: each record a flat object of at most ``MAX_RECORD_BYTES``), never as one
+document — the hook writes both exactly so (compact JSON, ``type`` first, ``records`` next).
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ import binascii
 import hashlib
 import json
 import math
+import re
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
@@ -42,6 +48,12 @@ PROTOCOL_VERSION = 1
 # Large enough for a batch of step records or all-thread stacks of a busy process; small enough
 # that one bad peer cannot make the other side buffer without bound.
 MAX_LINE_BYTES = 8 * 1024 * 1024
+# Before a hello, nothing longer is read (a hello is ~300 bytes; its job id at most 256 characters).
+MAX_HELLO_BYTES = 16 * 1024
+# One step record as the hook writes it is ~170 bytes; a steps line holds at most this many.
+MAX_RECORD_BYTES = 4096
+MAX_RECORDS_PER_LINE = 65536
+STEPS_HEAD = b'{"type":"steps","records":['
 
 HELLO = "hello"
 STEPS = "steps"
@@ -246,3 +258,56 @@ def read_dump_chunk(message: Mapping[str, Any]) -> tuple[str, int, bytes]:
         return rid, index, base64.b64decode(data, validate=True)
     except (binascii.Error, ValueError) as exc:
         raise ProtocolError(f"dump_chunk data is not base64: {exc}") from exc
+
+
+# -- judged before decoded (the agent's side) -----------------------------------------------------
+
+# A JSON object with no object or array inside: what one step record is. Possessive (no backtracking).
+_FLAT_OBJECT = re.compile(rb'\{(?:[^{}\[\]"]++|"(?:[^"\\]++|\\.)*+")*+\}')
+_REQUEST_HEAD = re.compile(rb'\{"type":"(reply|dump_chunk)","id":"([^"\\]{1,128})"')
+_MAX_STEPS_TAIL = 256
+
+
+def iter_steps_line(line: bytes) -> Iterator[StepRecord | None]:
+    """The records of a steps line as :func:`steps` and :func:`encode` write it, one at a time: each
+    record's text (a flat object of at most ``MAX_RECORD_BYTES``) is decoded alone, so however long the
+    line, only one record is ever a Python object before it is judged. None stands for a record that
+    is not a valid one (counted by the caller). ProtocolError where the line stops being a steps line
+    (the records before it were yielded already)."""
+    if not line.startswith(STEPS_HEAD):
+        raise ProtocolError("not a steps line as the hook writes it")
+    pos, end = len(STEPS_HEAD), len(line)
+    if line[pos:pos + 1] != b"]":
+        for n in range(MAX_RECORDS_PER_LINE + 1):
+            if n == MAX_RECORDS_PER_LINE:
+                raise ProtocolError(f"more than {MAX_RECORDS_PER_LINE} records on one line")
+            m = _FLAT_OBJECT.match(line, pos, min(end, pos + MAX_RECORD_BYTES))
+            if m is None:
+                raise ProtocolError(f"a record is not a flat JSON object of at most {MAX_RECORD_BYTES} bytes")
+            yield _record(m.group())
+            pos = m.end()
+            sep = line[pos:pos + 1]
+            if sep == b"]":
+                break
+            if sep != b",":
+                raise ProtocolError("records not separated by commas")
+            pos += 1
+    tail = line[pos + 1:].rstrip()
+    if not (tail == b"}" or (tail[:1] == b"," and tail[-1:] == b"}" and len(tail) <= _MAX_STEPS_TAIL)):
+        raise ProtocolError("a steps line that does not end as one")
+
+
+def _record(text: bytes) -> StepRecord | None:
+    try:
+        item = json.loads(text)
+        rec = StepRecord.from_dict(item)
+    except (ValueError, KeyError, TypeError, UnicodeDecodeError):
+        return None
+    return rec if record_is_sane(rec) else None
+
+
+def request_head(line: bytes) -> tuple[str, str] | None:
+    """(type, request id) of a ``reply`` or ``dump_chunk`` line as the hook writes it, read from its
+    first bytes without decoding the line; None for anything else."""
+    m = _REQUEST_HEAD.match(line, 0, 200)
+    return (m.group(1).decode(), m.group(2).decode()) if m else None
