@@ -12,6 +12,7 @@ import resource
 import shutil
 import socket
 import subprocess
+import sys
 import threading
 import time
 import urllib.parse
@@ -22,7 +23,7 @@ from typing import Any
 
 import pytest
 import yaml
-from agent_process import AgentProcess, free_port
+from agent_process import AgentProcess, prometheus_port
 
 from gpuhealth.agent.http import accepts_gzip
 
@@ -222,17 +223,16 @@ def _query(prom: str, expr: str) -> list[dict[str, Any]]:
 
 def test_a_real_prometheus_scrapes_gzipped_metrics(agent: AgentProcess, tmp_path: Path) -> None:
     relay = Relay(agent.port)
-    prom_port = free_port()
     (tmp_path / "prometheus.yml").write_text(yaml.safe_dump({
         "global": {"scrape_interval": "1s"},
         "scrape_configs": [{"job_name": "gpuhealth", "static_configs": [{"targets": [f"127.0.0.1:{relay.port}"]}]}],
     }))
     log = (tmp_path / "prometheus.log").open("wb")
     prom = subprocess.Popen([PROMETHEUS, f"--config.file={tmp_path / 'prometheus.yml'}",
-                             f"--storage.tsdb.path={tmp_path / 'data'}", f"--web.listen-address=127.0.0.1:{prom_port}"],
+                             f"--storage.tsdb.path={tmp_path / 'data'}", "--web.listen-address=127.0.0.1:0"],
                             stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{prom_port}"
     try:
+        url = f"http://127.0.0.1:{prometheus_port(tmp_path / 'prometheus.log', prom)}"
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline and not _query(url, 'gpuhealth_gpu_info{job="gpuhealth"}'):
             time.sleep(0.5)
@@ -248,3 +248,116 @@ def test_a_real_prometheus_scrapes_gzipped_metrics(agent: AgentProcess, tmp_path
         prom.wait(10)
         log.close()
         relay.listen.close()
+
+
+# ------------------------------------------------------------- the coordinator's metrics port (issue 24)
+_GPUHEALTH = Path(sys.executable).with_name("gpuhealth")
+_CLI = [str(_GPUHEALTH)] if _GPUHEALTH.exists() else [sys.executable, "-m", "gpuhealth.cli.main"]
+
+
+@pytest.fixture
+def coordinator(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[bytes], int]]:
+    """``gpuhealth coordinator`` with its metrics on a port the kernel picks: (process, metrics port)."""
+    ready = tmp_path / "ready.json"
+    proc = subprocess.Popen([*_CLI, "coordinator", "--listen", "127.0.0.1:0", "--metrics-listen", "127.0.0.1:0",
+                             "--db", str(tmp_path / "c.db"), "--evidence-dir", str(tmp_path / "ev"),
+                             "--ready-file", str(ready)],
+                            stdout=subprocess.DEVNULL, stderr=open(tmp_path / "coordinator.log", "wb"))  # noqa: SIM115
+    try:
+        deadline = time.monotonic() + 30
+        while not ready.exists():
+            assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "coordinator.log").read_text()
+            time.sleep(0.05)
+        yield proc, int(json.loads(ready.read_text())["metrics_port"])
+    finally:
+        proc.terminate()
+        proc.wait(20)
+
+
+def test_half_open_requests_cost_the_coordinator_no_threads(
+        coordinator: tuple[subprocess.Popen[bytes], int]) -> None:
+    """Issue 24: 2,000 half-open requests on the coordinator's metrics port held 2,010 threads (63 → 113 MiB)
+    for over 100 s. Now: no thread per connection, the oldest unfinished pushed out past 256, scrapes answer."""
+    proc, port = coordinator
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, min(hard, 4096)), hard))
+    base = _threads(proc.pid)
+    attackers: list[socket.socket] = []
+    try:
+        for _ in range(min(2000, max(soft, min(hard, 4096)) - 200)):
+            s = socket.socket()
+            s.settimeout(2.0)
+            try:
+                s.connect(("127.0.0.1", port))
+                s.send(b"GET /metrics HTTP/1.1\r\nHost: x\r\n")  # and never the blank line
+            except OSError:
+                s.close()
+                continue
+            attackers.append(s)
+        peak, answered = base, 0
+        deadline = time.monotonic() + 5.0
+        while time.monotonic() < deadline:
+            code, _, body = _get(port, "/metrics", timeout=5.0)
+            assert code == 200 and b"gpuhealth_coordinator_connected_agents" in body
+            answered += 1
+            peak = max(peak, _threads(proc.pid))
+            time.sleep(0.3)
+        assert answered >= 5
+        assert peak <= base + 3, (base, peak)
+        assert len(attackers) >= 1000
+    finally:
+        for s in attackers:
+            s.close()
+
+
+def test_the_coordinators_metrics_port_has_a_header_deadline(
+        coordinator: tuple[subprocess.Popen[bytes], int]) -> None:
+    _, port = coordinator
+    s = socket.create_connection(("127.0.0.1", port), timeout=20)
+    s.send(b"GET /metrics HTTP/1.1\r\n")
+    started = time.monotonic()
+    for _ in range(30):  # one header a second: only a deadline from the first byte closes it
+        try:
+            s.send(b"X-a: b\r\n")
+            s.settimeout(1.0)
+            if s.recv(1) == b"":
+                break
+        except TimeoutError:
+            continue
+        except OSError:
+            break
+    waited = time.monotonic() - started
+    s.close()
+    assert 8.0 <= waited <= 15.0, waited
+
+
+def test_the_coordinators_metrics_port_answers_like_a_server(
+        coordinator: tuple[subprocess.Popen[bytes], int]) -> None:
+    _, port = coordinator
+    s = socket.create_connection(("127.0.0.1", port), timeout=10)
+    s.sendall(b"GET /metrics HTTP/1.1\r\n" + b"X-big: " + b"a" * 70_000 + b"\r\n\r\n")
+    assert s.recv(100).startswith(b"HTTP/1.1 431")
+    s.close()
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+    conn.request("POST", "/metrics", body=b"x")
+    assert conn.getresponse().status == 405
+    conn.close()
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)  # keep-alive: three on one connection
+    for path, status in (("/metrics", 200), ("/nothing", 404), ("/", 200)):
+        conn.request("GET", path)
+        resp = conn.getresponse()
+        assert resp.status == status
+        resp.read()
+    conn.close()
+    code, headers, body = _get(port, "/metrics", {"Accept-Encoding": "gzip"})
+    assert code == 200 and headers.get("content-encoding") == "gzip"
+    assert b"gpuhealth_coordinator_nodes" in gzip.decompress(body)
+    code, headers, body = _get(port, "/metrics", {"Accept": "application/openmetrics-text; version=1.0.0"})
+    assert headers["content-type"].startswith("application/openmetrics-text") and body.endswith(b"# EOF\n")
+    s = socket.create_connection(("127.0.0.1", port), timeout=5)  # pipelined: both answered, then closed
+    s.sendall(b"GET / HTTP/1.1\r\nHost: a\r\n\r\nGET /metrics HTTP/1.1\r\nHost: a\r\nConnection: close\r\n\r\n")
+    data = b""
+    while chunk := s.recv(65536):
+        data += chunk
+    s.close()
+    assert data.count(b"HTTP/1.1 200") == 2

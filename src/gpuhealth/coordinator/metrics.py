@@ -1,15 +1,38 @@
 """The coordinator's ``/metrics``: a custom collector over a snapshot the event loop refreshes, in
-a private registry, served on its own port (prometheus-client's threaded HTTP server)."""
+a private registry, served on its own port by :class:`MetricsServer` — bounded like the agent's HTTP
+server whatever connects (anyone on the network path can: docs/security.md).
+
+The server: one thread waits on every connection with a selector and hands a request to a fixed pool
+of ``workers`` threads only once its headers are complete. A connection costs a socket and at most
+``MAX_HEADER_BYTES`` until then, never a thread (prometheus-client's server took one per connection:
+2,000 half-open requests held 2,010 threads for minutes). Headers must come within
+``header_timeout_s`` of the first byte, an idle connection goes after ``idle_timeout_s``, an answer
+that cannot be written within ``write_timeout_s`` is dropped, and at most ``max_connections`` are
+open (a new one pushes out the oldest that has not finished a request). GET and HEAD of ``/metrics``
+(gzip when the scraper allows it) and ``/``; anything else is answered with its status and closed.
+"""
 
 from __future__ import annotations
 
+import collections
+import contextlib
+import gzip
+import logging
+import queue
+import selectors
+import socket
 import threading
+import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.exposition import choose_encoder
 from prometheus_client.registry import Collector
+
+log = logging.getLogger(__name__)
 
 SnapshotFn = Callable[[], dict[str, Any]]
 
@@ -121,3 +144,305 @@ def make_registry(collector: CoordinatorCollector) -> CollectorRegistry:
     registry = CollectorRegistry(auto_describe=False)
     registry.register(collector)
     return registry
+
+
+# ------------------------------------------------------------------------------------------ the server
+
+MAX_HEADER_BYTES = 64 * 1024  # a scrape's request line and headers; more is not a scrape
+GZIP_LEVEL = 1  # level 6's ratio within a few percent on metrics text, at a third of the CPU
+_INDEX = b"<html><body><a href='/metrics'>/metrics</a></body></html>\n"
+
+
+@dataclass(eq=False)
+class _Conn:
+    sock: socket.socket
+    buf: bytearray = field(default_factory=bytearray)
+    deadline: float = 0.0  # closed then, unless a request's headers are complete by then
+    answered: int = 0  # requests served on it (one that finished a request is a scraper)
+    busy: bool = False  # a worker has it
+    opened: float = field(default_factory=time.monotonic)
+
+
+class MetricsServer:
+    """``registry`` on ``http://host:port/metrics`` (port 0: the kernel picks; see ``server_port``)."""
+
+    def __init__(self, registry: CollectorRegistry, host: str, port: int, *, workers: int = 2,
+                 max_connections: int = 256, header_timeout_s: float = 10.0, idle_timeout_s: float = 30.0,
+                 write_timeout_s: float = 10.0) -> None:
+        self.registry = registry
+        self.max_connections = max_connections
+        self.header_timeout_s = header_timeout_s
+        self.idle_timeout_s = idle_timeout_s
+        self.write_timeout_s = write_timeout_s
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self._listen = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            self._listen.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            self._listen.bind((host, port))
+            self._listen.listen(128)
+        except OSError:
+            self._listen.close()
+            raise
+        self._listen.setblocking(False)
+        self._sel = selectors.DefaultSelector()
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._sel.register(self._listen, selectors.EVENT_READ, "listen")
+        self._sel.register(self._wake_r, selectors.EVENT_READ, "wake")
+        self._conns: dict[socket.socket, _Conn] = {}
+        self._returned: collections.deque[tuple[_Conn, bool]] = collections.deque()  # (conn, keep it open)
+        self._work: queue.SimpleQueue[_Conn | None] = queue.SimpleQueue()
+        self._stopping = threading.Event()
+        self.stats = {"connections": 0, "requests": 0, "header_timeouts": 0, "idle_closed": 0, "pushed_out": 0,
+                      "too_large": 0, "bad_requests": 0}
+        self._threads = [threading.Thread(target=self._loop, name="gpuhealth-metrics-http", daemon=True)]
+        self._threads += [threading.Thread(target=self._worker, name=f"gpuhealth-metrics-worker-{i}", daemon=True)
+                          for i in range(workers)]
+        for t in self._threads:
+            t.start()
+
+    @property
+    def server_port(self) -> int:
+        return int(self._listen.getsockname()[1])
+
+    def shutdown(self) -> None:
+        self._stopping.set()
+        self._wake()
+        for _ in self._threads[1:]:
+            self._work.put(None)
+        for t in self._threads:
+            t.join(5.0)
+
+    def server_close(self) -> None:
+        for sock in list(self._conns):
+            self._close(sock)
+        for s in (self._listen, self._wake_r, self._wake_w):
+            s.close()
+        self._sel.close()
+
+    # -- the selector thread ---------------------------------------------------------------------
+
+    def _wake(self) -> None:
+        with contextlib.suppress(OSError):
+            self._wake_w.send(b"x")
+
+    def _loop(self) -> None:
+        while not self._stopping.is_set():
+            try:
+                events = self._sel.select(self._next_timeout())
+            except (OSError, ValueError):
+                if self._stopping.is_set():
+                    return
+                log.exception("metrics server: select failed")
+                time.sleep(0.1)
+                continue
+            for key, _ in events:
+                try:
+                    if key.data == "listen":
+                        self._accept()
+                    elif key.data == "wake":
+                        with contextlib.suppress(OSError):
+                            self._wake_r.recv(4096)
+                    else:
+                        self._read(key.data)
+                except Exception:  # one bad connection never stops the server
+                    log.exception("metrics server: error on a connection")
+                    if isinstance(key.data, _Conn):
+                        self._close(key.data.sock)
+            self._take_back()
+            self._expire()
+
+    def _next_timeout(self) -> float:
+        now = time.monotonic()
+        soonest = min((c.deadline for c in self._conns.values() if not c.busy), default=now + 1.0)
+        return max(0.0, min(1.0, soonest - now))
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                sock, _ = self._listen.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:  # out of file descriptors: the next select tries again
+                log.warning("metrics server: cannot accept: %s", exc)
+                return
+            if len(self._conns) >= self.max_connections and not self._push_out_one():
+                sock.close()
+                continue
+            sock.setblocking(False)
+            conn = _Conn(sock, deadline=time.monotonic() + self.idle_timeout_s)
+            self._conns[sock] = conn
+            self.stats["connections"] += 1
+            self._sel.register(sock, selectors.EVENT_READ, conn)
+
+    def _push_out_one(self) -> bool:
+        """Close the oldest connection that has not finished a request (a scraper keeps its place)."""
+        idle = [c for c in self._conns.values() if not c.busy and not c.answered]
+        if not idle:
+            return False
+        self.stats["pushed_out"] += 1
+        self._close(min(idle, key=lambda c: c.opened).sock)
+        return True
+
+    def _read(self, conn: _Conn) -> None:
+        try:
+            data = conn.sock.recv(65536)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            data = b""
+        if not data:
+            self._close(conn.sock)
+            return
+        if not conn.buf:  # its first byte: the headers are due within header_timeout_s
+            conn.deadline = min(conn.deadline, time.monotonic() + self.header_timeout_s)
+        conn.buf += data
+        end = _header_end(conn.buf)
+        if (end if end >= 0 else len(conn.buf)) > MAX_HEADER_BYTES:
+            self.stats["too_large"] += 1
+            self._answer_and_close(conn, 431, b"request headers too large\n")
+        elif end >= 0:
+            with contextlib.suppress(KeyError, ValueError):
+                self._sel.unregister(conn.sock)
+            conn.busy = True
+            self._work.put(conn)
+
+    def _answer_and_close(self, conn: _Conn, status: int, body: bytes) -> None:
+        with contextlib.suppress(OSError):
+            conn.sock.send(_response(status, body, "text/plain; charset=utf-8", keep=False, head=False))
+        self._close(conn.sock)
+
+    def _take_back(self) -> None:
+        while self._returned:
+            conn, keep = self._returned.popleft()
+            conn.busy = False
+            if not keep or self._stopping.is_set():
+                self._close(conn.sock)
+                continue
+            if _header_end(conn.buf) >= 0:  # the next request was pipelined behind the last: answer it
+                conn.busy = True
+                self._work.put(conn)
+                continue
+            conn.deadline = time.monotonic() + self.idle_timeout_s
+            if conn.buf:  # part of the next request is here: its headers are due as any others
+                conn.deadline = min(conn.deadline, time.monotonic() + self.header_timeout_s)
+            try:
+                self._sel.register(conn.sock, selectors.EVENT_READ, conn)
+            except (KeyError, ValueError, OSError):
+                self._close(conn.sock)
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        for conn in [c for c in self._conns.values() if not c.busy and c.deadline <= now]:
+            self.stats["header_timeouts" if conn.buf else "idle_closed"] += 1
+            self._close(conn.sock)
+
+    def _close(self, sock: socket.socket) -> None:
+        self._conns.pop(sock, None)
+        with contextlib.suppress(KeyError, ValueError):
+            self._sel.unregister(sock)
+        with contextlib.suppress(OSError):
+            sock.close()
+
+    # -- the workers -----------------------------------------------------------------------------
+
+    def _worker(self) -> None:
+        while True:
+            conn = self._work.get()
+            if conn is None:
+                return
+            keep = False
+            try:
+                keep = self._serve(conn)
+            except Exception:  # a rendering bug answers nothing and closes; it never kills the worker
+                log.exception("metrics server: error answering a request")
+            self._returned.append((conn, keep))
+            self._wake()
+
+    def _serve(self, conn: _Conn) -> bool:
+        """Answer the request at the head of ``conn.buf``; whether the connection stays open."""
+        end = _header_end(conn.buf)
+        head, conn.buf = bytes(conn.buf[:end]), conn.buf[end:]
+        lines = head.decode("latin-1").splitlines()
+        parts = lines[0].split() if lines else []
+        headers: dict[str, str] = {}
+        head_only = False
+        for line in lines[1:]:
+            name, sep, value = line.partition(":")
+            if sep:
+                headers[name.strip().lower()] = value.strip()
+        if len(parts) != 3 or not parts[2].startswith("HTTP/1."):
+            self.stats["bad_requests"] += 1
+            status, body, ctype, keep, encoding = 400, b"bad request\n", "text/plain; charset=utf-8", False, None
+        else:
+            method, target, version = parts
+            keep = (version == "HTTP/1.1" and headers.get("connection", "").lower() != "close") or (
+                headers.get("connection", "").lower() == "keep-alive")
+            path = target.split("?", 1)[0]
+            encoding = None
+            if method not in ("GET", "HEAD"):
+                status, body, ctype, keep = 405, b"only GET and HEAD\n", "text/plain; charset=utf-8", False
+            elif headers.get("content-length", "0") != "0" or "transfer-encoding" in headers:
+                status, body, ctype, keep = 400, b"no request body expected\n", "text/plain; charset=utf-8", False
+            elif path == "/metrics":
+                encoder, ctype = choose_encoder(headers.get("accept", ""))
+                body, status = encoder(self.registry), 200
+                if _accepts_gzip(headers.get("accept-encoding", "")):
+                    body, encoding = gzip.compress(body, compresslevel=GZIP_LEVEL, mtime=0), "gzip"
+            elif path == "/":
+                status, body, ctype = 200, _INDEX, "text/html; charset=utf-8"
+            else:
+                status, body, ctype = 404, b"no such endpoint\n", "text/plain; charset=utf-8"
+            self.stats["requests"] += 1
+            head_only = method == "HEAD"
+        conn.sock.settimeout(self.write_timeout_s)  # a reader that does not read loses its answer
+        try:
+            conn.sock.sendall(_response(status, body, ctype, keep=keep, head=head_only, encoding=encoding))
+        except OSError:
+            return False
+        finally:
+            with contextlib.suppress(OSError):
+                conn.sock.setblocking(False)
+        conn.answered += 1
+        return keep
+
+
+def _header_end(buf: bytearray) -> int:
+    """Where the first request's headers end (after the blank line), or -1 while they have not."""
+    crlf, lf = buf.find(b"\r\n\r\n"), buf.find(b"\n\n")
+    ends = [i + n for i, n in ((crlf, 4), (lf, 2)) if i >= 0]
+    return min(ends) if ends else -1
+
+
+def _response(status: int, body: bytes, ctype: str, *, keep: bool, head: bool, encoding: str | None = None) -> bytes:
+    reason = {200: "OK", 400: "Bad Request", 404: "Not Found", 405: "Method Not Allowed",
+              431: "Request Header Fields Too Large"}.get(status, "")
+    lines = [f"HTTP/1.1 {status} {reason}", f"Content-Type: {ctype}", f"Content-Length: {len(body)}",
+             f"Connection: {'keep-alive' if keep else 'close'}"]
+    if encoding:
+        lines += [f"Content-Encoding: {encoding}", "Vary: Accept-Encoding"]
+    return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + (b"" if head else body)
+
+
+def _accepts_gzip(header: str) -> bool:
+    """Does an ``Accept-Encoding`` value allow gzip (``gzip`` or ``*`` with a q-value above 0)?"""
+    allowed: dict[str, float] = {}
+    for item in header.split(","):
+        name, _, params = item.strip().partition(";")
+        q = 1.0
+        for param in params.split(";"):
+            key, _, value = param.strip().partition("=")
+            if key.strip().lower() == "q":
+                try:
+                    q = float(value)
+                except ValueError:
+                    q = 0.0
+        if name:
+            allowed[name.strip().lower()] = q
+    return allowed.get("gzip", allowed.get("x-gzip", allowed.get("*", 0.0))) > 0.0
+
+
+def start_metrics_server(port: int, addr: str, registry: CollectorRegistry) -> tuple[MetricsServer, threading.Thread]:
+    """What ``prometheus_client.start_http_server`` returns (server, thread), from the bounded server."""
+    server = MetricsServer(registry, addr, port)
+    return server, server._threads[0]
