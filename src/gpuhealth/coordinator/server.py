@@ -22,9 +22,8 @@ import grpc
 from google.protobuf.message import DecodeError, Message
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
-from prometheus_client.exposition import start_http_server
 
-from gpuhealth.coordinator.metrics import CoordinatorCollector, make_registry
+from gpuhealth.coordinator.metrics import CoordinatorCollector, make_registry, start_metrics_server
 from gpuhealth.coordinator.security import AuthPolicy, Caller, peer_names
 from gpuhealth.coordinator.service import Coordinator, StreamRejected, json_reply
 from gpuhealth.coordinator.token_review import TokenReviewError
@@ -286,8 +285,8 @@ class CoordinatorServer:
         if self.metrics_listen:
             host, _, mport = self.metrics_listen.rpartition(":")
             self.collector.update(self.coord.metrics_snapshot())
-            self._metrics_http, _thread = start_http_server(int(mport), addr=host or "0.0.0.0",
-                                                            registry=make_registry(self.collector))
+            self._metrics_http, _thread = start_metrics_server(int(mport), addr=host or "0.0.0.0",
+                                                               registry=make_registry(self.collector))
             metrics_port = int(self._metrics_http.server_port)
             self._metrics_task = asyncio.create_task(self._refresh_metrics())
         self.endpoints = Endpoints(port, metrics_port)
