@@ -16,7 +16,25 @@ same interpreter and dependencies, this repository's venv).
    ``/metrics`` is scraped every 0.2 s. The agent's peak thread count, and the scrapes' latency.
 4. ``/metrics`` with and without gzip (after only): bytes on the wire and the compression time.
 
+Issue 24 (``--round 24``; ``--before`` defaults to ``84accc1``, the tree before it), every attack through
+the shipped commands:
+
+5. **Triage memory per input format** — ``gpuhealth triage FOLDER --json`` on one hostile file of each kind
+   (a pickle of 1-byte opcodes, a pickle of entries just under the unpickler's budget, JSON of tensor-heavy
+   entries at the whole-file limit, one entry of 65,536 tensors × 64 dimensions (the caps), the JSON
+   gzip-compressed, a zip of two): the triage process's peak RSS (its own VmHWM, written at exit), under
+   an address-space cap of ``--triage-cap`` (3 GiB) so a tree that would take more stops there.
+6. **The coordinator and a hostile ``fr_pickle``** — a real ``gpuhealth coordinator``, an agent (raw
+   gRPC) answering a live triage (``gpuhealth triage --job``) with a 32 MiB pickle of empty sets for rank 0:
+   the coordinator's VmHWM before and after.
+7. **The rank socket before a hello** — a real ``gpuhealth agent``; one, then four connections each send
+   one 8 MiB line of empty records with no hello: the agent's VmHWM. Then 1,024 connections with hellos
+   from one process, and a real rank (another process) says hello: is it let in?
+8. **Half-open requests on the coordinator's metrics port** — 2,000 connections send a request line and
+   part of the headers: the coordinator's threads and RSS, and how long it holds them.
+
     .venv/bin/python benchmarks/hardening.py [--before d4c7f54] [--after HEAD] [--json OUT]
+    .venv/bin/python benchmarks/hardening.py --round 24 [--before 84accc1] [--json OUT]
 """
 
 from __future__ import annotations
@@ -217,6 +235,332 @@ def gzip_figures(source: Path, work: Path) -> dict[str, Any]:
         agent.stop()
 
 
+# ----------------------------------------------------------------------------- 5. triage memory (issue 24)
+def _status_kib(pid: int, key: str) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(key + ":"):
+            return int(line.split()[1])
+    return 0
+
+
+# ``gpuhealth ARGS`` in a fresh interpreter under RLIMIT_AS, writing its own VmHWM at exit: the peak of that
+# process alone (wait4's ru_maxrss would carry this benchmark's own size, copied at fork, across the exec).
+_MEASURED_CLI = (
+    "import atexit, resource, sys\n"
+    "cap, out = int(sys.argv[1]), sys.argv[2]\n"
+    "resource.setrlimit(resource.RLIMIT_AS, (cap, cap))\n"
+    "def _hwm():\n"
+    "    with open('/proc/self/status') as f, open(out, 'w') as o:\n"
+    "        o.write(next(l.split()[1] for l in f if l.startswith('VmHWM:')))\n"
+    "atexit.register(_hwm)\n"
+    "sys.argv = ['gpuhealth', *sys.argv[3:]]\n"
+    "from gpuhealth.cli.main import main\n"
+    "main()\n"
+)
+
+
+def _peak_run(args: list[str], env: dict[str, str], cap: int) -> dict[str, Any]:
+    """``gpuhealth ARGS`` under RLIMIT_AS=cap: exit status, its peak RSS (VmHWM), seconds, the problems it names."""
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err, \
+            tempfile.NamedTemporaryFile("r") as hwm:
+        started = time.monotonic()
+        proc = subprocess.run([sys.executable, "-c", _MEASURED_CLI, str(cap), hwm.name, *args], stdout=out,
+                              stderr=err, env=env, check=False)
+        seconds = time.monotonic() - started
+        out.seek(0)
+        err.seek(0)
+        stdout, stderr = out.read(), err.read().decode(errors="replace")
+        peak_kib = int(hwm.read() or 0)
+    try:
+        report = json.loads(stdout)
+        errors = [p["message"][:120] for p in report.get("problems", []) if p.get("severity") == "error"]
+    except ValueError:
+        errors = []
+    return {"rc": proc.returncode, "peak_rss_mib": round(peak_kib / 1024),
+            "seconds": round(seconds, 1), "traceback": "Traceback" in stderr,
+            "memory_error": "MemoryError" in stderr, "errors": errors[:2],
+            "stderr_tail": stderr.strip().splitlines()[-1][:200] if stderr.strip() else ""}
+
+
+def _hostile_inputs(root: Path) -> dict[str, Path]:
+    """One folder per input kind, each holding one hostile file (built once, read by both trees)."""
+    import gzip as gz
+    import pickle
+    import zipfile
+
+    sys.path.insert(0, str(REPO / "tests" / "unit" / "flightrec"))
+    from frbuild import dump, entry
+
+    def folder(name: str) -> Path:
+        d = root / name
+        d.mkdir(parents=True, exist_ok=True)
+        return d
+
+    out: dict[str, Path] = {}
+    for mib in (16, 64):
+        out[f"pickle_empty_sets_{mib}MiB"] = folder(f"pickle_empty_sets_{mib}")
+        (out[f"pickle_empty_sets_{mib}MiB"] / "rank0.pkl").write_bytes(b"\x80\x04" + b"\x8f" * (mib * MiB - 3) + b".")
+    out["pickle_empty_lists_16MiB"] = folder("pickle_empty_lists")
+    (out["pickle_empty_lists_16MiB"] / "rank0.pkl").write_bytes(b"\x80\x04" + b"]" * (16 * MiB - 3) + b".")
+    # Entries of 60,000 one-dimension tensors each: a real dump's shape, just under the unpickler's budget.
+    ents = [entry(i + 1, json_style=False, sizes=[[1000 + j] for j in range(60_000)], out_sizes=[[7]])
+            for i in range(27)]
+    out["pickle_entries_near_budget"] = folder("pickle_entries")
+    (out["pickle_entries_near_budget"] / "rank0.pkl").write_bytes(pickle.dumps(dump(ents, json_style=False), 2))
+    # JSON of tensor-heavy entries up to the whole-file limit (64 MiB): the most records per byte.
+    js: list[dict[str, Any]] = []
+    size = 0
+    while True:
+        e = entry(len(js) + 1, sizes=[[1000 + j] for j in range(60_000)], out_sizes=[[7]])
+        n = len(json.dumps(e, separators=(",", ":")))
+        if size + n > 64 * MiB - 4096:
+            break
+        js.append(e)
+        size += n
+    text = json.dumps(dump(js), separators=(",", ":"), sort_keys=True).encode()
+    out["json_tensors_64MiB"] = folder("json_tensors")
+    (out["json_tensors_64MiB"] / "rank0.json").write_bytes(text)
+    one = entry(1, sizes=[[1000 + d for d in range(64)] for _ in range(65_536)], out_sizes=[[7]])
+    out["json_one_entry_65536x64"] = folder("json_one_entry")
+    (out["json_one_entry_65536x64"] / "rank0.json").write_text(json.dumps(dump([one]), separators=(",", ":")))
+    out["gzip_json_tensors_64MiB"] = folder("gzip_json")
+    (out["gzip_json_tensors_64MiB"] / "rank0.json.gz").write_bytes(gz.compress(text, compresslevel=6))
+    out["zip_two_json_tensors_64MiB"] = folder("zip_json")
+    with zipfile.ZipFile(out["zip_two_json_tensors_64MiB"] / "dumps.zip", "w", zipfile.ZIP_DEFLATED) as z:
+        z.writestr("rank0.json", text)
+        z.writestr("rank1.json", text)
+    return out
+
+
+def triage_memory(trees: dict[str, Path], work: Path, cap: int) -> dict[str, Any]:
+    inputs = _hostile_inputs(work / "inputs")
+    results: dict[str, Any] = {}
+    for kind, folder in inputs.items():
+        size = sum(p.stat().st_size for p in folder.iterdir())
+        results[kind] = {"file_mib": round(size / MiB, 1)}
+        for name, source in trees.items():
+            print(f"[{name}] triage {kind} ...", file=sys.stderr, flush=True)
+            results[kind][name] = _peak_run(["triage", str(folder), "--json"], _env(source), cap)
+    return results
+
+
+# ---------------------------------------------------------------- 6. coordinator and fr_pickle (issue 24)
+def _start_coordinator(source: Path, work: Path, metrics: bool = False
+                       ) -> tuple[subprocess.Popen[bytes], dict[str, Any]]:
+    ready = work / "ready.json"
+    proc = subprocess.Popen([sys.executable, "-m", "gpuhealth.cli.main", "coordinator", "--listen", "127.0.0.1:0",
+                             "--metrics-listen", "127.0.0.1:0" if metrics else "off", "--db", str(work / "c.db"),
+                             "--evidence-dir", str(work / "ev"), "--ready-file", str(ready), "--hang-floor", "3600"],
+                            stdout=subprocess.DEVNULL, stderr=(work / "coordinator.log").open("wb"), env=_env(source))
+    deadline = time.monotonic() + 60
+    while not ready.exists():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError((work / "coordinator.log").read_text()[-2000:])
+        time.sleep(0.05)
+    return proc, json.loads(ready.read_text())
+
+
+def coordinator_fr_pickle(source: Path, work: Path) -> dict[str, Any]:
+    import asyncio
+
+    sys.path.insert(0, str(REPO / "tests"))
+    from simagent import SimAgent, step_batch_message
+
+    from gpuhealth.proto import gpuhealth_v1_pb2 as pb
+
+    work.mkdir(parents=True, exist_ok=True)
+    hostile = b"\x80\x04" + b"\x8f" * (32 * MiB) + b"."
+    healthy = json.dumps({"version": "2.10", "pg_config": {}, "pg_status": {}, "entries": []}).encode()
+    proc, ports = _start_coordinator(source, work)
+
+    async def attack() -> dict[str, Any]:
+        agent = SimAgent(f"127.0.0.1:{ports['grpc_port']}", "node-a")
+        await agent.register()
+        await agent.connect()
+        await agent.send(step_batch_message(1, "victim", [0, 1], 1))
+        await agent.wait_acked(1)
+        await asyncio.sleep(1.0)
+        before = _status_kib(proc.pid, "VmHWM")
+        answered: set[int] = set()
+
+        async def answer() -> None:
+            while True:
+                for req in list(agent.requests):
+                    if req.request_id in answered:
+                        continue
+                    answered.add(req.request_id)
+                    if req.kind == pb.DUMP_FLIGHT_RECORDER:
+                        for rank, payload in ((0, hostile), (1, healthy)):
+                            await agent.send(pb.AgentMessage(result=pb.RequestResult(
+                                request_id=req.request_id, rank=rank, ok=True, payload=payload,
+                                format="fr_pickle" if rank == 0 else "fr_json", final=rank == 1)).SerializeToString())
+                    else:
+                        await agent.send(pb.AgentMessage(result=pb.RequestResult(
+                            request_id=req.request_id, rank=-1, ok=False, error="no stacks", final=True)
+                        ).SerializeToString())
+                await asyncio.sleep(0.05)
+
+        task = asyncio.create_task(answer())
+        started = time.monotonic()
+        cli = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "gpuhealth.cli.main", "triage", "--job", "victim", "--coordinator",
+            f"127.0.0.1:{ports['grpc_port']}", "--json", stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE, env=_env(source))
+        out, _ = await asyncio.wait_for(cli.communicate(), 600)
+        task.cancel()
+        try:
+            report = json.loads(out)
+        except ValueError:
+            report = {}
+        errors = [p["message"][:120] for p in report.get("problems", []) if p.get("severity") == "error"]
+        return {"vmhwm_before_mib": before // 1024, "vmhwm_after_mib": _status_kib(proc.pid, "VmHWM") // 1024,
+                "triage_seconds": round(time.monotonic() - started, 1), "verdict": report.get("verdict"),
+                "errors": errors, "coordinator_alive": proc.poll() is None}
+
+    try:
+        return asyncio.run(attack())
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
+# ------------------------------------------------------------------ 7. rank socket before a hello (issue 24)
+def rank_socket_before_hello(source: Path, work: Path) -> dict[str, Any]:
+    from gpuhealth.instrument import protocol
+    from gpuhealth.model import RankIdentity
+
+    work.mkdir(parents=True, exist_ok=True)
+    sock_dir = Path(tempfile.mkdtemp(prefix="gh-rs-", dir="/tmp"))
+    scenario = work / "node.yaml"
+    scenario.write_text(SCENARIO)
+    cfg = work / "agent.yaml"
+    cfg.write_text(json.dumps({"agent": {"socket_path": str(sock_dir / "a.sock"),
+                                         "pod_resources_socket": str(work / "none.sock")}}))
+    agent = AgentProcess(work, ["--config", str(cfg), "--scenario", str(scenario)], env=_env(source))
+    line = b'{"type":"steps","records":[' + b"{}," * ((8 * MiB - 64) // 3) + b"{}]}\n"
+    out: dict[str, Any] = {}
+    flood: list[socket.socket] = []
+    try:
+        agent.wait_ready(60)
+        time.sleep(3.0)
+        out["vmhwm_at_rest_mib"] = _status_kib(agent.proc.pid, "VmHWM") // 1024
+        for n, key in ((1, "one_line"), (3, "four_lines")):
+            for _ in range(n):
+                s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                s.connect(str(sock_dir / "a.sock"))
+                with contextlib.suppress(OSError):
+                    s.sendall(line)
+                s.close()
+            time.sleep(1.0)
+            out[f"vmhwm_after_{key}_mib"] = _status_kib(agent.proc.pid, "VmHWM") // 1024
+        for i in range(1024):
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                s.connect(str(sock_dir / "a.sock"))
+                s.sendall(protocol.encode(protocol.hello(RankIdentity("flood", i, 1024, "h", os.getpid()))))
+            except OSError:
+                s.close()
+                continue
+            flood.append(s)
+        time.sleep(2.0)
+        script = ("import os, socket, sys; from gpuhealth.instrument import protocol; "
+                  "from gpuhealth.model import RankIdentity, StepRecord; s = socket.socket(socket.AF_UNIX); "
+                  "s.connect(sys.argv[1]); s.sendall(protocol.encode(protocol.hello(RankIdentity('real', 0, 1, 'h', "
+                  "os.getpid())))); s.sendall(protocol.encode(protocol.steps([StepRecord('real', 0, 0, 1.7e9, 0.1, "
+                  "0.08, 0.02)]))); s.settimeout(3); print(repr(s.recv(200)))")
+        real = subprocess.run([sys.executable, "-c", script, str(sock_dir / "a.sock")], capture_output=True,
+                              text=True, env=_env(source), timeout=60)
+        out["real_rank_after_1024_hellos"] = (real.stdout.strip() or real.stderr.strip().splitlines()[-1])[:200]
+        metrics = agent.metrics()
+        out["real_rank_connected"] = 'gpuhealth_agent_job_ranks_connected{job_id="real"} 1.0' in metrics
+        out["flood_ranks_connected"] = next((float(m.rsplit(" ", 1)[1]) for m in metrics.splitlines()
+                                             if m.startswith('gpuhealth_agent_job_ranks_connected{job_id="flood"}')),
+                                            0.0)
+        return out
+    finally:
+        for s in flood:
+            s.close()
+        agent.stop()
+        for p in sock_dir.iterdir():
+            p.unlink()
+        sock_dir.rmdir()
+
+
+# ------------------------------------------------------- 8. half-open requests on coordinator /metrics
+def coordinator_half_open(source: Path, work: Path, sockets: int) -> dict[str, Any]:
+    work.mkdir(parents=True, exist_ok=True)
+    proc, ports = _start_coordinator(source, work, metrics=True)
+    port = ports["metrics_port"]
+    attackers: list[socket.socket] = []
+    try:
+        time.sleep(2.0)
+        base_threads, base_rss = _threads(proc.pid), _status_kib(proc.pid, "VmRSS") // 1024
+        for _ in range(sockets):
+            s = socket.socket()
+            s.settimeout(2.0)
+            try:
+                s.connect(("127.0.0.1", port))
+                s.send(b"GET /metrics HTTP/1.1\r\nHost: x\r\n")
+            except OSError:
+                s.close()
+                continue
+            attackers.append(s)
+        time.sleep(2.0)
+        peak_threads, peak_rss = _threads(proc.pid), _status_kib(proc.pid, "VmRSS") // 1024
+        scrape = _scrape(port, timeout=10.0)
+        # How long until the server let go of them (each reads EOF), at most 120 s.
+        started = time.monotonic()
+        open_ = list(attackers)
+        for s in open_:
+            s.setblocking(False)
+        while open_ and time.monotonic() - started < 120:
+            still = []
+            for s in open_:
+                try:
+                    if s.recv(1) == b"":
+                        continue
+                except BlockingIOError:
+                    still.append(s)
+                    continue
+                except OSError:
+                    continue
+            open_ = still
+            time.sleep(0.5)
+        return {"sockets": len(attackers), "threads_before": base_threads, "threads_peak": peak_threads,
+                "rss_before_mib": base_rss, "rss_peak_mib": peak_rss,
+                "scrape_ms_during": round(1000 * scrape, 1) if scrape is not None else None,
+                "all_released_after_s": round(time.monotonic() - started, 1) if not open_ else None,
+                "still_held_after_120_s": len(open_)}
+    finally:
+        for s in attackers:
+            s.close()
+        proc.terminate()
+        proc.wait(30)
+
+
+def round_24(args: argparse.Namespace, results: dict[str, Any]) -> None:
+    before_rev = args.before if args.before != "d4c7f54" else "84accc1"
+    results["before"] = before_rev
+    sections = set(args.sections.split(","))
+    with tree(before_rev) as before, tree(args.after) as after, tempfile.TemporaryDirectory() as work:
+        trees = {"before": before, "after": after}
+        if "triage" in sections:
+            results["triage_memory"] = triage_memory(trees, Path(work), args.triage_cap)
+        for name, source in trees.items() if "coordinator" in sections else ():
+            print(f"[{name}] coordinator + 32 MiB fr_pickle ...", file=sys.stderr, flush=True)
+            results.setdefault("coordinator_fr_pickle", {})[name] = coordinator_fr_pickle(source,
+                                                                                         Path(work) / f"c-{name}")
+        for name, source in trees.items() if "socket" in sections else ():
+            print(f"[{name}] rank socket before a hello ...", file=sys.stderr, flush=True)
+            results.setdefault("rank_socket_before_hello", {})[name] = rank_socket_before_hello(
+                source, Path(work) / f"rs-{name}")
+        for name, source in trees.items() if "metrics" in sections else ():
+            print(f"[{name}] coordinator metrics, {args.half_open} half-open requests ...", file=sys.stderr,
+                  flush=True)
+            results.setdefault("coordinator_half_open", {})[name] = coordinator_half_open(
+                source, Path(work) / f"ho-{name}", args.half_open)
+
+
 # ------------------------------------------------------------------------------------------------ main
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -228,12 +572,24 @@ def main() -> None:
     ap.add_argument("--sockets", type=int, default=1000, help="slowloris sockets (default 1000)")
     ap.add_argument("--attack-s", type=float, default=10.0, help="seconds of slowloris (default 10)")
     ap.add_argument("--json", type=Path, help="also write the figures here")
+    ap.add_argument("--round", choices=("17", "24"), default="17",
+                    help="which issue's attacks: 17 (default) or 24 (then --before defaults to 84accc1)")
+    ap.add_argument("--triage-cap", type=int, default=3 << 30, help="address-space cap of each triage run (3 GiB)")
+    ap.add_argument("--half-open", type=int, default=2000, help="half-open requests on the coordinator (2,000)")
+    ap.add_argument("--sections", default="triage,coordinator,socket,metrics",
+                    help="round 24's parts to run (default: all of triage,coordinator,socket,metrics)")
     args = ap.parse_args()
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, min(hard, 8192)), hard))
     machine = f"{platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}"
     results: dict[str, Any] = {"machine": machine, "date": time.strftime("%Y-%m-%d"), "before": args.before,
                                "after": args.after}
+    if args.round == "24":
+        round_24(args, results)
+        print(json.dumps(results, indent=1))
+        if args.json:
+            args.json.write_text(json.dumps(results, indent=1) + "\n")
+        return
     with tree(args.before) as before, tree(args.after) as after, tempfile.TemporaryDirectory() as work:
         trees = {"before": before, "after": after}
         for name, source in trees.items():

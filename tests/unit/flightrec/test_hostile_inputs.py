@@ -140,28 +140,33 @@ def test_pickles_that_inflate_through_reused_references_are_refused(tmp_path: Pa
 TRIAGE_CEILING = 1 << 30  # what `gpuhealth triage` may take for the worst single dump (docs/security.md)
 
 
+# `gpuhealth ARGS` in a fresh interpreter under RLIMIT_AS, writing its own VmHWM at exit: the peak of that process
+# alone (wait4's ru_maxrss would carry pytest's size, copied at fork, across the exec).
+_MEASURED_CLI = (
+    "import atexit, resource, sys\n"
+    "cap, out = int(sys.argv[1]), sys.argv[2]\n"
+    "resource.setrlimit(resource.RLIMIT_AS, (cap, cap))\n"
+    "def _hwm():\n"
+    "    with open('/proc/self/status') as f, open(out, 'w') as o:\n"
+    "        o.write(next(l.split()[1] for l in f if l.startswith('VmHWM:')))\n"
+    "atexit.register(_hwm)\n"
+    "sys.argv = ['gpuhealth', *sys.argv[3:]]\n"
+    "from gpuhealth.cli.main import main\n"
+    "main()\n"
+)
+
+
 def _triage_measured(folder: Path, cap: int) -> tuple[int, dict[str, Any] | None, str, int]:
     """``gpuhealth triage FOLDER --json`` under RLIMIT_AS=cap: (exit code, report, stderr, peak RSS in bytes)."""
-    out, err = folder.parent / f"{folder.name}.out", folder.parent / f"{folder.name}.err"
-    wrapper = ("import os, resource, sys; cap = int(sys.argv[1]); resource.setrlimit(resource.RLIMIT_AS, (cap, cap)); "
-               "os.execv(sys.argv[2], sys.argv[2:])")
-    with out.open("wb") as o, err.open("wb") as e:
-        proc = subprocess.Popen([sys.executable, "-c", wrapper, str(cap), *_exec_cli(), "triage", str(folder),
-                                 "--json"], stdout=o, stderr=e)
-        try:
-            _, status, usage = os.wait4(proc.pid, 0)  # the exec'd triage itself: its own peak, not the suite's
-        finally:
-            proc.returncode = 0  # reaped here
-    text = out.read_text()
+    hwm = folder.parent / f"{folder.name}.hwm"
+    proc = subprocess.run([sys.executable, "-c", _MEASURED_CLI, str(cap), str(hwm), "triage", str(folder), "--json"],
+                          capture_output=True, text=True, timeout=TIME_CAP_S, check=False)
     try:
-        report = json.loads(text)
+        report = json.loads(proc.stdout)
     except ValueError:
         report = None
-    return os.waitstatus_to_exitcode(status), report, err.read_text(), usage.ru_maxrss * 1024
-
-
-def _exec_cli() -> list[str]:
-    return [str(_GPUHEALTH)] if _GPUHEALTH.exists() else [sys.executable, "-m", "gpuhealth.cli.main"]
+    peak = int(hwm.read_text()) * 1024 if hwm.exists() else 0
+    return proc.returncode, report, proc.stderr, peak
 
 
 def _vsz_of_the_cli() -> int:
@@ -189,7 +194,7 @@ def test_flat_pickles_of_one_byte_opcodes_stay_under_the_triage_ceiling(tmp_path
     for message in errors.values():
         assert message.startswith("refused: the pickle builds more than its 384 MiB memory budget"), message
     assert report["ranks_seen"] == [2, 3]
-    assert peak < TRIAGE_CEILING, f"peak RSS {peak >> 20} MiB"
+    assert 0 < peak < TRIAGE_CEILING, f"peak RSS {peak >> 20} MiB"
 
 
 def test_running_out_of_memory_reading_a_dump_is_one_line(tmp_path: Path) -> None:
