@@ -145,3 +145,16 @@ def test_the_child_reports_a_memory_error_outside_the_loader_in_one_line(
     monkeypatch.setattr(os, "environ", dict(os.environ))
     assert triage_child.main([str(tmp_path), "{}"]) == triage_child.EXIT_OUT_OF_MEMORY
     assert capsys.readouterr().err == "triage ran out of memory (cap 768 MiB)\n"
+
+
+def test_dumps_go_to_disk_as_they_arrive_not_into_the_coordinators_memory(tmp_path: Path) -> None:
+    from gpuhealth.coordinator.requests import PendingRequest
+
+    pending = PendingRequest(1, pb.DUMP_FLIGHT_RECORDER, "j", {"n1"}, spool_dir=tmp_path)
+    dump = b"\x80\x04" + b"N" * 1000 + b"."
+    pending.add("n1", pb.RequestResult(request_id=1, rank=3, ok=True, payload=dump, format="fr_pickle"))
+    pending.add("n1", pb.RequestResult(request_id=1, rank=4, ok=True, payload=b'{"entries": []}', final=True))
+    three, four = pending.answers[3], pending.answers[4]
+    assert three.ok and three.raw == b"" and Path(three.path).read_bytes() == dump
+    assert four.ok and four.raw == b"" and Path(four.path).name == "rank_4.json"
+    assert oct(Path(three.path).stat().st_mode & 0o777) == "0o600"  # the job's evidence: the service's alone

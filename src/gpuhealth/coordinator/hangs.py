@@ -19,7 +19,9 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import os
 import re
+import shutil
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -82,7 +84,11 @@ async def investigate(source: EvidenceSource, job: JobState, *, reason: str, tim
     nodes = source.job_nodes(job)
     agent_timeout = max(1.0, timeout_s * 0.75)  # agents answer before our own deadline
     owners = {r: p.node for r, p in job.placements.items()}
+    root = Path(source.evidence_dir)
     fr = source.send_request(job.job_id, pb.DUMP_FLIGHT_RECORDER, agent_timeout, nodes, rank_nodes=owners)
+    # Each dump to disk as it arrives (set before the first await: no answer can come in between), so the
+    # coordinator holds one message at a time, not the job's dumps.
+    fr.spool_dir = _spool_dir(root, job.job_id, fr.request_id)
     st = source.send_request(job.job_id, pb.CAPTURE_STACKS, agent_timeout, nodes, rank_nodes=owners)
     try:
         await asyncio.gather(fr.wait(timeout_s), st.wait(timeout_s))
@@ -90,7 +96,6 @@ async def investigate(source: EvidenceSource, job: JobState, *, reason: str, tim
         source.forget_request(fr.request_id)
         source.forget_request(st.request_id)
 
-    root = Path(source.evidence_dir)
     folder = root / safe_name(job.job_id) / f"{int(source.clock() * 1000)}-{reason}"
     if not folder.resolve().is_relative_to(root.resolve()):  # belt and braces: names come from the network
         raise ValueError(f"evidence folder {folder} is outside {root}")
@@ -143,12 +148,20 @@ def _write_evidence(root: Path, folder: Path, dump_dir: Path, fr: PendingRequest
     dumps: dict[int, str] = {}
     errors: dict[str, str] = {}
     for rank, ans in sorted(fr.answers.items()):
-        if ans.ok and ans.raw:
-            path = dump_dir / f"rank_{rank}.{'pkl' if ans.format == 'fr_pickle' else 'json'}"
+        path = dump_dir / f"rank_{rank}.{'pkl' if ans.format == 'fr_pickle' else 'json'}"
+        if ans.ok and ans.path:
+            try:
+                os.replace(ans.path, path)  # spooled as it arrived: moved, not copied
+                dumps[rank] = str(path)
+            except OSError as exc:
+                errors[f"fr/{rank}"] = f"the dump received could not be kept: {exc.strerror or exc}"
+        elif ans.ok and ans.raw:
             path.write_bytes(ans.raw)
             dumps[rank] = str(path)
         else:
             errors[f"fr/{rank}"] = ans.error or "no dump"
+    if fr.spool_dir is not None:
+        shutil.rmtree(fr.spool_dir, ignore_errors=True)  # what is left: answers past the deadline
     for rank, ans in sorted(st.answers.items()):
         if not ans.ok:
             errors[f"stacks/{rank}"] = ans.error
@@ -157,6 +170,18 @@ def _write_evidence(root: Path, folder: Path, dump_dir: Path, fr: PendingRequest
     stacks = {str(r): a.payload for r, a in sorted(st.answers.items()) if a.ok}
     (folder / "stacks.json").write_text(json.dumps(stacks))
     return dumps, errors
+
+
+def _spool_dir(root: Path, job_id: str, request_id: int) -> Path | None:
+    """A private folder for one request's dumps as they arrive; None (kept in memory) when it cannot be made."""
+    spool = root / safe_name(job_id) / f".incoming-{request_id}"
+    try:
+        spool.mkdir(parents=True, exist_ok=True)
+        for d in (root, spool.parent, spool):
+            d.chmod(0o700)
+    except OSError:
+        return None
+    return spool
 
 
 def _culprit_pb(c: Mapping[str, Any]) -> pb.Culprit:

@@ -2,16 +2,20 @@
 node for a diagnostic). Pure bookkeeping: the service pushes the requests and feeds answers in.
 
 Flight-recorder dumps are kept as the bytes the agent sent (JSON from a rank's hook, NCCL's pickle from a
-discovered rank): they are written to the evidence folder as
-they are and parsed once, by the analyser, off the event loop (a 30 MiB dump parsed on the loop stalled
-every stream for half a second). Stacks and diagnostic results are small and parsed here.
+discovered rank), never parsed here (a 30 MiB dump parsed on the loop stalled every stream for half a
+second; the analyser reads them once, in its own capped process). With ``spool_dir`` set, each goes to a
+file there as it arrives, so the coordinator holds one message at a time, not a whole job's dumps (the
+request's budget, ``MAX_EVIDENCE_BYTES``, is then disk, not memory). Stacks and diagnostic results are
+small and parsed here.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from gpuhealth.proto import gpuhealth_v1_pb2 as pb
@@ -29,8 +33,9 @@ class RankAnswer:
     ok: bool
     payload: Any = None  # parsed JSON (stacks, diagnostics)
     error: str = ""
-    raw: bytes = b""  # the payload as sent (flight-recorder dumps)
+    raw: bytes = b""  # the payload as sent (flight-recorder dumps), when not spooled
     format: str = ""  # fr_json | fr_pickle (a discovered rank's own NCCL dump)
+    path: str = ""  # where the payload was spooled (PendingRequest.spool_dir), instead of ``raw``
 
 
 @dataclass(eq=False)
@@ -48,6 +53,7 @@ class PendingRequest:
     rank_nodes: dict[int, str] = field(default_factory=dict)  # where each rank runs, when known
     max_bytes: int = MAX_EVIDENCE_BYTES
     bytes_received: int = 0
+    spool_dir: Path | None = None  # dumps go to files here as they arrive (None: kept in memory)
 
     def __post_init__(self) -> None:
         if not self.waiting:
@@ -68,13 +74,15 @@ class PendingRequest:
                 return
             answer = RankAnswer(node, msg.ok, error=msg.error[:2000])
             if msg.ok and self.kind in RAW_KINDS:
-                answer.raw, answer.format = bytes(msg.payload), msg.format or "fr_json"
+                payload, answer.format = msg.payload, msg.format or "fr_json"
                 if answer.format == "fr_pickle":
                     # kept as bytes; only the analyser's plain-data unpickler reads it (no global is loaded)
-                    if answer.raw[:1] != b"\x80" or answer.raw[-1:] != b".":
+                    if payload[:1] != b"\x80" or payload[-1:] != b".":
                         answer = RankAnswer(node, False, error="payload is not a complete pickle")
-                elif answer.format != "fr_json" or answer.raw.lstrip()[:1] != b"{":
+                elif answer.format != "fr_json" or payload.lstrip()[:1] != b"{":
                     answer = RankAnswer(node, False, error="payload is not a JSON object")
+                if answer.ok:
+                    answer = self._keep(answer, msg.rank, payload)
             elif msg.ok:
                 try:
                     answer.payload = json.loads(msg.payload)
@@ -90,6 +98,21 @@ class PendingRequest:
                 self.node_errors[node] = f"payload is not JSON: {exc}"
         if msg.final:
             self.node_lost(node)
+
+    def _keep(self, answer: RankAnswer, rank: int, payload: bytes) -> RankAnswer:
+        """The dump in a file of ``spool_dir`` (readable by the service only), else as bytes in memory."""
+        if self.spool_dir is None:
+            answer.raw = bytes(payload)
+            return answer
+        path = self.spool_dir / f"rank_{rank}.{'pkl' if answer.format == 'fr_pickle' else 'json'}"
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+            with os.fdopen(fd, "wb") as fh:
+                fh.write(payload)
+        except OSError as exc:
+            return RankAnswer(answer.node, False, error=f"cannot keep the dump: {exc.strerror or exc}")
+        answer.path = str(path)
+        return answer
 
     def node_lost(self, node: str) -> None:
         self.waiting.discard(node)
