@@ -26,7 +26,8 @@ the shipped commands:
    an address-space cap of ``--triage-cap`` (3 GiB) so a tree that would take more stops there.
 6. **The coordinator and a hostile ``fr_pickle``** — a real ``gpuhealth coordinator``, an agent (raw
    gRPC) answering a live triage (``gpuhealth triage --job``) with a 32 MiB pickle of empty sets for rank 0:
-   the coordinator's VmHWM before and after.
+   the coordinator's VmHWM before and after. (``--sections coordinator8``: for 8 ranks, what holding the
+   dumps in memory until the end cost; run it with ``--before c7cb9a9``, the tree before they were spooled.)
 7. **The rank socket before a hello** — a real ``gpuhealth agent``; one, then four connections each send
    one 8 MiB line of empty records with no hello: the agent's VmHWM. Then 1,024 connections with hellos
    from one process, and a real rank (another process) says hello: is it let in?
@@ -360,7 +361,7 @@ def _start_coordinator(source: Path, work: Path, metrics: bool = False
     return proc, json.loads(ready.read_text())
 
 
-def coordinator_fr_pickle(source: Path, work: Path) -> dict[str, Any]:
+def coordinator_fr_pickle(source: Path, work: Path, hostile_ranks: int = 1) -> dict[str, Any]:
     import asyncio
 
     sys.path.insert(0, str(REPO / "tests"))
@@ -377,7 +378,7 @@ def coordinator_fr_pickle(source: Path, work: Path) -> dict[str, Any]:
         agent = SimAgent(f"127.0.0.1:{ports['grpc_port']}", "node-a")
         await agent.register()
         await agent.connect()
-        await agent.send(step_batch_message(1, "victim", [0, 1], 1))
+        await agent.send(step_batch_message(1, "victim", list(range(hostile_ranks + 1)), 1))
         await agent.wait_acked(1)
         await asyncio.sleep(1.0)
         before = _status_kib(proc.pid, "VmHWM")
@@ -390,10 +391,12 @@ def coordinator_fr_pickle(source: Path, work: Path) -> dict[str, Any]:
                         continue
                     answered.add(req.request_id)
                     if req.kind == pb.DUMP_FLIGHT_RECORDER:
-                        for rank, payload in ((0, hostile), (1, healthy)):
+                        answers = [(r, hostile) for r in range(hostile_ranks)] + [(hostile_ranks, healthy)]
+                        for rank, payload in answers:
                             await agent.send(pb.AgentMessage(result=pb.RequestResult(
                                 request_id=req.request_id, rank=rank, ok=True, payload=payload,
-                                format="fr_pickle" if rank == 0 else "fr_json", final=rank == 1)).SerializeToString())
+                                format="fr_pickle" if payload is hostile else "fr_json",
+                                final=rank == hostile_ranks)).SerializeToString())
                     else:
                         await agent.send(pb.AgentMessage(result=pb.RequestResult(
                             request_id=req.request_id, rank=-1, ok=False, error="no stacks", final=True)
@@ -550,6 +553,10 @@ def round_24(args: argparse.Namespace, results: dict[str, Any]) -> None:
             print(f"[{name}] coordinator + 32 MiB fr_pickle ...", file=sys.stderr, flush=True)
             results.setdefault("coordinator_fr_pickle", {})[name] = coordinator_fr_pickle(source,
                                                                                          Path(work) / f"c-{name}")
+        for name, source in trees.items() if "coordinator8" in sections else ():
+            print(f"[{name}] coordinator + 8 ranks' 32 MiB fr_pickle ...", file=sys.stderr, flush=True)
+            results.setdefault("coordinator_fr_pickle_8_ranks", {})[name] = coordinator_fr_pickle(
+                source, Path(work) / f"c8-{name}", hostile_ranks=8)
         for name, source in trees.items() if "socket" in sections else ():
             print(f"[{name}] rank socket before a hello ...", file=sys.stderr, flush=True)
             results.setdefault("rank_socket_before_hello", {})[name] = rank_socket_before_hello(
