@@ -112,3 +112,16 @@ def test_a_known_process_is_read_once_and_a_new_one_with_its_pid_again(procs: li
     procs.append(q)
     discover([GpuProcess(0, "GPU-0", q.pid)], cache=cache)
     assert reads == [q.pid]  # a new process is read in full
+
+
+def test_the_triage_child_is_capped_under_the_pod_limit_and_killed_first(tmp_path: Path) -> None:
+    # The agent's triage child shares the agent's cgroup (256 Mi on Kubernetes): 768 MiB of address space and the
+    # OOM killer's first pick, so a triage that runs the pod short of memory costs the child, never the agent.
+    from gpuhealth.agent.zerocode.evidence import _CHILD, TRIAGE_MEMORY_BYTES
+
+    (tmp_path / "oomprobe.py").write_text("import resource\nprint(open('/proc/self/oom_score_adj').read().strip(), "
+                                          "resource.getrlimit(resource.RLIMIT_AS)[0])\n")
+    out = subprocess.run([sys.executable, "-c", _CHILD.replace("gpuhealth.cli.main", "oomprobe"),
+                          str(TRIAGE_MEMORY_BYTES)], capture_output=True, text=True, timeout=60, check=True,
+                         env={"PYTHONPATH": str(tmp_path)})
+    assert out.stdout.split() == ["1000", str(768 << 20)]
