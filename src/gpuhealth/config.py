@@ -95,6 +95,10 @@ class CoordinatorConfig:
     # Compatibility: ``token`` on the coordinator as ONE token every agent shares — any holder can
     # report as any node. Off: a coordinator with ``token`` and without this refuses to start.
     shared_token: bool = False
+    # No credential at all (no node secret, TokenReview, mTLS or shared token) is for loopback: a coordinator
+    # that would listen beyond it refuses to start unless this says so. Even then only callers on the
+    # coordinator's own host may act on nodes (LiveTriage, RunDiagnostic).
+    allow_unauthenticated: bool = False
     # Kubernetes: agents present their ServiceAccount token (audience ``token_review_audience``); the
     # coordinator asks the API server (TokenReview) and binds the node to the pod's node. "" = off,
     # "in-cluster", or the API server's https URL (then ``token_review_ca`` and the coordinator's own
@@ -139,6 +143,10 @@ class CoordinatorConfig:
     screen_concurrency: float = 0.1  # share of connected nodes holding a turn at once (at least one node)
     screen_turn_s: float = 1800.0  # how long a turn lasts; a node that reports every GPU screened ends it early
     screen_history: int = 32  # screens kept per GPU (besides the newest of each level and result)
+
+    def metrics_address(self) -> str | None:
+        """``metrics_listen``, or None where it is turned off ("off", "none" or empty)."""
+        return None if self.metrics_listen.strip().lower() in _METRICS_OFF else self.metrics_listen
 
     def resolved_evidence_dir(self) -> str:
         """Where hang evidence goes: ``evidence_dir``, or "evidence" beside the database."""
@@ -220,6 +228,16 @@ _ABOVE = frozenset({
     "coordinator.forget_job_after_s", "coordinator.screen_window_s", "coordinator.screen_concurrency",
     "coordinator.screen_turn_s", "zerocode.poll_interval_s", "zerocode.hang_threshold_s",
 })
+# Addresses, checked when read so a typo is one line naming the key (not a bind error at start):
+# "listen" host:port to bind (port 0: any free one), "off" where metrics can be turned off, "target" a
+# host:port to connect to (or a gRPC target URI such as dns:///host:port).
+_ADDRESSES: dict[str, str] = {
+    "agent.listen": "listen",
+    "agent.coordinator": "target",
+    "coordinator.listen": "listen",
+    "coordinator.metrics_listen": "listen_or_off",
+}
+_METRICS_OFF = ("", "off", "none")
 _MAX_TEXT = 4_096  # a path, an address, a name: never a document
 _MAX_LIST = 1_024
 _MAX_FILE_BYTES = 1 << 20  # a config file is a page of YAML
@@ -238,6 +256,33 @@ def _scalar_text(value: Any, where: str) -> str:
         raise ConfigError(f"{where}: text of {len(text)} characters is over {_MAX_TEXT}")
     if any(ord(c) < 0x20 and c != "\t" for c in text):
         raise ConfigError(f"{where}: control character in {text[:40]!r}")
+    return text
+
+
+def split_address(text: str) -> tuple[str, int] | None:
+    """``host:port`` (``[v6]:port``) as (host, port) — host "" for every interface — or None when it is not one."""
+    host, sep, port = text.strip().rpartition(":")
+    if not sep or not port.isdigit() or int(port) > 65_535 or any(c.isspace() for c in host):
+        return None
+    if host.startswith("[") or host.endswith("]"):
+        if not (host.startswith("[") and host.endswith("]")) or len(host) < 3:
+            return None
+        host = host[1:-1]
+    elif ":" in host:
+        return None  # an IPv6 address takes brackets: [::1]:9500
+    return host, int(port)
+
+
+def _address(text: str, kind: str, where: str) -> str:
+    if kind == "listen_or_off" and text.strip().lower() in _METRICS_OFF:
+        return text
+    if kind == "target" and ("://" in text or text.startswith("unix:")):
+        return text
+    parts = split_address(text)
+    if parts is None or (kind == "target" and (not parts[0] or parts[1] == 0)):
+        shape = "host:port (a port from 1 to 65535)" if kind == "target" else "host:port (a port from 0 to 65535)"
+        off = " or off" if kind == "listen_or_off" else ""
+        raise ConfigError(f"{where}: {text[:80]!r} is not {shape}{off}")
     return text
 
 
@@ -308,7 +353,10 @@ def _coerce(value: Any, hint: Any, where: str, name: str = "") -> Any:
         if len(items) > _MAX_LIST:
             raise ConfigError(f"{where}: {len(items)} items is over {_MAX_LIST}")
         return [_scalar_text(v, f"{where}[{i}]") for i, v in enumerate(items)]
-    return _scalar_text(value, where)
+    text = _scalar_text(value, where)
+    if name in _ADDRESSES and not (text == "" and "None" in str(hint)):
+        return _address(text, _ADDRESSES[name], where)
+    return text
 
 
 def _apply(cfg: Config, data: Mapping[str, Any], source: str, *, env: bool = False) -> None:
@@ -386,4 +434,5 @@ def load_config(
     return cfg
 
 
-__all__ = ["AgentConfig", "CollectorsConfig", "Config", "ConfigError", "CoordinatorConfig", "DiagConfig", "load_config"]
+__all__ = ["AgentConfig", "CollectorsConfig", "Config", "ConfigError", "CoordinatorConfig", "DiagConfig", "load_config",
+           "split_address"]

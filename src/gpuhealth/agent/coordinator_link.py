@@ -31,6 +31,7 @@ from gpuhealth.agent.view import AgentView
 from gpuhealth.model import EntityKind, MetricKind, RankIdentity, Sample, StepRecord, health_of
 from gpuhealth.proto import gpuhealth_v1_pb2 as pb
 from gpuhealth.proto.options import API_VERSION
+from gpuhealth.runtime.credentials import CredentialError, read_token
 from gpuhealth.runtime.tls import TlsFiles
 
 if TYPE_CHECKING:
@@ -54,9 +55,13 @@ class RankHubLike(RankSource, Protocol):
 class LinkSettings:
     address: str
     spool_path: str
+    # The bearer token: from ``token_file`` at every connect, else derived from ``node_secret_file``, else ``token``.
     token: str | None = None
+    token_file: str | None = None
+    node_secret_file: str | None = None
     tls: TlsFiles | None = None
     batch_interval_s: float = 0.25  # step records are packed into one batch per job this often
+    spool_commit_s: float = 0.05  # ... and are on disk within this long of their arrival
     heartbeat_s: float | None = None  # None: what the coordinator asks for
     backoff_initial_s: float = 0.5
     backoff_max_s: float = 30.0
@@ -82,8 +87,10 @@ class CoordinatorLink:
             ExecutorSettings(work_dir=settings.work_dir, pyspy=settings.pyspy, pyspy_path=settings.pyspy_path),
             ranks=rank_hub, config=lambda: self.agent.config if self.agent is not None else None)
         self.stream = CoordinatorStream(
-            StreamSettings(address=settings.address, token=settings.token, tls=settings.tls,
-                           batch_interval_s=settings.batch_interval_s, heartbeat_s=settings.heartbeat_s,
+            StreamSettings(address=settings.address, token=settings.token, token_file=settings.token_file,
+                           node_secret_file=settings.node_secret_file, tls=settings.tls,
+                           batch_interval_s=settings.batch_interval_s, spool_commit_s=settings.spool_commit_s,
+                           heartbeat_s=settings.heartbeat_s,
                            backoff_initial_s=settings.backoff_initial_s, backoff_max_s=settings.backoff_max_s,
                            max_inflight=settings.max_inflight),
             self.spool, register=self.register_request, heartbeat=self.health_summary,
@@ -148,7 +155,9 @@ class CoordinatorLink:
                 findings = list(agent.current_findings())
                 msg.health = str(health_of(findings))
                 for g in agent.gpus:
-                    fs = [f for f in findings if f.entity.kind is EntityKind.GPU and f.entity.id == g.uuid]
+                    # the GPU's own findings and its links' (a PCIe link at x8 is that GPU's problem)
+                    fs = [f for f in findings if (f.entity.kind is EntityKind.GPU and f.entity.id == g.uuid)
+                          or (f.entity.kind is EntityKind.LINK and f.entity.id.startswith(g.uuid + "/"))]
                     msg.gpus.append(pb.GpuHealth(index=g.index, uuid=g.uuid, health=str(health_of(fs))))
             except Exception:
                 log.debug("cannot summarise agent health", exc_info=True)
@@ -215,8 +224,10 @@ def build_register_request(agent: AgentView | None, incarnation: str) -> pb.Regi
 
 
 def link_from_config(config: Config, *, rank_hub: RankHubLike | None = None) -> CoordinatorLink | None:
-    """The link an agent config asks for (``agent.coordinator`` set), else None. The spool lives in
-    ``agent.state_dir``; mTLS uses ``coordinator.client_tls_cert/key`` with ``coordinator.tls_ca``."""
+    """The link an agent config asks for (``agent.coordinator`` set), else None — every agent-side key of
+    the ``coordinator`` section reaches it here. The spool lives in ``agent.state_dir``; the bearer token is
+    ``coordinator.token_file`` (read at every connect), else derived from ``coordinator.node_secret_file``,
+    else ``coordinator.token``; mTLS uses ``coordinator.client_tls_cert/key`` with ``coordinator.tls_ca``."""
     address = config.agent.coordinator
     if not address:
         return None
@@ -226,14 +237,27 @@ def link_from_config(config: Config, *, rank_hub: RankHubLike | None = None) -> 
                     "node can make every other node's ranks dump and run GPU work; keep it off the nodes")
     tls = None
     if c.client_tls_cert or c.client_tls_key:
-        from gpuhealth.runtime.tls import tls_files
+        from gpuhealth.runtime.tls import SecurityConfigError, tls_files
 
-        tls = tls_files(c.client_tls_cert, c.client_tls_key, c.tls_ca)
+        try:
+            tls = tls_files(c.client_tls_cert, c.client_tls_key, c.tls_ca)
+        except SecurityConfigError as exc:
+            log.error("coordinator link not started: coordinator.client_tls_cert/client_tls_key/tls_ca: %s", exc)
+            return None
+    if c.token_file:
+        try:
+            read_token(c.token_file)
+        except CredentialError as exc:  # said once now; the stream retries (a projected token may come later)
+            log.error("coordinator.token_file: %s", exc)
+    if c.node_secret_file and not c.token_file:
+        log.warning("this agent derives its token from the cluster secret (coordinator.node_secret_file): whoever is "
+                    "root here can mint every node's token; prefer a node token file (coordinator.token_file)")
     settings = LinkSettings(address=address, spool_path=str(Path(config.agent.state_dir) / "coordinator-spool.db"),
-                            token=c.token, tls=tls,
+                            token=c.token, token_file=c.token_file, node_secret_file=c.node_secret_file, tls=tls,
                             # beside the rank socket: the one folder ranks (other containers, other users) share
                             work_dir=str(Path(config.agent.socket_path).parent / "fr"),
-                            batch_interval_s=c.link_batch_interval_s)
+                            batch_interval_s=c.link_batch_interval_s, spool_commit_s=c.spool_commit_s,
+                            max_inflight=c.max_inflight)
     try:
         link = CoordinatorLink(settings, rank_hub=rank_hub)
     except SpoolError as exc:  # the agent keeps monitoring the node without its coordinator link

@@ -15,14 +15,18 @@ from gpuhealth.runtime.logs import setup_logging
 
 @click.command(name="coordinator")
 @click.option("--config", "config_path", type=click.Path(dir_okay=False), help="YAML config file.")
-@click.option("--listen", help="gRPC address (default 0.0.0.0:9500).")
+@click.option("--listen", help="gRPC address (default 0.0.0.0:9500; needs authentication unless on loopback).")
 @click.option("--metrics-listen", help="/metrics address (default 0.0.0.0:9501; 'off' to disable).")
 @click.option("--db", "db_path", help="SQLite database (WAL).")
 @click.option("--tls-cert", help="Server certificate (PEM); with --tls-key and --tls-ca: mutual TLS.")
 @click.option("--tls-key", help="Server private key (PEM).")
 @click.option("--tls-ca", help="CA that signs agent certificates (PEM).")
-@click.option("--token", help="Shared bearer token agents must present (labs without a PKI). Visible in ps: prefer "
-                               "--token-file or GPUHEALTH_COORDINATOR_TOKEN.")
+@click.option("--node-secret-file", type=click.Path(dir_okay=False),
+              help="The cluster secret that verifies node tokens (`gpuhealth token`): each agent reports as its own "
+                   "node only. Env: GPUHEALTH_COORDINATOR_NODE_SECRET_FILE.")
+@click.option("--token", help="ONE bearer token every agent shares (any holder can report as any node); refused "
+                               "unless coordinator.shared_token is true. Visible in ps: prefer --token-file or "
+                               "GPUHEALTH_COORDINATOR_TOKEN.")
 @click.option("--token-file", type=click.Path(dir_okay=False), envvar="GPUHEALTH_COORDINATOR_TOKEN_FILE",
               help="Read the shared token from this file (first line).")
 @click.option("--operator-token", help="Token that may also act on nodes (live triage, remote diagnostics). "
@@ -39,19 +43,22 @@ from gpuhealth.runtime.logs import setup_logging
               show_default=True, help="Least severe log records written to stderr.")
 @click.option("--json-logs/--text-logs", default=False, help="Log JSON lines instead of text.")
 def command(config_path: str | None, listen: str | None, metrics_listen: str | None, db_path: str | None,
-            tls_cert: str | None, tls_key: str | None, tls_ca: str | None, token: str | None,
+            tls_cert: str | None, tls_key: str | None, tls_ca: str | None, node_secret_file: str | None,
+            token: str | None,
             token_file: str | None, operator_token: str | None, operator_token_file: str | None,
             operator_names: str | None, hang_k: float | None,
             hang_floor_s: float | None, evidence_dir: str | None, ready_file: str | None,
             log_level: str, json_logs: bool) -> None:
-    """Run the cluster coordinator."""
+    """Run the cluster coordinator. Without authentication (node tokens, TokenReview, mutual TLS) it
+    listens on loopback only, unless coordinator.allow_unauthenticated is true."""
     setup_logging(json_lines=json_logs, level=log_level)  # the agent's format: one line per record
     token = pick_secret(token, token_file)
     operator_token = pick_secret(operator_token, operator_token_file, "operator token")
     try:
         cfg = load_config(config_path, overrides={"coordinator": {
             "listen": listen, "metrics_listen": metrics_listen, "db_path": db_path, "tls_cert": tls_cert,
-            "tls_key": tls_key, "tls_ca": tls_ca, "token": token, "operator_token": operator_token,
+            "tls_key": tls_key, "tls_ca": tls_ca, "node_secret_file": node_secret_file, "token": token,
+            "operator_token": operator_token,
             "operator_names": operator_names, "hang_k": hang_k, "hang_floor_s": hang_floor_s,
             "evidence_dir": evidence_dir,
         }})

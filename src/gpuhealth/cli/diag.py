@@ -14,6 +14,7 @@ from typing import Any
 
 import click
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from gpuhealth.cli._console import output_console
@@ -62,7 +63,8 @@ def _config(config_path: str | None, profile: str) -> Config:
 
 
 def render(o: DiagOutcome, console: Console) -> None:
-    console.print(f"[bold]{o.diag}[/bold]: {o.status}" + (f" — {o.reason}" if o.reason else "")
+    # Text from the run is escaped: "pip install 'gpuhealth[diag]'" is not rich markup.
+    console.print(f"[bold]{o.diag}[/bold]: {o.status}" + (f" — {escape(o.reason)}" if o.reason else "")
                   + f"  [dim]({o.wall_s:.1f} s)[/dim]")
     r = o.result
     if o.diag == "sdc" and r.get("devices"):
@@ -96,9 +98,9 @@ def render(o: DiagOutcome, console: Console) -> None:
             console.print(f"GPU {g['index']} {g['name']}: device copy {g['d2d_gbps']} GB/s, H→D {g['h2d_gbps']} GB/s, "
                           f"D→H {g['d2h_gbps']} GB/s, NUMA node {g['numa_node']} {'; '.join(g['notes'])}")
     for uuid, why in o.skipped_gpus.items():
-        console.print(f"[yellow]left out {uuid}: {why}[/yellow]")
+        console.print(f"[yellow]left out {uuid}: {escape(why)}[/yellow]")
     for f in o.findings:
-        console.print(f"[red]{f.severity}[/red] {f.code}: {f.message} → {f.action}")
+        console.print(f"[red]{f.severity}[/red] {f.code}: {escape(f.message)} → {f.action}")
     if o.status == "ok" and not o.findings:
         console.print("[green]no problems found[/green]")
 

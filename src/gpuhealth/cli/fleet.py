@@ -10,7 +10,7 @@ from typing import Any
 import click
 
 from gpuhealth.cli._console import output_console
-from gpuhealth.cli._coordinator_client import coordinator_options, resolve
+from gpuhealth.cli._coordinator_client import CoordinatorClientError, coordinator_options, resolve
 
 
 @click.command(name="fleet")
@@ -25,10 +25,15 @@ def command(address: str | None, config_path: str | None, token: str | None,
             nodes: tuple[str, ...], timeout_s: float) -> None:
     """Fleet view from the coordinator: nodes, version drift, SDC votes, unhealthy GPUs, and screening
     (coverage, the GPUs screened longest ago, failed screens, who holds a screening turn). Exit 0 when
-    clean, 1 on drift/SDC/unhealthy GPUs or a failed screen, 3 when the coordinator could not be asked."""
+    clean, 1 on drift/SDC/unhealthy GPUs or a failed screen, 3 when the coordinator could not be asked (or the
+    config is bad)."""
+    try:
+        addr, tok, tls = resolve(config_path, address, token, tls_cert, tls_key, tls_ca, token_file)
+    except CoordinatorClientError as exc:
+        click.echo(f"gpuhealth fleet: {exc.message}", err=True)
+        sys.exit(exc.exit_code)
     from gpuhealth.coordinator.query import CoordinatorQueryError, fleet, run_diagnostic
 
-    addr, tok, tls = resolve(config_path, address, token, tls_cert, tls_key, tls_ca, token_file)
     try:
         if run_sdc:
             ran = run_diagnostic(addr, "sdc", nodes=nodes, device=device, token=tok, tls=tls, timeout_s=timeout_s)

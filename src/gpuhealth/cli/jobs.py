@@ -9,7 +9,7 @@ from typing import Any
 import click
 
 from gpuhealth.cli._console import output_console
-from gpuhealth.cli._coordinator_client import coordinator_options, resolve
+from gpuhealth.cli._coordinator_client import CoordinatorClientError, coordinator_options, resolve
 
 
 @click.command(name="jobs")
@@ -19,16 +19,24 @@ def command(job_id: str, address: str | None, config_path: str | None, token: st
             token_file: str | None, tls_cert: str | None,
             tls_key: str | None, tls_ca: str | None, as_json: bool) -> None:
     """List jobs (or one JOB_ID) known to the coordinator. Exit 0 when none is hung or straggling,
-    1 when one is, 3 when the coordinator could not be asked."""
+    1 when one is, 3 when the coordinator could not be asked (or the config is bad, or it does not
+    know JOB_ID)."""
+    try:
+        addr, tok, tls = resolve(config_path, address, token, tls_cert, tls_key, tls_ca, token_file)
+    except CoordinatorClientError as exc:
+        click.echo(f"gpuhealth jobs: {exc.message}", err=True)
+        sys.exit(exc.exit_code)
     from gpuhealth.coordinator.query import CoordinatorQueryError, list_jobs
 
-    addr, tok, tls = resolve(config_path, address, token, tls_cert, tls_key, tls_ca, token_file)
     try:
         doc = list_jobs(addr, job_id, token=tok, tls=tls)
     except CoordinatorQueryError as exc:
         click.echo(f"gpuhealth jobs: {exc}", err=True)
         sys.exit(3)
     jobs = doc.get("jobs", [])
+    if job_id and not jobs:
+        click.echo(f"gpuhealth jobs: the coordinator at {addr} knows no job {job_id!r}", err=True)
+        sys.exit(3)
     if as_json:
         click.echo(json.dumps(doc, indent=2, sort_keys=True))
     else:
@@ -46,17 +54,34 @@ def _render(jobs: list[dict[str, Any]]) -> None:
     for j in jobs:
         q = j.get("step_time_quantiles") or {}
         p50 = q.get("0.5") if isinstance(q, dict) else None
+        # Both counts (straggler ranks now, hangs so far); which ranks and why: the lines below the table.
         table.add_row(str(j["job_id"]), str(j["state"]), f"{j['ranks_seen']}/{j['world_size'] or '?'}",
                       ",".join(j.get("nodes") or []),
                       str(j.get("last_step")), f"{p50:.3f}" if isinstance(p50, float) else "-",
-                      ",".join(str(r) for r in j.get("stragglers") or []) or "-", str(j.get("hangs", 0)))
+                      str(len(j.get("stragglers") or [])), str(j.get("hangs", 0)))
     console = output_console()
     console.print(table)
     for j in jobs:
-        for c in j.get("straggler_culprits") or []:
-            console.print(f"[yellow]{j['job_id']}: straggler {c['line']}[/yellow]")
-        for v in (j.get("verdicts") or [])[:3]:
-            console.print(f"{j['job_id']}: {v.get('summary') or v['kind']}")
+        for line in _detail_lines(j):
+            console.print(line, markup=False, highlight=False)
+
+
+def _detail_lines(job: dict[str, Any]) -> list[str]:
+    """The job's latest verdicts (3 at most, each said once), then each current straggler rank that no
+    verdict shown already names."""
+    lines: list[str] = []
+    named: set[int] = set()
+    for v in (job.get("verdicts") or [])[:3]:
+        text = f"{job['job_id']}: {v.get('summary') or v['kind']}"
+        if text not in lines:
+            lines.append(text)
+        if v.get("kind") == "straggler":
+            named.update(r for r in v.get("culprits") or [] if isinstance(r, int))
+    for c in job.get("straggler_culprits") or []:
+        if c.get("rank") not in named:
+            lines.append(f"{job['job_id']}: straggler {c['line']}")
+            named.add(c.get("rank"))
+    return lines
 
 
 __all__ = ["command"]

@@ -29,6 +29,22 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
+# Optional dependencies, by top-level module: the extra that brings each. A command that needs one says
+# so in one line (exit 3), never a ModuleNotFoundError traceback.
+_EXTRA_OF_MODULE: dict[str, str] = {
+    "grpc": "coordinator", "grpc_health": "coordinator", "grpc_reflection": "coordinator", "google": "coordinator",
+    "torch": "diag", "numpy": "diag",
+}
+
+
+def _missing_extra_message(command: str, missing: str) -> str:
+    """One line: which extra to install for ``command`` to find the module ``missing``."""
+    root = missing.split(".")[0]
+    extra = _EXTRA_OF_MODULE.get(root)
+    install = f"pip install 'gpuhealth[{extra}]'" if extra else f"pip install {root}"
+    return f"gpuhealth {command}: needs the module '{root}', which is not installed: {install}"
+
+
 class LazyGroup(click.Group):
     def list_commands(self, ctx: click.Context) -> list[str]:
         return sorted(COMMANDS)
@@ -43,8 +59,7 @@ class LazyGroup(click.Group):
         except ModuleNotFoundError as exc:
             if exc.name and exc.name.startswith("gpuhealth"):
                 return _unavailable(cmd_name, f"not built yet ({exc.name})")
-            return _unavailable(cmd_name, f"needs the optional dependency '{exc.name}' "
-                                          f"(pip install 'gpuhealth[all]')")
+            return _unavailable(cmd_name, _missing_extra_message(cmd_name, exc.name or "?"))
         cmd = getattr(module, "command", None)
         if not isinstance(cmd, click.Command):
             return _unavailable(cmd_name, f"{module_name} defines no 'command'")
@@ -57,9 +72,11 @@ class LazyGroup(click.Group):
 
 
 def _unavailable(name: str, why: str) -> click.Command:
+    message = why if why.startswith(f"gpuhealth {name}: ") else f"gpuhealth {name}: {why}"
+
     @click.command(name=name, context_settings={"ignore_unknown_options": True, "allow_extra_args": True})
     def _cmd(**_: Any) -> None:
-        click.echo(f"gpuhealth {name}: {why}", err=True)
+        click.echo(message, err=True)
         sys.exit(3)
 
     return _cmd
@@ -76,6 +93,12 @@ def main() -> None:
     2 is "unhealthy" to the default and Nagios profiles, and a typo must not read as a sick node."""
     try:
         cli.main(prog_name="gpuhealth", standalone_mode=False)
+    except ModuleNotFoundError as exc:  # an optional extra, imported when the command runs
+        if not exc.name or exc.name.startswith("gpuhealth"):
+            raise
+        command = next((a for a in sys.argv[1:] if a in COMMANDS), "?")
+        click.echo(_missing_extra_message(command, exc.name), err=True)
+        sys.exit(3)
     except click.UsageError as exc:
         exc.show()
         sys.exit(USAGE_ERROR)

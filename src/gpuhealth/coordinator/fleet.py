@@ -42,13 +42,21 @@ class SdcVote:
     digest: str
 
 
+def gpu_of(finding: Finding) -> str | None:
+    """The GPU (UUID) a finding is about: the GPU itself, or one of its links (PCIe, NVLink: entity
+    ``<uuid>/pcie``, ``<uuid>/nvlink/3``) — a degraded link is that GPU's problem; None otherwise."""
+    if finding.entity.kind is EntityKind.GPU:
+        return finding.entity.id
+    if finding.entity.kind is EntityKind.LINK and finding.entity.id.startswith(("GPU-", "MIG-")):
+        return finding.entity.id.split("/", 1)[0]
+    return None
+
+
 def gpu_findings(node: NodeView, gpu_uuid: str | None) -> list[Finding]:
     """Findings about one GPU (or its links) from the node's current snapshot."""
     if not gpu_uuid:
         return []
-    return [f for f in node.findings
-            if (f.entity.kind is EntityKind.GPU and f.entity.id == gpu_uuid)
-            or (f.entity.kind is EntityKind.LINK and gpu_uuid in f.entity.id)]
+    return [f for f in node.findings if gpu_of(f) == gpu_uuid]
 
 
 def culprit_line(rank: int, node: str, gpu_index: int | None, findings: Sequence[Finding]) -> str:
@@ -148,20 +156,22 @@ def sdc_votes_from_findings(node: NodeView) -> list[SdcVote]:
 
 
 def unhealthy_gpus(nodes: Iterable[NodeView]) -> list[dict[str, Any]]:
-    """GPUs whose current findings make them degraded or unhealthy, worst first."""
+    """GPUs whose current findings — on the GPU or on its links — make them degraded or unhealthy, worst first."""
     rows = []
     for n in nodes:
         per_gpu: dict[str, list[Finding]] = defaultdict(list)
         for f in n.findings:
-            if f.entity.kind is EntityKind.GPU:
-                per_gpu[f.entity.id].append(f)
+            uuid = gpu_of(f)
+            if uuid is not None:
+                per_gpu[uuid].append(f)
         for uuid, fs in per_gpu.items():
             health = health_of(fs)
             if health in (Health.HEALTHY, Health.UNKNOWN):
                 continue
             g = n.gpu(uuid=uuid) or {}
+            index = g.get("index", next((f.entity.gpu_index for f in fs if f.entity.gpu_index is not None), None))
             rows.append({
-                "node": n.name, "gpu": g.get("index"), "uuid": uuid, "pci_bus_id": g.get("pci_bus_id"),
+                "node": n.name, "gpu": index, "uuid": uuid, "pci_bus_id": g.get("pci_bus_id"),
                 "model": g.get("name"), "health": str(health),
                 "codes": sorted({f.code for f in fs}),
                 "action": str(max((f.action for f in fs), default=Action.NONE)),

@@ -1,13 +1,21 @@
-"""Build and run a coordinator from its config section (the CLI's body; tests call it too)."""
+"""Build and run a coordinator from its config section (the CLI's body; tests call it too).
+
+Everything the section says reaches the server through here: the authentication policy only through
+``AuthPolicy.from_config`` (node secret, TokenReview, mTLS, the shared-token opt-in, the refusal to
+serve the network unauthenticated), and every address and path is checked before anything is bound
+or created, so a bad one is one line naming its key.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import logging
+import socket
 from collections.abc import Callable
+from pathlib import Path
 
-from gpuhealth.config import CoordinatorConfig
+from gpuhealth.config import CoordinatorConfig, split_address
 from gpuhealth.coordinator.security import AuthPolicy
 from gpuhealth.coordinator.server import CoordinatorServer, Endpoints, write_ready_file
 from gpuhealth.coordinator.service import Coordinator
@@ -20,7 +28,42 @@ log = logging.getLogger("gpuhealth.coordinator")
 
 
 class CoordinatorStartError(RuntimeError):
-    """Bad TLS files, an unusable database or an address that cannot be bound."""
+    """Bad credentials or TLS files, an unusable database or an address that cannot be bound; the
+    message is one line naming the key."""
+
+
+def check_paths(cfg: CoordinatorConfig) -> None:
+    """The database's folder (and an evidence folder's parent) must exist: a typo must not become a
+    folder tree nobody asked for, nor a database written where backups do not look."""
+    db = Path(cfg.db_path)
+    if not db.parent.is_dir():
+        raise CoordinatorStartError(f"coordinator.db_path {cfg.db_path}: the folder {db.parent} does not exist "
+                                    "(create it for the coordinator's user, or choose another path)")
+    if cfg.evidence_dir and not Path(cfg.evidence_dir).parent.is_dir():
+        raise CoordinatorStartError(f"coordinator.evidence_dir {cfg.evidence_dir}: the folder "
+                                    f"{Path(cfg.evidence_dir).parent} does not exist")
+
+
+def check_bindable(address: str, key: str) -> None:
+    """Bind ``address`` once, without SO_REUSEPORT, and let go: an address in use, not on this host or
+    not resolvable is one line naming ``key`` (gRPC would print a C-core line instead, or share the port
+    with another coordinator)."""
+    parts = split_address(address)
+    if parts is None:
+        raise CoordinatorStartError(f"{key} {address!r}: not host:port")
+    host, port = parts
+    try:
+        infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        raise CoordinatorStartError(f"{key} {address}: cannot resolve {host!r}: {exc.strerror}") from None
+    family, kind, proto, _, sockaddr = infos[0]
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # TIME_WAIT of a previous run is no conflict
+        try:
+            probe.bind(sockaddr)
+            probe.listen(1)
+        except OSError as exc:
+            raise CoordinatorStartError(f"{key} {address}: cannot listen: {exc.strerror or exc}") from None
 
 
 def build(cfg: CoordinatorConfig) -> CoordinatorServer:
@@ -28,22 +71,25 @@ def build(cfg: CoordinatorConfig) -> CoordinatorServer:
         tls = tls_files(cfg.tls_cert, cfg.tls_key, cfg.tls_ca)
         if tls is not None:
             tls.read()  # fail now with a clear message, not on the first connection
-        store = Store(cfg.db_path)
-    except (SecurityConfigError, StoreError) as exc:
+        policy = AuthPolicy.from_config(cfg, mtls=tls is not None)
+    except SecurityConfigError as exc:
         raise CoordinatorStartError(str(exc)) from exc
+    check_paths(cfg)
+    check_bindable(cfg.listen, "coordinator.listen")
+    metrics = cfg.metrics_address()
+    if metrics is not None:
+        check_bindable(metrics, "coordinator.metrics_listen")
+    try:
+        store = Store(cfg.db_path)
+    except StoreError as exc:
+        raise CoordinatorStartError(f"coordinator.db_path: {exc}") from exc
     budget = cfg.straggler_budget_records_s
 
     def factory(job_id: str) -> BudgetedStragglerFeed:
         return BudgetedStragglerFeed(job_id, budget_records_s=budget)
 
     coord = Coordinator(store, cfg, detector_factory=factory)
-    metrics = None if cfg.metrics_listen in ("", "off", "none") else cfg.metrics_listen
-    return CoordinatorServer(coord, listen=cfg.listen, metrics_listen=metrics,
-                             policy=AuthPolicy(token=cfg.token, mtls=tls is not None,
-                                               operator_token=cfg.operator_token or None,
-                                               operator_names=frozenset(n.strip() for n in
-                                                                        cfg.operator_names.split(",") if n.strip())),
-                             tls=tls)
+    return CoordinatorServer(coord, listen=cfg.listen, metrics_listen=metrics, policy=policy, tls=tls)
 
 
 async def _ping_watchdog(notifier: SystemdNotifier) -> None:
@@ -68,7 +114,7 @@ async def run_coordinator(
         with contextlib.suppress(Exception):  # whatever did start (the gRPC port) is released
             await server.stop(0)
         server.coord.store.close()
-        raise CoordinatorStartError(f"cannot start: {exc}") from exc
+        raise CoordinatorStartError(f"cannot start on {cfg.listen} (coordinator.listen): {exc}") from exc
     if install_signals is not None:
         install_signals(asyncio.get_running_loop(), stop)
     if ready_file:
@@ -78,7 +124,8 @@ async def run_coordinator(
     # systemd (Type=notify): ready once both ports are bound; the watchdog ping runs on the event loop,
     # so a loop that stops turning stops the pings and systemd restarts us.
     notifier = SystemdNotifier()
-    notifier.ready(f"gRPC on :{endpoints.grpc_port}, metrics on :{endpoints.metrics_port}")
+    metrics = f"metrics on :{endpoints.metrics_port}" if endpoints.metrics_port is not None else "metrics off"
+    notifier.ready(f"gRPC on :{endpoints.grpc_port}, {metrics}")
     watchdog = asyncio.create_task(_ping_watchdog(notifier)) if notifier.watchdog_interval_s else None
     try:
         await stop.wait()

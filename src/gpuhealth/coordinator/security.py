@@ -13,7 +13,12 @@ A caller is authenticated by one credential, and a node credential names its nod
   (LiveTriage makes ranks dump and runs py-spy, RunDiagnostic runs GPU work) and read; it does not
   report as a node.
 
-Without any of them the coordinator runs open (loopback/tests) and says so in its log.
+Without any of them the coordinator runs **open**: it then listens on loopback only, unless
+``coordinator.allow_unauthenticated`` says otherwise (``from_config`` refuses the rest), and even then
+only a caller on its own host (a loopback peer) may act on nodes.
+
+``AuthPolicy.from_config`` is the one way from the configuration to a policy; ``gpuhealth coordinator``
+(``coordinator.run.build``) uses nothing else.
 
 A Connect stream belongs to the session its Register obtained, under the same credential; a second
 Register for a node whose stream is live under a different credential is refused and logged.
@@ -23,11 +28,13 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import ipaddress
 import re
+import urllib.parse
 from dataclasses import dataclass, field
 from typing import Any
 
-from gpuhealth.config import CoordinatorConfig
+from gpuhealth.config import CoordinatorConfig, split_address
 from gpuhealth.coordinator.token_review import KubernetesTokenReview, TokenReviewer
 from gpuhealth.proto.options import TOKEN_METADATA
 from gpuhealth.runtime.credentials import (
@@ -74,8 +81,9 @@ class AuthPolicy:
 
     @classmethod
     def from_config(cls, cfg: CoordinatorConfig, *, mtls: bool) -> AuthPolicy:
-        """The policy ``cfg`` asks for; ``SecurityConfigError`` (one line) for a secret that cannot be
-        read, or a shared token nobody asked to keep."""
+        """The policy ``cfg`` asks for; ``SecurityConfigError`` (one line, naming the key) for a secret
+        that cannot be read, a shared token nobody asked to keep, or no authentication at all on an
+        address beyond loopback without ``allow_unauthenticated``."""
         try:
             shared = cfg.token or (read_token(cfg.token_file) if cfg.token_file else None)
             secret = read_secret(cfg.node_secret_file) if cfg.node_secret_file else None
@@ -90,16 +98,25 @@ class AuthPolicy:
         if cfg.token_review:
             accounts = frozenset(a.strip() for a in cfg.agent_service_accounts.split(",") if a.strip())
             if cfg.token_review == "in-cluster":
-                reviewer = KubernetesTokenReview.in_cluster(audience=cfg.token_review_audience, accounts=accounts)
+                reviewer = KubernetesTokenReview.in_cluster(audience=cfg.token_review_audience, accounts=accounts,
+                                                            ca_file=cfg.token_review_ca,
+                                                            credential_file=cfg.token_review_credential_file)
             else:
                 reviewer = KubernetesTokenReview(
                     cfg.token_review, ca_file=cfg.token_review_ca, audience=cfg.token_review_audience,
                     accounts=accounts,
                     credential_file=cfg.token_review_credential_file or "/var/run/secrets/kubernetes.io/"
                                                                         "serviceaccount/token")
-        return cls(token=shared if cfg.shared_token else None, mtls=mtls, operator_token=cfg.operator_token or None,
-                   operator_names=frozenset(n.strip() for n in cfg.operator_names.split(",") if n.strip()),
-                   node_secret=secret, token_review=reviewer)
+        policy = cls(token=shared if cfg.shared_token else None, mtls=mtls, operator_token=cfg.operator_token or None,
+                     operator_names=frozenset(n.strip() for n in cfg.operator_names.split(",") if n.strip()),
+                     node_secret=secret, token_review=reviewer)
+        if policy.open and not cfg.allow_unauthenticated and not is_loopback_address(cfg.listen):
+            raise SecurityConfigError(
+                f"coordinator.listen {cfg.listen}: no authentication is configured, so anyone who can reach this "
+                "address could report as any node; configure node tokens (coordinator.node_secret_file), "
+                "coordinator.token_review or mutual TLS (coordinator.tls_*), listen on 127.0.0.1 only, or set "
+                "coordinator.allow_unauthenticated: true")
+        return policy
 
     @property
     def open(self) -> bool:
@@ -113,11 +130,11 @@ class AuthPolicy:
     def operators_configured(self) -> bool:
         return bool(self.operator_token or self.operator_names)
 
-    async def authenticate(self, metadata: Any, auth_context: dict[str, list[bytes]]) -> Caller | None:
-        """Who is calling, or None (refuse: UNAUTHENTICATED). ``TokenReviewError`` when a
-        ServiceAccount token cannot be checked now (the API server is away)."""
+    async def authenticate(self, metadata: Any, auth_context: dict[str, list[bytes]], peer: str = "") -> Caller | None:
+        """Who is calling (``peer``: gRPC's ``context.peer()``), or None (refuse: UNAUTHENTICATED).
+        ``TokenReviewError`` when a ServiceAccount token cannot be checked now (the API server is away)."""
         presented = _bearer(metadata)
-        operator = self.is_operator(metadata, auth_context)
+        operator = self.is_operator(metadata, auth_context, peer)
         cert = _certificate(auth_context) if self.mtls else None
         if presented is not None and _same(presented, self.operator_token):
             return Caller("operator", "operator:" + fingerprint(presented), operator=True)
@@ -128,7 +145,7 @@ class AuthPolicy:
             return Caller(caller.kind, caller.credential + (f"+{cert}" if cert else ""), caller.node, operator)
         if cert is not None:
             return Caller("certificate", cert, None, operator)  # the node comes from node_allowed
-        return Caller("open", "open", None, True) if self.open else None
+        return Caller("open", "open", None, operator) if self.open else None
 
     async def _bearer_caller(self, presented: str) -> Caller | None:
         if is_node_token(presented):
@@ -143,15 +160,16 @@ class AuthPolicy:
             return Caller("service_account", f"service-account:{who.username}:{who.pod_uid or who.pod}", who.node)
         return None
 
-    def is_operator(self, metadata: Any, auth_context: dict[str, list[bytes]]) -> bool:
-        """May this caller act on nodes? Open mode: yes. Otherwise the operator token, or (mTLS) a
-        client certificate named in operator_names."""
-        if self.open and not self.operators_configured:
-            return True
+    def is_operator(self, metadata: Any, auth_context: dict[str, list[bytes]], peer: str = "") -> bool:
+        """May this caller act on nodes? The operator token, or (mTLS) a client certificate named in
+        operator_names. Open mode without either configured: a caller on this host only (a loopback
+        ``peer``) — never one from the network, whatever ``allow_unauthenticated`` lets in."""
         presented = _bearer(metadata)
         if presented is not None and _same(presented, self.operator_token):
             return True
-        return bool(self.mtls and self.operator_names & peer_names(auth_context))
+        if self.mtls and self.operator_names & peer_names(auth_context):
+            return True
+        return self.open and not self.operators_configured and is_loopback_peer(peer)
 
     def node_allowed(self, auth_context: dict[str, list[bytes]], node: str) -> bool:
         """With mTLS, the peer certificate must name the node (CN or a SAN)."""
@@ -178,6 +196,39 @@ def _certificate(auth_context: dict[str, list[bytes]]) -> str | None:
     return "certificate:" + hashlib.sha256(pem[0]).hexdigest()[:16]
 
 
+def is_loopback_address(address: str) -> bool:
+    """Does a listen address (``host:port``) bind loopback only? A name other than ``localhost`` is not
+    trusted to be loopback: it could resolve to anything."""
+    parts = split_address(address)
+    if parts is None or not parts[0]:
+        return False
+    host = parts[0]
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def is_loopback_peer(peer: str) -> bool:
+    """Is a gRPC peer (``ipv4:127.0.0.1:5000``, ``ipv6:[::1]:5000``, ``ipv6:%5B::1%5D:5000``, ``unix:…``)
+    on this host?"""
+    peer = urllib.parse.unquote(peer or "")
+    if peer.startswith("unix:"):
+        return True
+    scheme, _, rest = peer.partition(":")
+    if scheme not in ("ipv4", "ipv6"):
+        return False
+    host = rest.rpartition(":")[0].strip("[]")
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    mapped = getattr(ip, "ipv4_mapped", None)
+    return ip.is_loopback or (mapped is not None and mapped.is_loopback)
+
+
 def peer_names(auth_context: dict[str, list[bytes]]) -> set[str]:
     names: set[str] = set()
     for key in ("x509_common_name", "x509_subject_alternative_name"):
@@ -186,4 +237,4 @@ def peer_names(auth_context: dict[str, list[bytes]]) -> set[str]:
     return names
 
 
-__all__ = ["AuthPolicy", "Caller", "peer_names"]
+__all__ = ["AuthPolicy", "Caller", "is_loopback_address", "is_loopback_peer", "peer_names"]

@@ -24,7 +24,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from gpuhealth.coordinator.metrics import CoordinatorCollector, make_registry, start_metrics_server
-from gpuhealth.coordinator.security import AuthPolicy, Caller, peer_names
+from gpuhealth.coordinator.security import AuthPolicy, Caller, is_loopback_address, peer_names
 from gpuhealth.coordinator.service import Coordinator, StreamRejected, json_reply
 from gpuhealth.coordinator.token_review import TokenReviewError
 from gpuhealth.coordinator.triage_wire import reply_to_dict
@@ -53,7 +53,8 @@ class CoordinatorServicer:
 
     async def _authorise(self, context: grpc.aio.ServicerContext) -> Caller:
         try:
-            caller = await self.policy.authenticate(context.invocation_metadata(), context.auth_context())
+            caller = await self.policy.authenticate(context.invocation_metadata(), context.auth_context(),
+                                                    context.peer())
         except TokenReviewError as exc:
             log.warning("cannot check a ServiceAccount token: %s", exc)
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the coordinator cannot check this token now (the "
@@ -290,8 +291,12 @@ class CoordinatorServer:
             metrics_port = int(self._metrics_http.server_port)
             self._metrics_task = asyncio.create_task(self._refresh_metrics())
         self.endpoints = Endpoints(port, metrics_port)
-        if self.policy.open:
-            log.warning("coordinator is running WITHOUT authentication (no token, no mTLS): loopback/tests only")
+        if self.policy.open and is_loopback_address(self.listen):
+            log.warning("coordinator is running WITHOUT authentication on %s: only this host can reach it", self.listen)
+        elif self.policy.open:
+            log.warning("coordinator is running WITHOUT authentication on %s (coordinator.allow_unauthenticated): "
+                        "anyone who can reach it can report as any node; only callers on this host may act on nodes",
+                        self.listen)
         if self.policy.token:
             log.warning("agents share one token (coordinator.shared_token): any holder can report as any node; give "
                         "each node its own token (coordinator.node_secret_file and `gpuhealth token`)")
@@ -300,7 +305,8 @@ class CoordinatorServer:
         if not self.policy.open and not self.policy.operators_configured:
             log.warning("no operator credentials configured (--operator-token / --operator-names): live triage "
                         "and remote diagnostics are refused; automatic hang investigations still run")
-        log.info("coordinator serving gRPC on port %d, metrics on %s", port, metrics_port)
+        log.info("coordinator serving gRPC on port %d, %s", port,
+                 f"metrics on port {metrics_port}" if metrics_port is not None else "metrics off")
         return self.endpoints
 
     async def _refresh_metrics(self) -> None:

@@ -103,15 +103,19 @@ class KubernetesTokenReview:
 
     @classmethod
     def in_cluster(cls, *, audience: str, accounts: frozenset[str], directory: Path = IN_CLUSTER_DIR,
-                   env: dict[str, str] | None = None) -> KubernetesTokenReview:
+                   env: dict[str, str] | None = None, ca_file: str | None = None,
+                   credential_file: str | None = None) -> KubernetesTokenReview:
+        """The API server the pod's environment names (``KUBERNETES_SERVICE_HOST``/``_PORT``), with the
+        CA and the coordinator's own token from ``directory`` (the automounted ServiceAccount folder) —
+        or from ``ca_file`` / ``credential_file`` where the pod mounts a projected token elsewhere."""
         env = dict(os.environ) if env is None else env
         host, port = env.get("KUBERNETES_SERVICE_HOST"), env.get("KUBERNETES_SERVICE_PORT", "443")
         if not host:
             raise SecurityConfigError("coordinator.token_review: in-cluster, but KUBERNETES_SERVICE_HOST is not set "
                                       "(not in a pod?); give the API server's URL instead")
         host = f"[{host}]" if ":" in host else host
-        return cls(f"https://{host}:{port}", ca_file=str(directory / "ca.crt"),
-                   credential_file=str(directory / "token"), audience=audience, accounts=accounts)
+        return cls(f"https://{host}:{port}", ca_file=ca_file or str(directory / "ca.crt"),
+                   credential_file=credential_file or str(directory / "token"), audience=audience, accounts=accounts)
 
     def _credential_value(self) -> str:
         now = time.monotonic()
