@@ -103,6 +103,13 @@ class CoordinatorCollector(Collector):
         hangs_total.add_metric([], s.get("hangs", 0))
         yield hangs_total
         yield from _screening(s)
+        fleet = GaugeMetricFamily("gpuhealth_fleet_findings", "Findings only the coordinator can make, across "
+                                  "nodes: sdc.mismatch (a GPU's result digest outvoted by the GPUs with the same "
+                                  "key), version.drift; 1 per finding, refreshed every few seconds.",
+                                  labels=["code", "severity", "action", "node", "gpu", "uuid", "entity"])
+        for f in s.get("fleet_findings", []):
+            fleet.add_metric([f["code"], f["severity"], f["action"], f["node"], f["gpu"], f["uuid"], f["entity"]], 1.0)
+        yield fleet
 
 
 def _screening(s: dict[str, Any]) -> Iterator[Metric]:

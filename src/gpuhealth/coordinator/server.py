@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +24,7 @@ from google.protobuf.message import DecodeError, Message
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from gpuhealth.config import split_address
 from gpuhealth.coordinator.metrics import CoordinatorCollector, make_registry, start_metrics_server
 from gpuhealth.coordinator.security import AuthPolicy, Caller, is_loopback_address, peer_names
 from gpuhealth.coordinator.service import Coordinator, StreamRejected, json_reply
@@ -34,6 +36,7 @@ from gpuhealth.proto.options import server_options
 from gpuhealth.runtime.tls import TlsFiles, server_credentials
 
 log = logging.getLogger("gpuhealth.coordinator")
+FLEET_METRICS_INTERVAL_S = 5.0  # the fleet findings on /metrics are at most this old
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Coordinator"].full_name
 M = TypeVar("M", bound=Message)
 
@@ -284,9 +287,9 @@ class CoordinatorServer:
         await self.coord.start()
         metrics_port = None
         if self.metrics_listen:
-            host, _, mport = self.metrics_listen.rpartition(":")
+            host, mport = split_address(self.metrics_listen) or ("", 0)
             self.collector.update(self.coord.metrics_snapshot())
-            self._metrics_http, _thread = start_metrics_server(int(mport), addr=host or "0.0.0.0",
+            self._metrics_http, _thread = start_metrics_server(mport, addr=host or "0.0.0.0",
                                                                registry=make_registry(self.collector))
             metrics_port = int(self._metrics_http.server_port)
             self._metrics_task = asyncio.create_task(self._refresh_metrics())
@@ -310,9 +313,18 @@ class CoordinatorServer:
         return self.endpoints
 
     async def _refresh_metrics(self) -> None:
+        fleet: list[dict[str, Any]] = []
+        fleet_at = -FLEET_METRICS_INTERVAL_S
         while True:
             with contextlib.suppress(Exception):
-                self.collector.update(self.coord.metrics_snapshot())
+                snapshot = self.coord.metrics_snapshot()
+                # The fleet's cross-node judgement (the SDC vote, version drift) costs a store read: less often.
+                if time.monotonic() - fleet_at >= FLEET_METRICS_INTERVAL_S:
+                    where = {str(g.get("uuid")): (n.name, g.get("index"))
+                             for n in list(self.coord.nodes.values()) for g in n.gpus if g.get("uuid")}
+                    fleet, fleet_at = fleet_findings(self.coord.fleet_doc(), where), time.monotonic()
+                snapshot["fleet_findings"] = fleet
+                self.collector.update(snapshot)
             await asyncio.sleep(self.metrics_interval_s)
 
     async def stop(self, grace_s: float = 2.0) -> None:
@@ -331,6 +343,23 @@ class CoordinatorServer:
     async def wait(self) -> None:
         if self._server is not None:
             await self._server.wait_for_termination()
+
+
+def fleet_findings(doc: dict[str, Any], gpus: dict[str, tuple[str, Any]]) -> list[dict[str, Any]]:
+    """The findings of the fleet view (``sdc``: the cross-node vote; ``version_drift``) as the rows of
+    ``gpuhealth_fleet_findings``: code, severity, action, entity, and the node and GPU (index, UUID) it
+    is about (``gpus``: UUID → (node, index), from the registrations)."""
+    rows = []
+    for f in [*doc.get("sdc", []), *doc.get("version_drift", [])]:
+        entity = f.get("entity") or {}
+        kind, ident = str(entity.get("kind", "")), str(entity.get("id", ""))
+        uuid = ident if kind == "gpu" else ""
+        node, index = gpus.get(uuid, ("", entity.get("gpu_index")))
+        node = (f.get("evidence") or {}).get("node") or node or (ident if kind == "node" else "")
+        rows.append({"code": f.get("code", ""), "severity": f.get("severity", ""), "action": f.get("action", ""),
+                     "node": str(node), "gpu": "" if index is None else str(index), "uuid": uuid,
+                     "entity": f"{kind}:{ident}"})
+    return rows
 
 
 def write_ready_file(path: str, endpoints: Endpoints) -> None:
