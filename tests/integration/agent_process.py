@@ -12,7 +12,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -37,12 +36,20 @@ main()
 _SERVING = re.compile(r"serving /metrics, /health, /ready on http://127\.0\.0\.1:(\d+)")
 
 
-def free_port() -> int:
-    """A port free now, for servers that cannot bind port 0 and say which (Prometheus). It may be taken
-    before they bind it: use only where there is no other way."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+_PROMETHEUS_LISTENING = re.compile(r'msg="Listening on" address=127\.0\.0\.1:(\d+)')
+
+
+def prometheus_port(log: Path, proc: subprocess.Popen[bytes], timeout: float = 30.0) -> int:
+    """The port a Prometheus started with ``--web.listen-address=127.0.0.1:0`` bound, from its log."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        m = _PROMETHEUS_LISTENING.search(log.read_text(errors="replace"))
+        if m is not None:
+            return int(m.group(1))
+        if proc.poll() is not None:
+            break
+        time.sleep(0.05)
+    raise AssertionError(f"Prometheus never said where it listens:\n{log.read_text(errors='replace')[-3000:]}")
 
 
 def http_get(url: str, timeout: float = 5.0, headers: dict[str, str] | None = None) -> tuple[int, str]:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import sqlite3
 import subprocess
 import sys
@@ -70,12 +69,6 @@ print(json.dumps({str(r): steps for r, steps in sent.items()}), flush=True)
 """
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _until(cond: Callable[[], Any], timeout: float, what: str) -> Any:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -125,19 +118,13 @@ def measure(work: Path, *, ranks: int = 4, rate_per_rank: float = 200.0, kills: 
     """Stream, SIGKILL the agent ``kills`` times ``every_s`` apart (restarting it), drain, count."""
     work.mkdir(parents=True, exist_ok=True)
     env = _env(source)
-    port, db, ready = _free_port(), work / "coordinator.db", work / "ready.json"
-    coordinator = subprocess.Popen(
-        [sys.executable, "-m", "gpuhealth.cli.main", "coordinator", "--listen", f"127.0.0.1:{port}",
+    db, ready = work / "coordinator.db", work / "ready.json"
+    coordinator = subprocess.Popen(  # port 0: the kernel picks a free one, the ready file says which
+        [sys.executable, "-m", "gpuhealth.cli.main", "coordinator", "--listen", "127.0.0.1:0",
          "--metrics-listen", "off", "--db", str(db), "--ready-file", str(ready), "--hang-floor", "3600"],
         env=env, stdout=(work / "coordinator.log").open("wb"), stderr=subprocess.STDOUT)
     sock = Path(f"/tmp/gh-loss-{os.getpid()}-{time.monotonic_ns() % 10**8}.sock")
     cfg = work / "agent.yaml"
-    cfg.write_text(json.dumps({
-        "agent": {"coordinator": f"127.0.0.1:{port}", "state_dir": str(work / "state"), "socket_path": str(sock),
-                  "pod_resources_socket": str(work / "no-kubelet.sock"), "listen": f"127.0.0.1:{_free_port()}",
-                  "nvml_snapshot": str(SCENARIO)},
-        "coordinator": {"link_batch_interval_s": batch_interval_s},
-    }))
     agent_log = (work / "agent.log").open("ab")
 
     def start_agent() -> subprocess.Popen[bytes]:
@@ -147,6 +134,13 @@ def measure(work: Path, *, ranks: int = 4, rate_per_rank: float = 200.0, kills: 
     agent = ranks_proc = None
     try:
         _until(ready.exists, 60, "the coordinator")
+        port = json.loads(ready.read_text())["grpc_port"]
+        cfg.write_text(json.dumps({
+            "agent": {"coordinator": f"127.0.0.1:{port}", "state_dir": str(work / "state"), "socket_path": str(sock),
+                      "pod_resources_socket": str(work / "no-kubelet.sock"), "listen": "127.0.0.1:0",
+                      "nvml_snapshot": str(SCENARIO)},
+            "coordinator": {"link_batch_interval_s": batch_interval_s},
+        }))
         agent = start_agent()
         _until(sock.exists, 60, "the agent's rank socket")
         ranks_proc = subprocess.Popen([sys.executable, "-c", RANKS_SCRIPT, str(sock), "loss-job", str(ranks),

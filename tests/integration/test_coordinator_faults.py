@@ -7,9 +7,9 @@ from __future__ import annotations
 import asyncio
 import datetime
 import ipaddress
+import json
 import os
 import signal
-import socket
 import sqlite3
 import subprocess
 import sys
@@ -39,12 +39,6 @@ from gpuhealth.runtime.tls import TlsFiles, channel_credentials
 pytestmark = pytest.mark.integration
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _until(cond: Callable[[], Any], timeout: float, what: str) -> Any:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -55,21 +49,21 @@ def _until(cond: Callable[[], Any], timeout: float, what: str) -> Any:
     raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
 
 
-def _start_coordinator(port: int, db: Path, ready: Path) -> subprocess.Popen[bytes]:
+def _start_coordinator(port: int, db: Path, ready: Path) -> tuple[subprocess.Popen[bytes], int]:
+    """Port 0 the first time (the kernel picks a free one); the same port again on a restart."""
     ready.unlink(missing_ok=True)
     proc = subprocess.Popen(
         [sys.executable, "-m", "gpuhealth.cli.main", "coordinator", "--listen", f"127.0.0.1:{port}",
          "--metrics-listen", "off", "--db", str(db), "--ready-file", str(ready), "--hang-floor", "3600"],
         stdout=subprocess.DEVNULL, stderr=open(db.parent / "coordinator.log", "ab"))  # noqa: SIM115
     _until(ready.exists, 30, "the coordinator to serve")
-    return proc
+    return proc, int(json.loads(ready.read_text())["grpc_port"])
 
 
 @pytest.mark.timeout(120)
 def test_sigkill_and_restart_loses_no_acknowledged_record(tmp_path: Path) -> None:
-    port = _free_port()
     db, ready = tmp_path / "coord.db", tmp_path / "ready.json"
-    coord = _start_coordinator(port, db, ready)
+    coord, port = _start_coordinator(0, db, ready)
     link = CoordinatorLink(LinkSettings(address=f"127.0.0.1:{port}", spool_path=str(tmp_path / "spool.db"),
                                         batch_interval_s=0.05, backoff_initial_s=0.2, backoff_max_s=1.0))
     link.start(None)
@@ -90,7 +84,7 @@ def test_sigkill_and_restart_loses_no_acknowledged_record(tmp_path: Path) -> Non
         coord.wait(10)
         feed(150, 300)  # spooled on disk while the coordinator is down
         assert link.spool.stats().depth > 0
-        coord = _start_coordinator(port, db, ready)
+        coord, _ = _start_coordinator(port, db, ready)
         feed(300, 400)
         def all_acked() -> bool:
             st = link.spool.stats()

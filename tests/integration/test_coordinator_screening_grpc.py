@@ -278,15 +278,9 @@ async def _foreign_gpus(srv: CoordinatorServer) -> None:
 # -- a real restart: the coordinator process killed and started again on its database ----------------
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _start(db: Path, port: int, metrics_port: int) -> subprocess.Popen[bytes]:
+def _start(db: Path, port: int, metrics_port: int) -> tuple[subprocess.Popen[bytes], int, int]:
+    """Ports 0 the first time (the kernel picks free ones; the ready file says which); the same again on a
+    restart. Returns the process and its gRPC and metrics ports."""
     ready = db.parent / "ready.json"
     ready.unlink(missing_ok=True)
     config = db.parent / "coordinator.yaml"
@@ -302,19 +296,20 @@ def _start(db: Path, port: int, metrics_port: int) -> subprocess.Popen[bytes]:
             proc.kill()
             raise AssertionError("the coordinator did not start: " + (db.parent / "coordinator.log").read_text())
         time.sleep(0.05)
-    assert json.loads(ready.read_text())["grpc_port"] == port
-    return proc
+    ports = json.loads(ready.read_text())
+    assert port in (0, ports["grpc_port"]) and metrics_port in (0, ports["metrics_port"])
+    return proc, int(ports["grpc_port"]), int(ports["metrics_port"])
 
 
 @pytest.mark.timeout(120)
 def test_a_killed_and_restarted_coordinator_keeps_coverage_and_turns(tmp_path: Path) -> None:
-    db, port, metrics_port = tmp_path / "coord.db", _free_port(), _free_port()
-    proc = _start(db, port, metrics_port)
+    db = tmp_path / "coord.db"
+    proc, port, metrics_port = _start(db, 0, 0)
     try:
         asyncio.run(_before_kill(f"127.0.0.1:{port}", metrics_port))
         proc.send_signal(signal.SIGKILL)
         proc.wait(10)
-        proc = _start(db, port, metrics_port)
+        proc, _, _ = _start(db, port, metrics_port)
         asyncio.run(_after_restart(f"127.0.0.1:{port}", metrics_port))
     finally:
         proc.send_signal(signal.SIGTERM)

@@ -89,12 +89,11 @@ def _ctrl_c(command: list[str], tmp: Path, *, when: str, ignore_sigint: bool = F
     of the group still alive a moment after it exited)."""
     env = {"COLUMNS": "200", "PATH": f"{Path(sys.executable).parent}:/usr/bin:/bin", "TMPDIR": str(tmp)}
 
-    def setup() -> None:
-        if ignore_sigint:  # as a non-interactive shell leaves it for a background job
-            signal.signal(signal.SIGINT, signal.SIG_IGN)
-
+    if ignore_sigint:  # as a non-interactive shell leaves it for a background job (a shell, not preexec_fn:
+        # a fork that runs Python in the child aborts in gRPC's fork handler once this pytest has used gRPC)
+        command = ["sh", "-c", 'trap "" INT; exec "$@"', "sh", *command]
     demo = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                            cwd=REPO, start_new_session=True, preexec_fn=setup)
+                            cwd=REPO, start_new_session=True)
     lines = []
     try:
         assert demo.stdout is not None

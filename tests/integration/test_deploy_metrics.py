@@ -14,7 +14,6 @@ import json
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -47,10 +46,18 @@ PROMQL_WORDS = {"by", "without", "on", "ignoring", "group_left", "group_right", 
                 "label_values", "topk", "bottomk", "abs", "inf", "nan"}
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+def port_in_log(log: Path, pattern: str, procs: list[subprocess.Popen[bytes]]) -> int:
+    """The port a server started on port 0 says it bound (the kernel picked a free one: no port is guessed
+    here that another process could take first)."""
+    found: list[int] = []
+
+    def said() -> bool:
+        m = re.search(pattern, log.read_text(errors="replace")) if log.exists() else None
+        found[:] = [int(m.group(1))] if m else []
+        return bool(found)
+
+    wait_for(said, f"the port in {log.name}", procs=procs)
+    return found[0]
 
 
 def http_get(url: str, timeout: float = 5.0) -> tuple[int, str]:
@@ -139,10 +146,7 @@ class Stack:
     def __init__(self, root: Path) -> None:
         self.root = root
         self.procs: list[subprocess.Popen[bytes]] = []
-        self.agent_port = free_port()
-        self.coord_port = free_port()
-        self.coord_metrics_port = free_port()
-        self.prom_port = free_port()
+        self.agent_port = self.coord_port = self.coord_metrics_port = self.prom_port = 0  # bound on port 0
 
     def spawn(self, argv: list[str], name: str) -> subprocess.Popen[bytes]:
         log = open(self.root / f"{name}.log", "wb")  # noqa: SIM115 - closed with the process
@@ -190,38 +194,44 @@ def stack() -> Iterator[Stack]:
         jobs.mkdir()
         (jobs / "0").write_text("4242\n")  # the prolog's file for GPU index 0
         kubelet = start_fake_kubelet(root / "kubelet.sock")
-        (root / "agent.yaml").write_text(yaml.safe_dump({"agent": {
-            "state_dir": str(root / "state"),
-            "socket_path": str(root / "run" / "agent.sock"),
-            "pod_resources_socket": str(root / "kubelet.sock"),
-            "slurm_job_dir": str(jobs),
-            "node_name": "node-a",
-            "coordinator": f"127.0.0.1:{s.coord_port}",  # the link's own metrics, used by an alert
-        }}))
-        s.spawn([GPUHEALTH, "agent", "--config", str(root / "agent.yaml"), "--dcgm-compat", "--nvml-snapshot",
-                 str(root / "scenario.yaml"), "--listen", f"127.0.0.1:{s.agent_port}"], "agent")
-        s.spawn([GPUHEALTH, "coordinator", "--listen", f"127.0.0.1:{s.coord_port}", "--metrics-listen",
-                 f"127.0.0.1:{s.coord_metrics_port}", "--db", str(root / "coordinator.db"),
-                 "--evidence-dir", str(root / "evidence")], "coordinator")
-        shutil.copy(RULES, root / "alerts.yaml")
-        (root / "prometheus.yml").write_text(yaml.safe_dump({
-            "global": {"scrape_interval": "1s", "evaluation_interval": "1s", "scrape_timeout": "1s"},
-            "rule_files": ["alerts.yaml"],
-            "scrape_configs": [
-                # the agent as the shipped ServiceMonitor scrapes it (job label: its Service's name)
-                service_monitor_job(f"127.0.0.1:{s.agent_port}", node="node-a", agent_pod="gpuhealth-agent-x7k2p"),
-                {"job_name": "gpuhealth-coordinator",
-                 "static_configs": [{"targets": [f"127.0.0.1:{s.coord_metrics_port}"]}]},
-            ],
-        }))
         try:
+            s.spawn([GPUHEALTH, "coordinator", "--listen", "127.0.0.1:0", "--metrics-listen", "127.0.0.1:0",
+                     "--db", str(root / "coordinator.db"), "--evidence-dir", str(root / "evidence"),
+                     "--ready-file", str(root / "coordinator.ports")], "coordinator")
+            wait_for(lambda: (root / "coordinator.ports").exists(), "coordinator ports", procs=s.procs)
+            ports = json.loads((root / "coordinator.ports").read_text())
+            s.coord_port, s.coord_metrics_port = ports["grpc_port"], ports["metrics_port"]
+            (root / "agent.yaml").write_text(yaml.safe_dump({"agent": {
+                "state_dir": str(root / "state"),
+                "socket_path": str(root / "run" / "agent.sock"),
+                "pod_resources_socket": str(root / "kubelet.sock"),
+                "slurm_job_dir": str(jobs),
+                "node_name": "node-a",
+                "coordinator": f"127.0.0.1:{s.coord_port}",  # the link's own metrics, used by an alert
+            }}))
+            s.spawn([GPUHEALTH, "agent", "--config", str(root / "agent.yaml"), "--dcgm-compat", "--nvml-snapshot",
+                     str(root / "scenario.yaml"), "--listen", "127.0.0.1:0"], "agent")
+            s.agent_port = port_in_log(root / "agent.log", r"serving /metrics, /health, /ready on http://127\.0\.0\.1:(\d+)",
+                                       s.procs)
+            shutil.copy(RULES, root / "alerts.yaml")
+            (root / "prometheus.yml").write_text(yaml.safe_dump({
+                "global": {"scrape_interval": "1s", "evaluation_interval": "1s", "scrape_timeout": "1s"},
+                "rule_files": ["alerts.yaml"],
+                "scrape_configs": [
+                    # the agent as the shipped ServiceMonitor scrapes it (job label: its Service's name)
+                    service_monitor_job(f"127.0.0.1:{s.agent_port}", node="node-a", agent_pod="gpuhealth-agent-x7k2p"),
+                    {"job_name": "gpuhealth-coordinator",
+                     "static_configs": [{"targets": [f"127.0.0.1:{s.coord_metrics_port}"]}]},
+                ],
+            }))
             wait_for(lambda: http_get(f"http://127.0.0.1:{s.agent_port}/ready")[0] == 200, "agent /ready",
                      procs=s.procs)
             wait_for(lambda: http_get(f"http://127.0.0.1:{s.coord_metrics_port}/metrics")[0] == 200,
                      "coordinator /metrics", procs=s.procs)
             s.spawn([PROMETHEUS, f"--config.file={root / 'prometheus.yml'}",
-                     f"--storage.tsdb.path={root / 'tsdb'}", f"--web.listen-address=127.0.0.1:{s.prom_port}",
-                     "--log.level=warn"], "prometheus")
+                     f"--storage.tsdb.path={root / 'tsdb'}", "--web.listen-address=127.0.0.1:0"], "prometheus")
+            s.prom_port = port_in_log(root / "prometheus.log", r'msg="Listening on" address=127\.0\.0\.1:(\d+)',
+                                      s.procs)
             wait_for(lambda: http_get(f"http://127.0.0.1:{s.prom_port}/-/ready")[0] == 200, "prometheus ready",
                      procs=s.procs)
             wait_for(lambda: len(s.promql('up == 1')["data"]["result"]) == 2, "both targets up", procs=s.procs)

@@ -10,7 +10,9 @@ must match what the coordinator does (READY=1 ⇔ Type=notify)."""
 from __future__ import annotations
 
 import itertools
+import json
 import os
+import re
 import shlex
 import socket
 import struct
@@ -49,12 +51,6 @@ def unit_settings(name: str) -> dict[str, str]:
             key, _, value = line.partition("=")
             out.setdefault(key, value)
     return out
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class NotifySocket:
@@ -119,10 +115,9 @@ def http_status(url: str) -> int:
 def test_agent_unit_notify_protocol(workdir: Path) -> None:
     settings = unit_settings("gpuhealth-agent.service")
     assert settings["Type"] == "notify" and settings["NotifyAccess"] == "main"
-    port = free_port()
     config = workdir / "agent.yaml"
     config.write_text(yaml.safe_dump({"agent": {
-        "listen": f"127.0.0.1:{port}", "state_dir": str(workdir / "state"),
+        "listen": "127.0.0.1:0", "state_dir": str(workdir / "state"),
         "socket_path": str(workdir / "run" / "agent.sock"), "pod_resources_socket": str(workdir / "none.sock"),
     }}))
     notify = NotifySocket(workdir / "notify.sock")
@@ -133,6 +128,13 @@ def test_agent_unit_notify_protocol(workdir: Path) -> None:
             str(REPO / "src/gpuhealth/data/nvml_h200x2.json")]
     proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
+        assert proc.stdout is not None
+        # port 0: the kernel picks a free one, and the agent's log says which
+        served = next((line for line in iter(proc.stdout.readline, b"") if b"serving /metrics" in line), b"")
+        found = re.search(rb"http://127\.0\.0\.1:(\d+)", served)
+        assert found is not None, "the agent never said where it serves"
+        port = int(found.group(1))
+
         def ready(msgs: list[Message]) -> bool:
             return any(m.fields.get("READY") == "1" for m in msgs)
 
@@ -169,18 +171,23 @@ def test_agent_unit_notify_protocol(workdir: Path) -> None:
 def test_coordinator_unit_type_matches_the_coordinator(workdir: Path) -> None:
     unit_type = unit_settings("gpuhealth-coordinator.service")["Type"]
     config = workdir / "coordinator.yaml"
-    metrics_port = free_port()
     config.write_text(yaml.safe_dump({"coordinator": {
-        "listen": f"127.0.0.1:{free_port()}", "metrics_listen": f"127.0.0.1:{metrics_port}",
-        "db_path": str(workdir / "coordinator.db"),
+        "listen": "127.0.0.1:0", "metrics_listen": "127.0.0.1:0", "db_path": str(workdir / "coordinator.db"),
     }}))
     notify = NotifySocket(workdir / "notify.sock")
     env = {**{k: v for k, v in os.environ.items() if not k.startswith(("GPUHEALTH_", "NOTIFY_", "WATCHDOG_"))},
            "NOTIFY_SOCKET": str(notify.path), "WATCHDOG_USEC": "1000000"}
-    argv = [*exec_start_argv("gpuhealth-coordinator.service", config), "--evidence-dir", str(workdir / "ev")]
+    ready_file = workdir / "ports.json"  # port 0: the kernel picks free ones, the ready file says which
+    argv = [*exec_start_argv("gpuhealth-coordinator.service", config), "--evidence-dir", str(workdir / "ev"),
+            "--ready-file", str(ready_file)]
     proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + 30
+        while not ready_file.exists():
+            assert proc.poll() is None, proc.stdout.read().decode() if proc.stdout else ""
+            assert time.monotonic() < deadline, "coordinator never wrote its ports"
+            time.sleep(0.1)
+        metrics_port = json.loads(ready_file.read_text())["metrics_port"]
         while http_status(f"http://127.0.0.1:{metrics_port}/metrics") != 200:
             assert proc.poll() is None, proc.stdout.read().decode() if proc.stdout else ""
             assert time.monotonic() < deadline, "coordinator never served /metrics"

@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 import yaml
-from agent_process import AgentProcess, free_port, http_get
+from agent_process import AgentProcess, http_get, prometheus_port
 
 pytestmark = pytest.mark.integration
 
@@ -35,7 +35,6 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[AgentProce
                                    "agent": {"node_name": "gpu-node-7", "socket_path": str(work / "agent.sock"),
                                              "pod_resources_socket": str(work / "no-kubelet.sock")}}))
     agent = AgentProcess(work, ["--config", str(cfg), "--scenario", str(SCENARIO), "--dcgm-compat"])
-    prom_port = free_port()
     (work / "prometheus.yml").write_text(yaml.safe_dump({
         "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
         "scrape_configs": [{"job_name": "gpuhealth", "static_configs": [{"targets": [f"127.0.0.1:{agent.port}"]}]}],
@@ -43,11 +42,11 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[AgentProce
     prom_log = (work / "prometheus.log").open("wb")
     prom = subprocess.Popen(
         [PROMETHEUS, f"--config.file={work / 'prometheus.yml'}", f"--storage.tsdb.path={work / 'data'}",
-         f"--web.listen-address=127.0.0.1:{prom_port}", "--storage.tsdb.retention.time=1h"],
+         "--web.listen-address=127.0.0.1:0", "--storage.tsdb.retention.time=1h"],
         stdout=prom_log, stderr=subprocess.STDOUT,
     )
-    prom_url = f"http://127.0.0.1:{prom_port}"
     try:
+        prom_url = f"http://127.0.0.1:{prometheus_port(work / 'prometheus.log', prom)}"
         agent.wait_ready()
         _wait(lambda: _query(prom_url, 'up{job="gpuhealth"} == 1'), 40, "Prometheus to scrape the agent",
               lambda: (work / "prometheus.log").read_text(errors="replace")[-3000:])

@@ -3,8 +3,8 @@ and restarted on the same database: the episode continues (one verdict per rank 
 
 from __future__ import annotations
 
+import json
 import signal
-import socket
 import sqlite3
 import subprocess
 import sys
@@ -24,12 +24,6 @@ pytestmark = pytest.mark.integration
 JOB, WORLD, SLOW = "job-straggler", 8, 5
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _until(cond: Callable[[], Any], timeout: float, what: str) -> Any:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -40,14 +34,15 @@ def _until(cond: Callable[[], Any], timeout: float, what: str) -> Any:
     raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
 
 
-def _start(port: int, db: Path, ready: Path) -> subprocess.Popen[bytes]:
+def _start(port: int, db: Path, ready: Path) -> tuple[subprocess.Popen[bytes], int]:
+    """Port 0 the first time (the kernel picks a free one); the same port again on a restart."""
     ready.unlink(missing_ok=True)
     proc = subprocess.Popen(
         [sys.executable, "-m", "gpuhealth.cli.main", "coordinator", "--listen", f"127.0.0.1:{port}",
          "--metrics-listen", "off", "--db", str(db), "--ready-file", str(ready), "--hang-floor", "3600"],
         stdout=subprocess.DEVNULL, stderr=open(db.parent / "coordinator.log", "ab"))  # noqa: SIM115
     _until(ready.exists, 30, "the coordinator to serve")
-    return proc
+    return proc, int(json.loads(ready.read_text())["grpc_port"])
 
 
 def _verdicts(db: Path) -> list[str]:
@@ -57,10 +52,9 @@ def _verdicts(db: Path) -> list[str]:
 
 @pytest.mark.timeout(120)
 def test_a_killed_and_restarted_coordinator_does_not_announce_the_straggler_again(tmp_path: Path) -> None:
-    port = _free_port()
     db, ready = tmp_path / "coord.db", tmp_path / "ready.json"
+    coord, port = _start(0, db, ready)
     address = f"127.0.0.1:{port}"
-    coord = _start(port, db, ready)
     link = CoordinatorLink(LinkSettings(address=address, spool_path=str(tmp_path / "spool.db"),
                                         batch_interval_s=0.05, backoff_initial_s=0.2, backoff_max_s=1.0))
     link.start(None)
@@ -77,7 +71,7 @@ def test_a_killed_and_restarted_coordinator_does_not_announce_the_straggler_agai
         _until(lambda: _verdicts(db) == ["straggler"], 30, "the straggler verdict")
         coord.send_signal(signal.SIGKILL)
         coord.wait(10)
-        coord = _start(port, db, ready)
+        coord, _ = _start(port, db, ready)
         feed(80, 200)
 
         def flagged_again() -> bool:
