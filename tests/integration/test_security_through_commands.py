@@ -27,6 +27,7 @@ from typing import Any
 
 import grpc
 import pytest
+import yaml
 from commands import (
     SCENARIO,
     Agent,
@@ -373,3 +374,33 @@ def test_a_missing_extra_is_one_line_naming_it(tmp_path: Path, blocked: str, arg
     assert f"pip install 'gpuhealth[{extra}]'" in text, text
     assert res.returncode == 3, (res.returncode, text)
     assert len(text.strip().splitlines()) == 1, text
+
+
+def test_the_shipped_systemd_coordinator_starts_with_node_tokens(tmp_path: Path) -> None:
+    """deploy/systemd: the unit hands the cluster secret to the service where coordinator.yaml reads it, and that
+    config starts an authenticated coordinator (the unit's paths replaced by this test's: the credential as
+    systemd would write it, mode 0400; the database as the unit's Environment= names it; port 0)."""
+    import configparser
+
+    systemd = Path(__file__).resolve().parents[2] / "deploy" / "systemd"
+    unit = configparser.ConfigParser(strict=False, interpolation=None)
+    unit.read_string((systemd / "gpuhealth-coordinator.service").read_text())
+    name, _, source = unit["Service"]["LoadCredential"].partition(":")
+    shipped = yaml.safe_load((systemd / "coordinator.yaml").read_text())["coordinator"]
+    assert shipped["node_secret_file"] == f"/run/credentials/gpuhealth-coordinator.service/{name}"
+    assert source == "/etc/gpuhealth/cluster.secret"
+    credential = tmp_path / name
+    write_secret(credential)
+    os.chmod(credential, 0o400)
+    coord = Coordinator(tmp_path / "coordinator", systemd / "coordinator.yaml", env={
+        "GPUHEALTH_COORDINATOR_NODE_SECRET_FILE": str(credential),
+        "GPUHEALTH_COORDINATOR_DB_PATH": str(tmp_path / "c.db"),
+        "GPUHEALTH_COORDINATOR_LISTEN": "0.0.0.0:0", "GPUHEALTH_COORDINATOR_METRICS_LISTEN": "127.0.0.1:0"})
+    try:
+        address = coord.address()
+        assert "WITHOUT authentication" not in coord.log()
+        assert asyncio.run(_register(address, "n1")) is grpc.StatusCode.UNAUTHENTICATED
+        secret = credential.read_bytes().strip()
+        assert asyncio.run(_register(address, "n1", token_metadata(node_token(secret, "n1")))) is None
+    finally:
+        coord.stop()

@@ -225,9 +225,14 @@ def test_service_monitors_select_services_and_their_ports(base: list[dict[str, A
             "action": "replace"} in agent_endpoint["relabelings"]
 
 
-def test_no_role_is_granted(base: list[dict[str, Any]]) -> None:
-    kinds = {d["kind"] for d in base}
-    assert not kinds & {"Role", "ClusterRole", "RoleBinding", "ClusterRoleBinding"}
+def test_only_the_coordinator_is_granted_what_token_review_needs(base: list[dict[str, Any]]) -> None:
+    bindings = [d for d in base if d["kind"] in ("RoleBinding", "ClusterRoleBinding")]
+    assert {(b["kind"], b["roleRef"]["name"]) for b in bindings} == {
+        ("ClusterRoleBinding", "system:auth-delegator"), ("RoleBinding", "gpuhealth-coordinator-read-agent-pods")}
+    assert all(s["name"] == "gpuhealth-coordinator" for b in bindings for s in b["subjects"])
+    [role] = [d for d in base if d["kind"] == "Role"]
+    assert role["rules"] == [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get"]}]
+    assert not [d for d in base if d["kind"] == "ClusterRole"]
     for sa in (d for d in base if d["kind"] == "ServiceAccount"):
         assert sa["automountServiceAccountToken"] is False
 
