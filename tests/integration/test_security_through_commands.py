@@ -404,3 +404,16 @@ def test_the_shipped_systemd_coordinator_starts_with_node_tokens(tmp_path: Path)
         assert asyncio.run(_register(address, "n1", token_metadata(node_token(secret, "n1")))) is None
     finally:
         coord.stop()
+
+
+def test_an_agent_port_in_use_names_the_address_and_key(tmp_path: Path) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        cfg = write_config(tmp_path / "agent.yaml", {
+            "agent": {"nvml_snapshot": str(SCENARIO), "listen": f"127.0.0.1:{port}", "state_dir": str(tmp_path),
+                      "socket_path": str(tmp_path / "r.sock")}, "diag": {"enabled": False}})
+        res = run_cli("agent", "--config", str(cfg), timeout=60)
+    assert res.returncode == 3, res.stderr
+    assert f"gpuhealth agent: agent.listen 127.0.0.1:{port}: cannot listen: Address already in use" in res.stderr

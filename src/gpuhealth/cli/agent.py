@@ -105,7 +105,8 @@ def run_agent(config: Config, reload_config: Any = None) -> int:
     try:
         return agent.run_until_signalled(reload)
     except OSError as exc:  # the listen address is taken or not ours
-        click.echo(f"gpuhealth agent: cannot listen on {config.agent.listen}: {exc.strerror or exc}", err=True)
+        click.echo(f"gpuhealth agent: agent.listen {config.agent.listen}: cannot listen: {exc.strerror or exc}",
+                   err=True)
         agent.stop()
         return 3
 
