@@ -32,7 +32,6 @@ from typing import Any
 
 import grpc
 import pytest
-import yaml
 from commands import (
     SCENARIO,
     Agent,
