@@ -144,8 +144,10 @@ dcgm-exporter's `etc/default-counters.csv` (its defaults, plus the commented-out
 pages, violation and NVLink rows, which we fill in because they are what health alerting needs).
 
 Labels on every `DCGM_*` series, as dcgm-exporter writes them: `gpu`, `UUID`, `pci_bus_id`,
-`device` (`nvidia<minor>`), `modelName`, `hostname` (the agent's `node_name`, default the host
-name; dcgm-exporter renamed it from `Hostname`), `DCGM_FI_DRIVER_VERSION`, plus `pod`, `namespace`,
+`device` (`nvidia<minor>`), `modelName`, `Hostname` (the agent's `node_name`, default the host
+name; as released dcgm-exporter 4.5.x-4.8.x write it, which the dashboards and rules written for them select on;
+`agent.dcgm_hostname_label: hostname` gives the lower-case name of dcgm-exporter's unreleased main branch),
+`DCGM_FI_DRIVER_VERSION`, plus `pod`, `namespace`,
 `container` on Kubernetes. `DCGM_FI_DEV_XID_ERRORS` (the last XID's code, 0 when none) also carries
 `err_code` (the code) and `err_msg` (its name in the XID catalog), as dcgm-exporter's does; a count
 of XIDs by code is `gpuhealth_gpu_xid_errors_total{xid}`.

@@ -43,6 +43,9 @@ class AgentConfig:
     json_logs: bool = False
     log_level: str = "info"
     dcgm_compat: bool = False
+    # The node label of the dcgm-exporter series: "Hostname" as dcgm-exporter 4.5.x-4.8.x write it (what released
+    # dashboards and alert rules select on), or "hostname" as its unreleased main branch does.
+    dcgm_hostname_label: str = "Hostname"
     # NVLink series per link (18 links x 4 families a GPU) instead of summed per GPU; /metrics?nvlink=link
     # gives one scrape the per-link view either way.
     nvlink_per_link: bool = False
@@ -238,6 +241,8 @@ _ADDRESSES: dict[str, str] = {
     "coordinator.metrics_listen": "listen_or_off",
 }
 _METRICS_OFF = ("", "off", "none")
+# Text keys that take one of a few values.
+_CHOICES: dict[str, tuple[str, ...]] = {"agent.dcgm_hostname_label": ("Hostname", "hostname")}
 _MAX_TEXT = 4_096  # a path, an address, a name: never a document
 _MAX_LIST = 1_024
 _MAX_FILE_BYTES = 1 << 20  # a config file is a page of YAML
@@ -356,6 +361,8 @@ def _coerce(value: Any, hint: Any, where: str, name: str = "") -> Any:
     text = _scalar_text(value, where)
     if name in _ADDRESSES and not (text == "" and "None" in str(hint)):
         return _address(text, _ADDRESSES[name], where)
+    if name in _CHOICES and text not in _CHOICES[name]:
+        raise ConfigError(f"{where}: {text[:40]!r} is not one of {', '.join(_CHOICES[name])}")
     return text
 
 

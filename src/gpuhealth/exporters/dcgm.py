@@ -4,7 +4,8 @@ standard dcgm-exporter Grafana dashboard (grafana.com 12239) and alerts written 
 Names, units and types follow dcgm-exporter's ``etc/default-counters.csv`` (the defaults plus the
 commented-out ECC, retired-page, violation and NVLink rows, which we fill in, and the profiling
 fields NVML's GPM gives without DCGM). Labels are dcgm-exporter's: ``gpu``, ``UUID``,
-``pci_bus_id``, ``device`` (``nvidia<minor>``), ``modelName``, ``hostname``,
+``pci_bus_id``, ``device`` (``nvidia<minor>``), ``modelName``, ``Hostname`` (as dcgm-exporter 4.5-4.8 write it;
+``agent.dcgm_hostname_label: hostname`` for the lower-case form of its unreleased main branch),
 ``DCGM_FI_DRIVER_VERSION``, plus ``pod``/``namespace``/``container`` from the agent's label
 provider; ``DCGM_FI_DEV_XID_ERRORS`` also carries ``err_code`` and ``err_msg`` as dcgm-exporter's
 does. dcgm-exporter's counters keep their names without ``_total``; prometheus-client
@@ -21,7 +22,11 @@ from gpuhealth.exporters import ExportSnapshot
 from gpuhealth.exporters.families import FamilySet, Labels, gpu_holder_labels
 
 MIB = float(1 << 20)
-DCGM_LABELS = ("gpu", "UUID", "pci_bus_id", "device", "modelName", "hostname", "DCGM_FI_DRIVER_VERSION")
+# dcgm-exporter 4.5.x-4.8.x (what released dashboards and alert rules were written against) name the node
+# ``Hostname``; only its unreleased main branch writes ``hostname``: ``agent.dcgm_hostname_label`` picks.
+HOSTNAME_LABELS = ("Hostname", "hostname")
+DEFAULT_HOSTNAME_LABEL = "Hostname"
+DCGM_LABELS = ("gpu", "UUID", "pci_bus_id", "device", "modelName", DEFAULT_HOSTNAME_LABEL, "DCGM_FI_DRIVER_VERSION")
 NS_PER_S = 1e9
 
 # NVML clock-event reason bits (nvml.h nvmlClocksEventReason*), keyed by the throttle collector's
@@ -163,22 +168,22 @@ for _f in FIELDS:
     _BY_SOURCE[_f.source] = (*_BY_SOURCE.get(_f.source, ()), _f)
 
 
-def dcgm_label_sets(snap: ExportSnapshot) -> dict[int, Labels]:
+def dcgm_label_sets(snap: ExportSnapshot, hostname_label: str = DEFAULT_HOSTNAME_LABEL) -> dict[int, Labels]:
     extra = gpu_holder_labels(snap.gpu_labels, snap.samples, snap.gpus)
     out: dict[int, Labels] = {}
     for g in snap.gpus:
         minor = g.minor if g.minor is not None else g.index
         labels: Labels = (
             ("gpu", str(g.index)), ("UUID", g.uuid), ("pci_bus_id", g.pci_bus_id), ("device", f"nvidia{minor}"),
-            ("modelName", g.name), ("hostname", snap.node_name), ("DCGM_FI_DRIVER_VERSION", snap.driver_version),
+            ("modelName", g.name), (hostname_label, snap.node_name), ("DCGM_FI_DRIVER_VERSION", snap.driver_version),
         )
         out[g.index] = labels + tuple(sorted(extra.get(g.uuid, {}).items()))
     return out
 
 
-def add_dcgm_families(fams: FamilySet, snap: ExportSnapshot) -> None:
-    """Add the dcgm-exporter view of ``snap``'s samples to ``fams``."""
-    label_sets = dcgm_label_sets(snap)
+def add_dcgm_families(fams: FamilySet, snap: ExportSnapshot, hostname_label: str = DEFAULT_HOSTNAME_LABEL) -> None:
+    """Add the dcgm-exporter view of ``snap``'s samples to ``fams`` (the node label named ``hostname_label``)."""
+    label_sets = dcgm_label_sets(snap, hostname_label)
     # field name → (gpu index, kept labels) → value (summed for sum_over fields)
     values: dict[str, dict[tuple[int, Labels], float]] = {}
     clock_masks: dict[int, int] = {}

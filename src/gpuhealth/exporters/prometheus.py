@@ -90,7 +90,8 @@ def _per_gpu_links(samples: Iterable[Sample]) -> list[Sample]:
     return out
 
 
-def build_families(snap: ExportSnapshot, *, dcgm_compat: bool = False, nvlink_per_link: bool = False) -> FamilySet:
+def build_families(snap: ExportSnapshot, *, dcgm_compat: bool = False, nvlink_per_link: bool = False,
+                   dcgm_hostname_label: str = "Hostname") -> FamilySet:
     fams = FamilySet()
     gpu_labels = gpu_label_sets(snap)
     unknown_gpu: dict[int, Labels] = {}
@@ -171,7 +172,7 @@ def build_families(snap: ExportSnapshot, *, dcgm_compat: bool = False, nvlink_pe
     if dcgm_compat:
         from gpuhealth.exporters.dcgm import add_dcgm_families
 
-        add_dcgm_families(fams, snap)
+        add_dcgm_families(fams, snap, dcgm_hostname_label)
     return fams
 
 
@@ -285,16 +286,19 @@ def to_metric(fam: Family) -> Metric:
 class SnapshotCollector:
     """prometheus-client custom collector: ``collect()`` renders the newest snapshot from ``source``."""
 
-    def __init__(self, source: SnapshotSource, *, dcgm_compat: bool = False, nvlink_per_link: bool = False) -> None:
+    def __init__(self, source: SnapshotSource, *, dcgm_compat: bool = False, nvlink_per_link: bool = False,
+                 dcgm_hostname_label: str = "Hostname") -> None:
         self.source = source
         self.dcgm_compat = dcgm_compat
         self.nvlink_per_link = nvlink_per_link
+        self.dcgm_hostname_label = dcgm_hostname_label
 
     def describe(self) -> list[Metric]:
         return []  # dynamic families: registering must not trigger a collect
 
     def families(self) -> FamilySet:
-        return build_families(self.source(), dcgm_compat=self.dcgm_compat, nvlink_per_link=self.nvlink_per_link)
+        return build_families(self.source(), dcgm_compat=self.dcgm_compat, nvlink_per_link=self.nvlink_per_link,
+                              dcgm_hostname_label=self.dcgm_hostname_label)
 
     def collect(self) -> Iterator[Metric]:
         for fam in self.families():
@@ -309,11 +313,12 @@ class MetricsEndpoint:
     to prometheus-client tooling (``generate_latest(endpoint.registry)``)."""
 
     def __init__(self, source: SnapshotSource, *, dcgm_compat: bool = False, process_metrics: bool = True,
-                 nvlink_per_link: bool = False) -> None:
+                 nvlink_per_link: bool = False, dcgm_hostname_label: str = "Hostname") -> None:
         self.registry = CollectorRegistry(auto_describe=False)
-        self.collector = SnapshotCollector(source, dcgm_compat=dcgm_compat, nvlink_per_link=nvlink_per_link)
+        self.collector = SnapshotCollector(source, dcgm_compat=dcgm_compat, nvlink_per_link=nvlink_per_link,
+                                           dcgm_hostname_label=dcgm_hostname_label)
         self.registry.register(self.collector)
-        self._cached: tuple[ExportSnapshot, tuple[int, bool, bool, bool], bytes] | None = None
+        self._cached: tuple[ExportSnapshot, tuple[int, bool, bool, bool, str], bytes] | None = None
         self._process: ProcessCollector | None = None
         if process_metrics:
             self._process = ProcessCollector(registry=self.registry)
@@ -343,13 +348,14 @@ class MetricsEndpoint:
         openmetrics = content_type.startswith("application/openmetrics-text")
         per_link = self.collector.nvlink_per_link if nvlink_per_link is None else nvlink_per_link
         snap = self.collector.source()
-        key = (id(snap), self.collector.dcgm_compat, openmetrics, per_link)
+        key = (id(snap), self.collector.dcgm_compat, openmetrics, per_link, self.collector.dcgm_hostname_label)
         cached = self._cached
         if cached is not None and cached[0] is snap and cached[1] == key:
             body = cached[2]
         else:
             body = encode_text(build_families(snap, dcgm_compat=self.collector.dcgm_compat,
-                                              nvlink_per_link=per_link),
+                                              nvlink_per_link=per_link,
+                                              dcgm_hostname_label=self.collector.dcgm_hostname_label),
                                openmetrics=openmetrics, end=False)
             self._cached = (snap, key, body)
         tail = b"# EOF\n" if openmetrics else b""

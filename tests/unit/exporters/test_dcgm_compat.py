@@ -21,8 +21,8 @@ DASHBOARD = ("DCGM_FI_DEV_GPU_TEMP", "DCGM_FI_DEV_POWER_USAGE", "DCGM_FI_DEV_SM_
              "DCGM_FI_DEV_PCIE_REPLAY_COUNTER")
 
 
-def _dcgm(snap: ExportSnapshot) -> dict[str, list[tuple[dict[str, str], float]]]:
-    text = encode_text(build_families(snap, dcgm_compat=True)).decode()
+def _dcgm(snap: ExportSnapshot, **kw: str) -> dict[str, list[tuple[dict[str, str], float]]]:
+    text = encode_text(build_families(snap, dcgm_compat=True, **kw)).decode()  # type: ignore[arg-type]
     out: dict[str, list[tuple[dict[str, str], float]]] = {}
     for fam in parse_text(text):
         for s in fam.samples:
@@ -69,8 +69,18 @@ def test_labels_are_dcgm_exporters_plus_pod_labels() -> None:
     [(labels, value)] = s["DCGM_FI_DEV_GPU_TEMP"]
     assert value == 40.0
     assert labels == {"gpu": "1", "UUID": "GPU-bbbb", "pci_bus_id": "00000000:2A:00.0", "device": "nvidia1",
-                      "modelName": "NVIDIA H100 80GB HBM3", "hostname": "node-a",
+                      "modelName": "NVIDIA H100 80GB HBM3", "Hostname": "node-a",
                       "DCGM_FI_DRIVER_VERSION": "580.159.04", "pod": "p", "namespace": "n", "container": "c"}
+
+
+def test_the_node_label_is_named_as_released_dcgm_exporter_names_it_or_as_asked() -> None:
+    # dcgm-exporter 4.5.x-4.8.x write Hostname (what released dashboards and rules select on); only its unreleased
+    # main branch writes hostname: agent.dcgm_hostname_label picks the new form
+    temp = (Sample("gpu_temperature_celsius", 40.0, "", gpu=0, labels=(("sensor", "gpu"),)),)
+    [(released, _), *_] = _dcgm(_snap(temp))["DCGM_FI_DEV_GPU_TEMP"]
+    assert released["Hostname"] == "node-a" and "hostname" not in released
+    [(new, _), *_] = _dcgm(_snap(temp), dcgm_hostname_label="hostname")["DCGM_FI_DEV_GPU_TEMP"]
+    assert new["hostname"] == "node-a" and "Hostname" not in new
 
 
 def test_xids_nvlink_sums_and_clock_event_bitmask() -> None:
@@ -123,7 +133,7 @@ def test_real_recording_gives_the_dashboards_series_with_raw_nvml_values(h200_re
         for labels, _ in series:
             extra = set(labels) - set(DCGM_LABELS)
             assert extra <= ({"err_code", "err_msg"} if name == "DCGM_FI_DEV_XID_ERRORS" else set()), (name, extra)
-            assert labels["hostname"] == "gpu-node-7" and labels["DCGM_FI_DRIVER_VERSION"] == "580.159.04"
+            assert labels["Hostname"] == "gpu-node-7" and labels["DCGM_FI_DRIVER_VERSION"] == "580.159.04"
             assert labels["device"] == f"nvidia{labels['gpu']}"
 
 
