@@ -122,10 +122,10 @@ def test_dcgm_exporter_names_and_labels_reach_prometheus(stack: tuple[AgentProce
     _, prom = stack
     [xid] = _query(prom, 'DCGM_FI_DEV_XID_ERRORS{gpu="5"}')
     assert xid["value"][1] == "79"
-    assert set(xid["metric"]) >= {"gpu", "UUID", "pci_bus_id", "device", "modelName", "hostname", "err_code",
+    assert set(xid["metric"]) >= {"gpu", "UUID", "pci_bus_id", "device", "modelName", "Hostname", "err_code",
                                   "err_msg",
                                   "DCGM_FI_DRIVER_VERSION"}
-    assert xid["metric"]["hostname"] == "gpu-node-7" and xid["metric"]["device"] == "nvidia5"
+    assert xid["metric"]["Hostname"] == "gpu-node-7" and xid["metric"]["device"] == "nvidia5"
     assert xid["metric"]["err_code"] == "79" and xid["metric"]["err_msg"] == "GPU has fallen off the bus"
     [width] = _query(prom, 'DCGM_FI_DEV_PCIE_LINK_WIDTH{gpu="3"}')
     assert width["value"][1] == "8"

@@ -32,6 +32,7 @@ from typing import Any
 
 import grpc
 import pytest
+import yaml
 from commands import (
     SCENARIO,
     Agent,
@@ -133,7 +134,8 @@ OBSERVED: dict[str, Observed] = {
     "collectors.thresholds_file": Observed("agent", "agent", _file("thresholds.yaml", _THRESHOLDS)),
     "collectors.kmsg_path": Observed("agent", "agent", _file("kmsg.log", _KMSG)),
     "zerocode.enabled": Observed("agent", "agent", False),
-    "collectors.timeout_s": Observed("agent-timeout", "agent", 0.000001),
+    # (from 2 s on its GPU 0 answers each NVML call 2 s late: past this timeout, well within the default of 10 s)
+    "collectors.timeout_s": Observed("agent-timeout", "agent", 0.5),
     # -- the agent's link to a coordinator ---------------------------------------------------------------
     "agent.coordinator": Observed("link", "agent", "127.0.0.1:{grpc_port}"),
     "agent.state_dir": Observed("link", "agent", _dir("agent-state")),
@@ -361,16 +363,23 @@ def run_agent(s: Setup, cleanup: Cleanup) -> None:
 
 
 def run_agent_timeout(s: Setup, cleanup: Cleanup) -> None:
-    path, env = s.config("agent", {"agent": {"nvml_snapshot": str(SCENARIO), "listen": "127.0.0.1:0",
+    slow_gpu = s.work / "slow_gpu.yaml"
+    slow_gpu.write_text(yaml.safe_dump({"recording": "nvml_h200x2.json",
+                                        "events": [{"at": 2, "type": "slow", "gpu": 0, "seconds": 2}]}))
+    path, env = s.config("agent", {"agent": {"nvml_snapshot": str(slow_gpu), "listen": "127.0.0.1:0",
                                              "state_dir": str(s.work), "socket_path": str(s.work / "r.sock")},
                                    "diag": {"enabled": False}})
     agent = cleanup.add(Agent(s.work / "agent", path, env))
 
     def timed_out() -> bool:
-        value = metric_value(agent.get("/metrics"), "gpuhealth_collector_timeouts_total", collector="presence")
-        return bool(value)
+        metrics = agent.get("/metrics")
+        counted = any(line.startswith("gpuhealth_collector_timeouts_total{") and float(line.rsplit(" ", 1)[1]) > 0
+                      for line in metrics.splitlines())
+        # the finding names the limit it ran past: this key's value, not the default's
+        said = [f["message"] for f in agent.health()["findings"] if "timed out after" in f.get("message", "")]
+        return counted and bool(said) and all("timed out after 0.5 s" in m for m in said)
 
-    until(timed_out, 30, "a collector run past collectors.timeout_s counted as timed out")
+    until(timed_out, 30, "a collector run past collectors.timeout_s (0.5 s) counted and named as timed out")
 
 
 def run_link(s: Setup, cleanup: Cleanup) -> None:

@@ -18,6 +18,8 @@ events:                         # applied when the scenario clock passes ``at`` 
   - {at: 5, type: xid, gpu: 0, xid: 79}
   - {at: 8, type: set, gpu: 1, key: TotalEccErrors_UNCORRECTED_VOLATILE, value: 2}
   - {at: 10, type: lost, gpu: 1}               # every call on GPU 1 → GPU_IS_LOST
+  - {at: 12, type: slow, gpu: 0, seconds: 3}   # every call on GPU 0 answers 3 s late (a GPU in trouble)
+  - {at: 15, type: restore, gpu: 0}            # GPU answers again, promptly
   - {at: 20, type: driver_unloaded, until: 30} # init/all calls fail, then recover
 kmsg: ["NVRM: Xid (PCI:0000:00:06): 79, pid=0, GPU has fallen off the bus."]
 system:                         # node-wide recording keys → replacement (same shorthand as overrides)
@@ -221,7 +223,8 @@ class _Event:
     data: Mapping[str, Any]
 
 
-_EVENT_TYPES = frozenset({"xid", "set", "lost", "driver_unloaded", "restore"})
+_EVENT_TYPES = frozenset({"xid", "set", "lost", "slow", "driver_unloaded", "restore"})
+MAX_SLOW_S = 3600.0  # a ``slow`` event's delay per call
 
 
 def _index(value: Any, where: str) -> int:
@@ -267,7 +270,7 @@ def _event(ev: Any, where: str) -> _Event:
     gpu = ev.get("gpu")
     index = None if gpu is None else _index(gpu, f"{where}.gpu {gpu!r:.40}")
     kind = str(ev["type"])
-    if kind in ("set", "lost", "restore") and index is None:
+    if kind in ("set", "lost", "slow", "restore") and index is None:
         raise RecordingError(f"{where}: a '{kind}' event needs 'gpu'")
     if kind == "xid":
         xid = ev.get("xid", 0)
@@ -275,6 +278,10 @@ def _event(ev: Any, where: str) -> _Event:
             raise RecordingError(f"{where}.xid: expected an XID number, got {xid!r:.40}")
     if kind == "set":
         _check_override(ev.get("key"), ev.get("value"), f"{where} (set {ev.get('key')!r:.40})")
+    if kind == "slow":
+        secs = ev.get("seconds")
+        if isinstance(secs, bool) or not isinstance(secs, (int, float)) or not 0 <= secs <= MAX_SLOW_S:
+            raise RecordingError(f"{where}.seconds: expected seconds per call (0..{MAX_SLOW_S:g}), got {secs!r:.40}")
     if kind == "driver_unloaded" and ev.get("until") is not None:
         until = ev["until"]
         if isinstance(until, bool) or not isinstance(until, (int, float)) or not 0 <= until < math.inf:
@@ -324,6 +331,7 @@ class FakeNvml:
         self._events = sorted(events, key=lambda e: e.at)
         self._next_event = 0
         self._lost: set[int] = set()
+        self._slow: dict[int, float] = {}  # GPU index → seconds each call on it waits (``slow`` events)
         self._driver_down_until: float | None = None
         self._initialised = False
         self._xid_queue: list[XidEvent] = []
@@ -519,8 +527,11 @@ class FakeNvml:
             self._apply_override(ev.gpu, str(ev.data["key"]), ev.data.get("value"))
         elif ev.type == "lost" and ev.gpu is not None:
             self._lost.add(ev.gpu)
+        elif ev.type == "slow" and ev.gpu is not None:
+            self._slow[ev.gpu] = float(ev.data["seconds"])
         elif ev.type == "restore" and ev.gpu is not None:
             self._lost.discard(ev.gpu)
+            self._slow.pop(ev.gpu, None)
         elif ev.type == "driver_unloaded":
             until = ev.data.get("until")
             self._driver_down_until = float(until) if until is not None else float("inf")
@@ -531,6 +542,15 @@ class FakeNvml:
             return str(self._devices[idx]["PciInfo"]["value"]["busId"])
         except (KeyError, TypeError, IndexError):
             return ""
+
+    def _stall(self, index: int) -> None:
+        """A ``slow`` GPU's call waits before it answers, outside the lock: NVML calls on a GPU in
+        trouble can take seconds (the reason collectors run under ``collectors.timeout_s``)."""
+        with self._lock:
+            self._advance()
+            delay = self._slow.get(index, 0.0)
+        if delay > 0:
+            time.sleep(delay)
 
     def _check(self, index: int | None = None) -> None:
         self._advance()
@@ -578,6 +598,7 @@ class FakeNvml:
             return len(self._devices)
 
     def query(self, index: int, key: str) -> Any:
+        self._stall(index)
         with self._lock:
             self._check(index)
             entry = self._devices[index].get(key)
@@ -592,6 +613,7 @@ class FakeNvml:
             return check_reading(key, value)  # a recording can say anything: BadValue when no GPU could
 
     def nvlink(self, index: int, link: int, key: str) -> Any:
+        self._stall(index)
         with self._lock:
             self._check(index)
             if not 0 <= link < NVLINK_MAX_LINKS:
@@ -607,6 +629,7 @@ class FakeNvml:
             return check_nvlink(link, key, _answer(entry[key], f"{self._source}: devices[{index}].nvlink.{link}.{key}"))
 
     def field_values(self, index: int, requests: Sequence[tuple[str, int]]) -> list[FieldResult]:
+        self._stall(index)
         with self._lock:
             self._check(index)
             dev = self._devices[index]

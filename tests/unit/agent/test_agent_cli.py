@@ -14,8 +14,8 @@ from gpuhealth.cli.agent import command
 @pytest.mark.parametrize(
     ("args", "needle"),
     [
-        (["--listen", "nowhere"], "expected HOST:PORT"),
-        (["--listen", "127.0.0.1:99999"], "port must be 0..65535"),
+        (["--listen", "nowhere"], "'nowhere' is not host:port"),
+        (["--listen", "127.0.0.1:99999"], "a port from 0 to 65535"),
         (["--nvml-snapshot", "/nonexistent/rec.json"], "/nonexistent/rec.json"),
         (["--config", "/nonexistent/agent.yaml"], "cannot read"),
     ],

@@ -74,6 +74,32 @@ def test_scenario_overrides_clones_and_events(tmp_path: Path, clock) -> None:  #
     assert fake.device_count() == 8
 
 
+def test_a_slow_gpu_answers_late_until_restored(tmp_path: Path, clock) -> None:  # type: ignore[no-untyped-def]
+    import time
+
+    scenario = {"recording": "nvml_h200x2.json",
+                "events": [{"at": 5, "type": "slow", "gpu": 0, "seconds": 0.2},
+                           {"at": 10, "type": "restore", "gpu": 0}]}
+    path = tmp_path / "s.json"
+    path.write_text(json.dumps(scenario))
+    fake = FakeNvml.from_file(path, clock=clock)
+    fake.init()
+
+    def took(gpu: int) -> float:
+        t0 = time.perf_counter()
+        fake.query(gpu, "Name")
+        return time.perf_counter() - t0
+
+    assert took(0) < 0.1
+    clock.advance(6)
+    assert took(0) >= 0.2 and took(1) < 0.1  # only the slow GPU's calls wait
+    clock.advance(5)
+    assert took(0) < 0.1
+    path.write_text(json.dumps({"recording": "nvml_h200x2.json", "events": [{"type": "slow", "gpu": 0}]}))
+    with pytest.raises(RecordingError, match=r"seconds"):
+        FakeNvml.from_file(path)
+
+
 def test_malformed_files_name_file_and_key(tmp_path: Path) -> None:
     bad = tmp_path / "bad.json"
     bad.write_text("{not json")
