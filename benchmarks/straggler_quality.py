@@ -18,6 +18,9 @@ Student-t (3 dof) with CV 0–30 %, plus rare heavy-tail spikes (1.5–5×). Fam
                 per step a TP all_reduce, then 1–3 DP gradient buckets back to back; groups named "1",
                 "2", … in creation order as torch names them), with or without start times; 1.1–2×
     fr_grid_healthy  the same layouts without a straggler (noise 0–30 %): false alarms
+    small_graded     3–7 ranks (step records), two or three stragglers slowed by different amounts (1.1–2×), so
+                     they hide each other from the median (1×, 1.1×, 1.2×, 1.3× among four): all must be named
+    small_one_fast   3–7 ranks, no straggler, one rank 5–20 % *faster* than the rest: nobody is named
     healthy     no straggler, noise 0–30 %, 2–1,024 ranks, some with data-dependent step times
     spikes      no straggler, heavy-tail spikes on random (rank, step)s
     checkpoint  no straggler, every 50th step slow on every rank (or on rank 0 alone: it saves)
@@ -167,7 +170,7 @@ def build_corpus(seed: int) -> list[Case]:
         for job in ("sustained", "gradual"):
             cases.append(Case(f"job slowdown {job} n={world}", "job_slow", world, pick(BASES), pick((0.05, 0.15)),
                               seed, noise_kind=pick(NOISE_KINDS), split=pick(SPLITS), job=job))
-    return cases + grid_corpus(seed)
+    return cases + grid_corpus(seed) + small_corpus(seed)
 
 
 def grid_corpus(seed: int) -> list[Case]:
@@ -205,6 +208,32 @@ def grid_corpus(seed: int) -> list[Case]:
     return cases
 
 
+def small_corpus(seed: int) -> list[Case]:
+    """Jobs of 3–7 ranks where the median of the other ranks misleads: several stragglers of different
+    factors, or one fast rank. A generator of their own, so the families above are the same cases as before."""
+    rng = np.random.default_rng([seed, 0x736D616C])
+    cases: list[Case] = []
+    for i in range(12):
+        world = int(rng.integers(3, 8))
+        n_slow = int(rng.integers(2, min(3, world - 1) + 1))
+        factors = sorted(float(f) for f in rng.choice((1.1, 1.2, 1.3, 1.5, 2.0), size=n_slow, replace=False))
+        ranks = rng.choice(world, size=n_slow, replace=False)
+        noise = float(rng.choice((0.02, 0.05, 0.10)))
+        onset = int(rng.choice((0, int(rng.integers(60, 141)))))
+        slow = tuple(Slow(int(r), f, onset) for r, f in zip(ranks, factors, strict=True))
+        cases.append(Case(f"small_graded n={world} f={factors} cv={noise} #{i}", "small_graded", world,
+                          float(rng.choice(BASES)), noise, seed, slow, str(rng.choice(NOISE_KINDS)),
+                          str(rng.choice(SPLITS))))
+    for i in range(8):
+        world = int(rng.integers(3, 8))
+        fast = (int(rng.integers(world)), float(rng.choice((0.8, 0.9, 0.95))))
+        noise = float(rng.choice((0.02, 0.05, 0.15)))
+        cases.append(Case(f"small_one_fast n={world} f={fast[1]} cv={noise} #{i}", "small_one_fast", world,
+                          float(rng.choice(BASES)), noise, seed, (), str(rng.choice(NOISE_KINDS)),
+                          str(rng.choice(SPLITS)), extra={"fast": fast}))
+    return cases
+
+
 def simulate(case: Case) -> tuple[np.ndarray, np.ndarray]:
     """(compute[rank, step], wall[step]) in seconds."""
     rng = np.random.default_rng([case.seed, zlib.crc32(case.name.encode())])
@@ -228,6 +257,9 @@ def simulate(case: Case) -> tuple[np.ndarray, np.ndarray]:
         if sl.alternate:
             cols = cols[(cols - sl.onset) % 2 == 1]
         factor[sl.rank, cols] = sl.factor
+    if "fast" in case.extra:
+        rank, f = case.extra["fast"]
+        factor[rank, :] = f
     job = np.ones(s)
     if case.job in ("checkpoint", "checkpoint_rank0"):
         ckpt = np.arange(49, s, 50)
@@ -411,7 +443,9 @@ def triage_cli(case: Case, tmp: Path) -> dict[str, Any]:
 
 def report(outcomes: Sequence[Outcome], cli: list[tuple[Case, dict[str, Any], set[int]]]) -> dict[str, Any]:
     grid = [o for o in outcomes if o.case.fr == "grid"]
-    outcomes = [o for o in outcomes if o.case.fr != "grid"]  # the figures below as before the grid families
+    small = [o for o in outcomes if o.case.family.startswith("small_")]
+    # the figures below as before the grid and small-job families
+    outcomes = [o for o in outcomes if o.case.fr != "grid" and not o.case.family.startswith("small_")]
     pos_by: dict[tuple[float, float], list[bool]] = defaultdict(list)
     fam_hits: dict[str, list[bool]] = defaultdict(list)
     onset_err: list[int] = []
@@ -478,6 +512,7 @@ def report(outcomes: Sequence[Outcome], cli: list[tuple[Case, dict[str, Any], se
         "seconds_1024x200_max": round(max(large_time), 3) if large_time else None,
         "seconds_total_detection": round(sum(o.seconds for o in outcomes), 2),
         "fr_grid": grid_report(grid),
+        "small_jobs": small_report(small),
         "cli_agrees": f"{sum(1 for c, d, lib in cli if set(d.get('culprits') or []) == lib)}/{len(cli)}",
         "cli_verdicts": [(c.name, d.get("verdict"), d.get("culprits")) for c, d, _ in cli],
     }
@@ -517,6 +552,37 @@ def grid_report(outcomes: Sequence[Outcome]) -> dict[str, Any]:
         "delay_steps_median": statistics.median(delays) if delays else None,
         "delay_steps_p90": sorted(delays)[int(0.9 * (len(delays) - 1))] if delays else None,
         "not_right": missed,
+    }
+
+
+def small_report(outcomes: Sequence[Outcome]) -> dict[str, Any]:
+    """3–7 ranks: graded stragglers (every one named?) and one fast rank (anybody named?)."""
+    by_factor: dict[str, list[bool]] = defaultdict(list)
+    graded = exact = one_fast = flagged = wrong = 0
+    not_right: list[str] = []
+    for o in outcomes:
+        c = o.case
+        expected = {sl.rank for sl in c.slow}
+        got = set(o.flagged)
+        wrong += len(got - expected)
+        if c.family == "small_one_fast":
+            one_fast += 1
+            if got:
+                flagged += 1
+                not_right.append(f"{c.name} seed={c.seed}: flagged {sorted(got)}")
+            continue
+        graded += 1
+        exact += got == expected
+        for sl in c.slow:
+            by_factor[f"{sl.factor}"].append(sl.rank in got)
+        if got != expected:
+            not_right.append(f"{c.name} seed={c.seed}: expected {sorted(expected)}, flagged {sorted(got)}")
+    return {
+        "graded_all_named_exactly": f"{exact}/{graded}",
+        "graded_recall_by_factor": {k: f"{sum(v)}/{len(v)}" for k, v in sorted(by_factor.items())},
+        "one_fast_rank_flagged": f"{flagged}/{one_fast}",
+        "wrong_ranks_flagged_total": wrong,
+        "not_right": not_right,
     }
 
 
@@ -572,7 +638,8 @@ def main() -> int:
     outcomes = evaluate(cases, delay=not args.no_delay)
     cli = []
     if args.cli_sample:
-        sample = [c for c in cases if not c.fr and c.world <= 64]
+        # the small-job families came later: the sample stays the cases it was
+        sample = [c for c in cases if not c.fr and c.world <= 64 and not c.family.startswith("small_")]
         step = max(1, len(sample) // args.cli_sample)
         lib = {id(o.case): set(o.flagged) for o in outcomes}
         with tempfile.TemporaryDirectory() as tmp:

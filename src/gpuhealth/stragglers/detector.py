@@ -533,7 +533,8 @@ class StragglerDetector:
         typical_se = float(np.median(se[idx]))
         if float(np.median(good)) - ref < max(floor, 3 * typical_se):
             return win  # the median is where most ranks are: the comparison above is the right one
-        if float(good[-1] - good[1]) < max(floor, z_crit * typical_se):
+        # (a difference of two ranks' window levels: its standard error is √2 times one level's)
+        if float(good[-1] - good[1]) < max(floor, z_crit * math.sqrt(2.0) * typical_se):
             return win  # the others agree on one pace (no more spread than noise): the fast rank is the odd one
         with np.errstate(invalid="ignore", divide="ignore"):
             excess = lv - ref
