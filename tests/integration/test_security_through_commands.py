@@ -417,3 +417,30 @@ def test_an_agent_port_in_use_names_the_address_and_key(tmp_path: Path) -> None:
         res = run_cli("agent", "--config", str(cfg), timeout=60)
     assert res.returncode == 3, res.stderr
     assert f"gpuhealth agent: agent.listen 127.0.0.1:{port}: cannot listen: Address already in use" in res.stderr
+
+
+def test_an_agent_socket_under_a_missing_folder_is_named_not_created(tmp_path: Path) -> None:
+    # only the socket's own folder is made (as systemd's RuntimeDirectory would); a typo above it is not a tree
+    # to create as root: the agent says which key, and keeps serving its health
+    typo = tmp_path / "rnu" / "gpuhealth" / "agent.sock"
+    cfg = write_config(tmp_path / "agent.yaml", {
+        "agent": {"nvml_snapshot": str(SCENARIO), "listen": "127.0.0.1:0", "state_dir": str(tmp_path),
+                  "socket_path": str(typo)}, "diag": {"enabled": False}})
+    agent = Agent(tmp_path / "agent", cfg)
+    try:
+        until(lambda: "agent.socket_path: " in agent.log(), 30, "the rank hub's refusal naming agent.socket_path")
+        assert f"{tmp_path / 'rnu'} does not exist" in agent.log()
+        assert not (tmp_path / "rnu").exists()
+        agent.wait_ready()
+        assert agent.health()["node"]
+    finally:
+        agent.stop()
+    made = tmp_path / "run" / "agent.sock"  # its own folder, under one that exists: made
+    cfg = write_config(tmp_path / "agent2.yaml", {
+        "agent": {"nvml_snapshot": str(SCENARIO), "listen": "127.0.0.1:0", "state_dir": str(tmp_path),
+                  "socket_path": str(made)}, "diag": {"enabled": False}})
+    agent = Agent(tmp_path / "agent2", cfg)
+    try:
+        until(made.exists, 30, "the rank socket in the folder the agent made")
+    finally:
+        agent.stop()

@@ -315,10 +315,15 @@ class RankHub:
         path = self.socket_path
         if len(os.fsencode(str(path))) > _UNIX_PATH_MAX:
             raise RankHubError(f"socket path {path} is longer than {_UNIX_PATH_MAX} bytes (unix socket limit)")
+        # Only the socket's own folder is made (as systemd's RuntimeDirectory would): a path whose folder above
+        # that does not exist is a typo, not a tree to create as root.
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
+            path.parent.mkdir(exist_ok=True)
+        except FileNotFoundError as exc:
+            raise RankHubError(f"agent.socket_path: {path.parent.parent} does not exist (only the socket's own "
+                               f"folder {path.parent.name}/ is created)") from exc
         except OSError as exc:
-            raise RankHubError(f"cannot create {path.parent}: {exc.strerror or exc}") from exc
+            raise RankHubError(f"agent.socket_path: cannot create {path.parent}: {exc.strerror or exc}") from exc
         try:
             st = path.lstat()
         except FileNotFoundError:
