@@ -345,7 +345,7 @@ SCENARIO = Path(__file__).parents[1] / "fixtures" / "scenarios" / "faulty_node.y
 
 @pytest.fixture
 def agent(tmp_path: Path, sock_dir: Path) -> Iterator[Any]:
-    """``gpuhealth agent`` with its rank socket in ``sock_dir`` (mode 0660, as shipped)."""
+    """``gpuhealth agent`` with its rank socket in ``sock_dir`` (mode 0666, as shipped)."""
     import yaml
     from agent_process import AgentProcess
 
@@ -459,6 +459,22 @@ for i in range(first, first + n):
 print("done", flush=True)
 sys.stdin.read()
 """
+
+
+@needs_root
+def test_a_rank_of_another_user_reaches_the_agent_as_shipped(agent: Any, sock_dir: Path) -> None:
+    """The agent runs as its own user (systemd's DynamicUser, a pod's root) and ranks as theirs: with the socket as
+    the agent makes it (no chown, no group given), another user's rank connects and its record counts. A 0660
+    socket refused it: permission denied, and the rank's Tracker ran without an agent."""
+    sock = sock_dir / "agent.sock"
+    assert sock.stat().st_mode & 0o777 == 0o666
+    rank = RankProcess(sock, "theirs", 0, uid=NOBODY)
+    try:
+        rank.do("steps theirs 0 1")
+        until(lambda: _counter(agent, "agent_rank_step_records_total") == 1, 20, "the other user's record")
+        assert _counter(agent, "agent_job_ranks_connected", '{job_id="theirs"}') == 1
+    finally:
+        rank.kill()
 
 
 @needs_root

@@ -217,11 +217,16 @@ class _Listener:
 
 
 class RankHub:
-    """Listens for instrumented training ranks on ``socket_path`` (file mode ``mode``)."""
+    """Listens for instrumented training ranks on ``socket_path`` (file mode ``mode``).
+
+    0666 by default: training ranks run as their users, and the agent as its own (systemd's DynamicUser, a pod's
+    root), so a 0660 socket refused every rank but root's. Who a connection is comes from the kernel
+    (``SO_PEERCRED``), never from the file's mode: a user joins only its own jobs, within its share of the slots.
+    A site narrows who may connect with the folder's mode (``RuntimeDirectoryMode``)."""
 
     name = "ranks"
 
-    def __init__(self, socket_path: str | os.PathLike[str], *, mode: int = 0o660, send_timeout_s: float = 2.0,
+    def __init__(self, socket_path: str | os.PathLike[str], *, mode: int = 0o666, send_timeout_s: float = 2.0,
                  max_dump_bytes: int = 32 * 1024 * 1024, max_inflight_dump_bytes: int = 64 * 1024 * 1024,
                  max_connections: int = 1024, max_buffered_bytes: int = 64 * 1024 * 1024,
                  hello_timeout_s: float = 10.0, line_timeout_s: float = 30.0,
