@@ -6,15 +6,21 @@
 #   SCONTROL                 scontrol executable             (default: scontrol on PATH)
 #   GPUHEALTH_SLURM_JOB_DIR  GPU -> job map for the agent    (default: /run/gpuhealth/slurm-jobs;
 #                            must equal agent.slurm_job_dir in /etc/gpuhealth/agent.yaml)
+#   GPUHEALTH_CONFIG         the agent's config file, given to every check as --config when it exists
+#                            (default: /etc/gpuhealth/agent.yaml; "" = none): a check that runs here
+#                            (qualify, status with the agent down) judges by the node's own
+#                            collectors.expected_gpus, thresholds_file, disabled and diag.* settings
 #   GPUHEALTH_TIMEOUT_S      limit for one check             (default: 120)
-#   GPUHEALTH_AGENT_URL      the node's running agent        (default: http://127.0.0.1:9502; "" = never ask)
+#   GPUHEALTH_AGENT_URL      the node's running agent        (default: http://127.0.0.1:9502; "" = never ask;
+#                            host:port means http://host:port)
 #                            `gpuhealth status` asks it first: it has the history one sweep lacks
 #                            (NVLink/SBE/PCIe-replay rates, XIDs that came and went). Only when it
 #                            does not answer does status check once itself, and the drain reason
 #                            says "agent down, one-shot check".
 #   GPUHEALTH_AGENT_TIMEOUT_S  how long to wait for the agent (default: 5)
 #   GPUHEALTH_ON_ERROR       what a check that could not run (crash, timeout, missing binary)
-#                            does: "ignore" (log, node stays in service; default) or "drain"
+#                            does: "ignore" (log, node stays in service; default) or "drain"; any other
+#                            value is logged and means ignore
 #   Screening between jobs (docs/diagnostics.md):
 #   GPUHEALTH_SCREEN_BLOCK_DIR  the agent's block directory   (default: /run/gpuhealth/screen-block;
 #                            must equal diag.screen_block_dir): the prolog writes job-<id> there, which
@@ -37,6 +43,7 @@ fi
 GPUHEALTH_BIN=${GPUHEALTH_BIN:-gpuhealth}
 SCONTROL=${SCONTROL:-scontrol}
 GPUHEALTH_SLURM_JOB_DIR=${GPUHEALTH_SLURM_JOB_DIR:-/run/gpuhealth/slurm-jobs}
+GPUHEALTH_CONFIG=${GPUHEALTH_CONFIG-/etc/gpuhealth/agent.yaml}
 GPUHEALTH_TIMEOUT_S=${GPUHEALTH_TIMEOUT_S:-120}
 GPUHEALTH_ON_ERROR=${GPUHEALTH_ON_ERROR:-ignore}
 GPUHEALTH_AGENT_URL=${GPUHEALTH_AGENT_URL-http://127.0.0.1:9502}
@@ -64,6 +71,13 @@ gh_log() {
     printf 'gpuhealth-slurm: %s\n' "$*" >&2
 }
 
+# a typo must not pass unnoticed as "ignore"
+case "$GPUHEALTH_ON_ERROR" in
+    drain|ignore) ;;
+    *) gh_log "GPUHEALTH_ON_ERROR=$GPUHEALTH_ON_ERROR is neither drain nor ignore; using ignore"
+       GPUHEALTH_ON_ERROR=ignore ;;
+esac
+
 gh_node_name() {
     if [ -n "${SLURMD_NODENAME:-}" ]; then
         printf '%s\n' "$SLURMD_NODENAME"
@@ -72,11 +86,25 @@ gh_node_name() {
     fi
 }
 
-# gh_run_check ARGS... : run gpuhealth with ARGS; sets GH_RC (exit code) and GH_OUT (stdout file).
+# gh_config_args ARGS... : "--config GPUHEALTH_CONFIG" (one per line) when that file exists and ARGS name no
+# --config of their own. A node without the file is checked with the defaults, as before.
+gh_config_args() {
+    local a
+    [ -n "$GPUHEALTH_CONFIG" ] && [ -f "$GPUHEALTH_CONFIG" ] || return 0
+    for a in "$@"; do
+        case "$a" in --config|--config=*) return 0 ;; esac
+    done
+    printf '%s\n' --config "$GPUHEALTH_CONFIG"
+}
+
+# gh_run_check ARGS... : run gpuhealth with ARGS (and the node's config file); sets GH_RC (exit code) and
+# GH_OUT (stdout file).
 gh_run_check() {
     GH_OUT=$(mktemp "${TMPDIR:-/tmp}/gpuhealth-slurm.XXXXXX")
-    local errfile
+    local errfile config=()
     errfile=$(mktemp "${TMPDIR:-/tmp}/gpuhealth-slurm.XXXXXX")
+    mapfile -t config < <(gh_config_args "$@")
+    set -- "$@" ${config[@]+"${config[@]}"}
     if command -v timeout >/dev/null 2>&1; then
         timeout --kill-after=10 "$GPUHEALTH_TIMEOUT_S" "$GPUHEALTH_BIN" "$@" >"$GH_OUT" 2>"$errfile"
     else
@@ -302,10 +330,12 @@ gh_wait_gpus_free() {
 # gh_request_screen LEVEL : ask the running agent to screen the idle node now (it owns the run, the
 # locks and the budget). Never blocks the caller for long; the agent being down is only logged.
 gh_request_screen() {
-    local level=$1 answer
+    local level=$1 answer url
     [ -n "$level" ] && [ -n "${GPUHEALTH_AGENT_URL:-}" ] || return 0
     command -v python3 >/dev/null 2>&1 || { gh_log "no python3: no screen asked for"; return 0; }
-    answer=$(timeout 5 python3 - "${GPUHEALTH_AGENT_URL%/}/screen?level=$level&trigger=epilog" <<'PY' 2>&1
+    url=${GPUHEALTH_AGENT_URL%/}
+    case "$url" in *://*) ;; *) url="http://$url" ;; esac  # host:port, as `gpuhealth status` takes it
+    answer=$(timeout 5 python3 - "$url/screen?level=$level&trigger=epilog" <<'PY' 2>&1
 import sys, urllib.error, urllib.request
 req = urllib.request.Request(sys.argv[1], data=b"", method="POST")
 try:

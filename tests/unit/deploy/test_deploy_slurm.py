@@ -131,6 +131,7 @@ def slurm(tmp_path: Path) -> Slurm:
         "GPUHEALTH_SCREEN_BLOCK_DIR": str(tmp_path / "screen-block"),
         "GPUHEALTH_DIAG_LOCK_DIR": str(tmp_path / "diag-locks"),
         "GPUHEALTH_AGENT_URL": "",  # the stub gpuhealth is the agent here: no screen to ask for
+        "GPUHEALTH_CONFIG": str(tmp_path / "absent-agent.yaml"),  # the calls below do not depend on this host's /etc
         "TMPDIR": str(tmp_path),
         "NVIDIA_SMI": "nvidia-smi-not-installed",
     }
