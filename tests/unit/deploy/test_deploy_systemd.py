@@ -119,8 +119,9 @@ def test_coordinator_gets_no_devices_and_its_own_state() -> None:
     assert "DeviceAllow" not in s and s["PrivateDevices"] == ["yes"]
     assert s["CapabilityBoundingSet"] == [""]
     assert s["StateDirectory"] == ["gpuhealth-coordinator"]
-    env = dict(v.split("=", 1) for v in s["Environment"])
-    assert env["GPUHEALTH_COORDINATOR_DB_PATH"].startswith("/var/lib/gpuhealth-coordinator/")
+    # the database's place is the shipped coordinator.yaml's db_path (tests/integration/test_deploy_systemd_config.py)
+    assert load_config(SYSTEMD / "coordinator.yaml", env={}).coordinator.db_path.startswith(
+        "/var/lib/gpuhealth-coordinator/")
 
 
 def test_agent_reloads_its_config_on_systemctl_reload() -> None:
