@@ -35,8 +35,8 @@ def coordinator_options(func: Callable[..., Any]) -> Callable[..., Any]:
                      help="Bearer token (default: coordinator.operator_token, else coordinator.token_file, else "
                           "coordinator.token from config; live triage needs the operator token). Visible in ps: "
                           "prefer --token-file or the GPUHEALTH_TOKEN variable."),
-        click.option("--token-file", type=click.Path(dir_okay=False), envvar=TOKEN_FILE_VARIABLE,
-                     help=_TOKEN_FILE_HELP),
+        # read (and any fault said, exit 3) by resolve: the flag and the variable fail alike
+        click.option("--token-file", metavar="FILE", envvar=TOKEN_FILE_VARIABLE, help=_TOKEN_FILE_HELP),
         click.option("--tls-cert", help="Client certificate (mutual TLS)."),
         click.option("--tls-key", help="Client private key."),
         click.option("--tls-ca", help="CA of the coordinator's certificate."),
@@ -49,13 +49,16 @@ def coordinator_options(func: Callable[..., Any]) -> Callable[..., Any]:
 def resolve(config_path: str | None, address: str | None, token: str | None, tls_cert: str | None,
             tls_key: str | None, tls_ca: str | None, token_file: str | None = None) -> tuple[str, str | None, Any]:
     """(address, bearer token, TLS files) for a query; ``CoordinatorClientError`` (exit 3) for a config,
-    a configured token file or TLS setting that cannot be used; ``click.UsageError`` for a ``--token-file``
-    that cannot be read."""
+    a token file (``--token-file``, ``GPUHEALTH_TOKEN_FILE`` or the config's) or TLS setting that cannot be
+    used."""
     from gpuhealth.runtime.credentials import CredentialError, read_token
     from gpuhealth.runtime.tls import SecurityConfigError, tls_files
 
     # The variable is read here too, for commands without a --token-file flag (triage --job).
-    token = pick_secret(token, token_file or os.environ.get(TOKEN_FILE_VARIABLE) or None)  # unreadable: usage error
+    try:
+        token = pick_secret(token, token_file or os.environ.get(TOKEN_FILE_VARIABLE) or None)
+    except click.UsageError as exc:  # a file that is there on the command line but unusable: could not ask (3)
+        raise CoordinatorClientError(exc.message) from exc
     try:
         cfg = load_config(config_path)
         c = cfg.coordinator
