@@ -25,6 +25,10 @@ kmsg: ["NVRM: Xid (PCI:0000:00:06): 79, pid=0, GPU has fallen off the bus."]
 system:                         # node-wide recording keys → replacement (same shorthand as overrides)
   fabric_manager: stopped
   environment: {virtualization: none, container: false, host_pid_namespace: true, nvswitches_visible: 4}
+  other_pci_gpus:               # NVIDIA GPUs on the host's PCI bus that the recording's NVML does not list
+    - {bdf: "0000:40:00.0", driver: nvidia, minor: 2, device_node: refused}  # listed by the driver, cgroup says no
+    - {bdf: "0000:50:00.0", driver: nvidia}   # no minor: not in this view's /proc/driver/nvidia/gpus
+    - {bdf: "0000:60:00.0", driver: null}     # bound to no driver (the driver failed to probe it)
 ```
 The clock is injected (``clock``), so tests step time without sleeping.
 """
@@ -57,8 +61,9 @@ MAX_KMSG_LINES = 100_000
 MAX_RECORDED_LINKS = 64  # the recorder probes past NVML's link count (36 on a recording of an H200)
 DEFAULT_RECORDING = "nvml_h200x2.json"
 # Node-wide keys a scenario's ``system`` may replace (what ``FakeNvml.system`` answers besides the driver's).
-SYSTEM_KEYS = ("driver", "nvml_version", "cuda_driver", "fabric_manager", "environment")
-HOST_KEYS = ("fabric_manager", "environment")  # what the recorder read from the host, not from NVML
+SYSTEM_KEYS = ("driver", "nvml_version", "cuda_driver", "fabric_manager", "environment", "other_pci_gpus")
+HOST_KEYS = ("fabric_manager", "environment", "other_pci_gpus")  # read from the host, not from NVML
+_DEVICE_NODE_STATES = ("present", "absent", "refused")  # /dev/nvidia<minor> of an ``other_pci_gpus`` entry
 
 # Per-link field ids served from the recording's per-link counters (scope = link number).
 _PER_LINK_FIELDS = {
@@ -198,6 +203,26 @@ def _check_sysfs(sysfs: Any, where: str) -> None:
     for name, value in sysfs.items():
         if isinstance(value, bool) or not isinstance(value, (str, int, float)) or len(str(value)) > 4096:
             raise RecordingError(f"{where}.{name}: expected a line of text, got {value!r:.40}")
+
+
+def _check_other_pci_gpus(value: Any, where: str) -> None:
+    """``system.other_pci_gpus``: what sysfs, the driver's GPU list and /dev say about GPUs NVML does not list."""
+    if not isinstance(value, list) or len(value) > MAX_GPUS:
+        raise RecordingError(f"{where}: expected a list of at most {MAX_GPUS} {{bdf, driver, minor, device_node}}")
+    for n, gpu in enumerate(value):
+        at = f"{where}[{n}]"
+        if not isinstance(gpu, Mapping) or not set(gpu) <= {"bdf", "driver", "minor", "device_node"}:
+            raise RecordingError(f"{at}: expected {{bdf, driver, minor, device_node}}")
+        bdf = gpu.get("bdf")
+        if not isinstance(bdf, str) or bdf.count(":") != 2 or "." not in bdf:
+            raise RecordingError(f"{at}.bdf: expected a PCI address such as 0000:40:00.0, got {bdf!r:.40}")
+        if gpu.get("driver") is not None and not isinstance(gpu.get("driver"), str):
+            raise RecordingError(f"{at}.driver: expected a kernel driver's name or null")
+        minor = gpu.get("minor")
+        if minor is not None and (isinstance(minor, bool) or not isinstance(minor, int) or not 0 <= minor < 256):
+            raise RecordingError(f"{at}.minor: expected the device minor (0..255) or null, got {minor!r:.40}")
+        if gpu.get("device_node", "present") not in _DEVICE_NODE_STATES:
+            raise RecordingError(f"{at}.device_node: expected one of {', '.join(_DEVICE_NODE_STATES)}")
 
 
 def _normalise_override(value: Any, where: str = "override") -> dict[str, Any]:
@@ -401,6 +426,8 @@ class FakeNvml:
         if not isinstance(raw_system, Mapping) or not all(
                 isinstance(k, str) and k in SYSTEM_KEYS for k in raw_system):
             raise RecordingError(f"{source}: 'system' must map node-wide keys ({', '.join(SYSTEM_KEYS)}) → values")
+        if "other_pci_gpus" in raw_system:
+            _check_other_pci_gpus(raw_system["other_pci_gpus"], f"{source}: system.other_pci_gpus")
         if raw_system:
             recording = {**recording, **{k: _normalise_override(v, f"{source}: system.{k}")
                                          for k, v in raw_system.items()}}

@@ -213,6 +213,11 @@ class Sysfs(Protocol):
         """``/dev/nvidia<minor>`` is present in this view (a container gets only its GPUs' nodes)."""
         ...
 
+    def device_node_refused(self, minor: int) -> bool:
+        """``/dev/nvidia<minor>`` is present but this process may not open it: the device cgroup (Slurm
+        ``ConstrainDevices``, Apptainer/enroot under Slurm) or its file mode refuses it."""
+        ...
+
     def infiniband_ports(self) -> list[IbPort]: ...
 
     def numa_nodes(self) -> dict[int, frozenset[int]]:
@@ -273,6 +278,12 @@ class RealSysfs:
 
     def device_node_exists(self, minor: int) -> bool:
         return (self._root / "dev" / f"nvidia{minor}").exists()
+
+    def device_node_refused(self, minor: int) -> bool:
+        # access(2) runs the kernel's open checks (file mode, then the device cgroup) without calling
+        # the driver's open, which would try to bring an uninitialised GPU up.
+        path = self._root / "dev" / f"nvidia{minor}"
+        return path.exists() and not os.access(path, os.R_OK | os.W_OK)
 
     def pci_device(self, bdf: str) -> PciDevice | None:
         norm = normalise_bdf(bdf)
@@ -405,14 +416,43 @@ class RecordedSysfs:
                 return self._device(data)
         return None
 
-    def nvidia_pci_devices(self) -> list[PciDevice]:
+    def _others(self) -> list[Mapping[str, Any]]:
+        """A scenario's ``system.other_pci_gpus``: NVIDIA GPUs on the host's bus that its NVML does not list
+        (``{bdf, driver, minor, device_node}``, checked by the fake backend when it loads the scenario)."""
+        try:
+            others = self._backend.system("other_pci_gpus")
+        except NvmlError:
+            return []
+        if not isinstance(others, list):
+            return []
+        return [o for o in others if isinstance(o, Mapping) and isinstance(o.get("bdf"), str)]
+
+    def _other_node(self, minor: int) -> str:
+        return next((str(o.get("device_node", "present")) for o in self._others() if o.get("minor") == minor),
+                    "present")
+
+    def _recorded_gpus(self) -> list[PciDevice]:
         return [d for d in (self._device(x) for x in self._recorded() if x.get("bdf")) if d.is_nvidia_gpu]
 
+    def nvidia_pci_devices(self) -> list[PciDevice]:
+        recorded = self._recorded_gpus()
+        others = [PciDevice(bdf=normalise_bdf(o["bdf"]), vendor=NVIDIA_VENDOR_ID, pci_class=0x0302,
+                            driver=o.get("driver", "nvidia")) for o in self._others()]
+        return recorded + others
+
     def nvidia_driver_gpus(self) -> dict[str, int | None] | None:
-        return {d.bdf: None for d in self.nvidia_pci_devices()}  # a recording holds only the driver's GPUs
+        # a recording holds only the driver's GPUs; another GPU is listed when the scenario gives its minor
+        listed: dict[str, int | None] = {d.bdf: None for d in self._recorded_gpus()}
+        for o in self._others():
+            if isinstance(o.get("minor"), int):
+                listed[normalise_bdf(o["bdf"])] = o["minor"]
+        return listed
 
     def device_node_exists(self, minor: int) -> bool:
-        return True
+        return self._other_node(minor) != "absent"
+
+    def device_node_refused(self, minor: int) -> bool:
+        return self._other_node(minor) == "refused"
 
     def infiniband_ports(self) -> list[IbPort]:
         return []

@@ -1,12 +1,18 @@
 """GPU presence: are all the GPUs there, and does each still answer?
 
-- ``gpu.missing`` (critical, node): fewer GPUs in NVML than ``collectors.expected_gpus``, or NVIDIA
-  GPUs on the PCI bus (sysfs) that NVML does not list. On the bus but not in NVML → the driver could
-  not bring it up (reboot); not even on the bus → hands-on work (drain).
-- Only GPUs this view was given count: the PCI bus shows every GPU of the host, also to a container given
-  two of eight, and to a host that handed some to VMs. A GPU bound to another driver (``vfio-pci``) and,
-  in a container, a GPU the NVIDIA runtime did not give it (absent from ``/proc/driver/nvidia/gpus`` or
-  without its ``/dev/nvidia<minor>``) is outside the view: ``gpu.outside_view`` (info), never missing.
+- ``gpu.missing`` (critical, node): fewer GPUs in NVML (plus those outside this view) than
+  ``collectors.expected_gpus``, or NVIDIA GPUs of this view on the PCI bus (sysfs) that NVML does not
+  list. On the bus but not in NVML → the driver could not bring it up (reboot); not even on the bus →
+  hands-on work (drain).
+- Only GPUs this view was given are judged: the PCI bus shows every GPU of the host, also to a container
+  given two of eight, to a Slurm job whose device cgroup allows two, and to a host that handed some to VMs.
+  Outside the view (``gpu.outside_view``, info, never missing), whatever the environment detection says:
+  a GPU bound to another driver (``vfio-pci``); one bound to ``nvidia`` but absent from this view's
+  ``/proc/driver/nvidia/gpus`` (the host's driver lists every GPU it is bound to: a masked list is a
+  container's or enroot's); one the driver lists whose ``/dev/nvidia<minor>`` is absent here (CDI, enroot)
+  or refused to this process (device cgroup: Slurm ``ConstrainDevices``, Apptainer under Slurm). A GPU
+  the driver lost stays this view's: unbound (its probe failed), or listed with a device node this
+  process may open, yet not in NVML.
 - ``gpu.lost`` (critical, that GPU): it answers GPU_IS_LOST (fell off the bus → reboot) or
   RESET_REQUIRED (→ reset the GPU). The runner leaves these codes to this collector, so a lost GPU
   shows up once, here, and not as a failure of every other collector.
@@ -45,16 +51,16 @@ class PresenceCollector:
     def __init__(self, pci_rescan_s: float = 60.0, mig_refresh_s: float = 30.0) -> None:
         self.pci_rescan_s = pci_rescan_s
         self._mig = Periodic(mig_refresh_s)  # MIG layout changes only when an admin repartitions
-        self._pci: tuple[float, int | None, _PciView] | None = None  # at, NVML count, what the bus showed
+        self._pci: tuple[float, int | None, PciView] | None = None  # at, NVML count, what the bus showed
 
-    def _pci_gpus(self, ctx: CollectContext, nvml_count: int | None) -> _PciView:
+    def _pci_gpus(self, ctx: CollectContext, nvml_count: int | None) -> PciView:
         cached = self._pci
         if cached is not None and cached[1] == nvml_count and 0 <= ctx.now - cached[0] < self.pci_rescan_s:
             return cached[2]
         try:
-            view = _pci_view(ctx)
+            view = pci_view(ctx)
         except OSError as exc:  # sysfs unreadable: say so, judge on NVML and config alone
-            view = _PciView(None, {}, str(exc))
+            view = PciView(None, {}, str(exc))
         self._pci = (ctx.now, nvml_count, view)
         return view
 
@@ -185,37 +191,60 @@ def _read_mig(ctx: CollectContext, obs: Observations, index: int) -> dict[str, A
 
 
 @dataclass(frozen=True, slots=True)
-class _PciView:
+class PciView:
+    """The NVIDIA GPUs on the PCI bus as this view sees them (``pci_view``)."""
+
     in_view: list[str] | None  # bus ids of the GPUs on the bus that this view was given; None: unreadable
     outside: dict[str, str]  # bus id → why it is not this view's GPU
     error: str | None = None
 
 
-def _pci_view(ctx: CollectContext) -> _PciView:
-    """The GPUs on the PCI bus, split into this view's and the others (handed to another driver, or, in a
-    container, not given to it by the NVIDIA runtime). Raises OSError when sysfs cannot be read."""
+
+def pci_view(ctx: CollectContext) -> PciView:
+    """The GPUs on the PCI bus, split into this view's and the others. Raises OSError when sysfs cannot be read.
+
+    The bus shows every GPU of the host, whatever this process was given, and not every restricted view is
+    a detected container (Slurm's device cgroup, Apptainer and enroot share the host's PID and cgroup
+    namespaces), so the same evidence is asked everywhere; ``environment.container`` only decides what
+    an unreadable driver list means."""
     sysfs = sysfs_of(ctx)
     devices = sysfs.nvidia_pci_devices()
     in_container = environment_of(ctx).container is True
-    driver_gpus = sysfs.nvidia_driver_gpus() if in_container else None
+    driver_gpus = sysfs.nvidia_driver_gpus()
     in_view: list[str] = []
     outside: dict[str, str] = {}
     for dev in devices:
         bdf = normalise_bdf(dev.bdf)
-        if dev.driver is not None and dev.driver != "nvidia":
-            outside[bdf] = f"bound to {dev.driver}"
-        elif in_container and not _given_to_container(bdf, driver_gpus, sysfs):
-            outside[bdf] = "not given to this container"
+        why = _outside_why(dev.driver, bdf, driver_gpus, in_container, sysfs)
+        if why:
+            outside[bdf] = why
         else:
             in_view.append(bdf)
-    return _PciView(sorted(in_view), outside)
+    return PciView(sorted(in_view), outside)
 
 
-def _given_to_container(bdf: str, driver_gpus: dict[str, int | None] | None, sysfs: Any) -> bool:
-    if driver_gpus is None or bdf not in driver_gpus:
-        return False  # the NVIDIA runtime mounts only the container's GPUs under /proc/driver/nvidia/gpus
+def _outside_why(driver: str | None, bdf: str, driver_gpus: dict[str, int | None] | None, in_container: bool,
+                 sysfs: Any) -> str | None:
+    """Why a GPU on the bus is not this view's, or None when it is. A GPU the driver lost is this view's:
+    unbound (probe failed), or listed by the driver with a device node this process may open."""
+    if driver is not None and driver != "nvidia":
+        return f"bound to {driver}"
+    if driver_gpus is None:  # the driver's list cannot be read: only a container is known to be given a part
+        return "not given to this container" if in_container else None
+    if bdf not in driver_gpus:
+        # The host's driver lists every GPU it is bound to (its probe creates the entry); a view where a bound
+        # GPU is absent was given a masked list (NVIDIA runtime, enroot). An unbound one is absent everywhere.
+        if in_container:
+            return "not given to this container"
+        return "not listed in this view's /proc/driver/nvidia/gpus" if driver == "nvidia" else None
     minor = driver_gpus[bdf]
-    return minor is None or bool(sysfs.device_node_exists(minor))  # CDI: the device node tells
+    if minor is None:
+        return None
+    if not sysfs.device_node_exists(minor):
+        return "with no /dev/nvidia device node in this view"  # CDI, enroot: only the given GPUs' nodes
+    if sysfs.device_node_refused(minor):
+        return "refused to this process by the device cgroup"  # Slurm ConstrainDevices (or the file's mode)
+    return None
 
 
 def _missing(obs: Observations, ctx: CollectContext) -> Finding | None:
@@ -223,19 +252,22 @@ def _missing(obs: Observations, ctx: CollectContext) -> Finding | None:
     nvml_count = count or 0
     expected = obs.node.get("expected")
     pci: list[str] | None = obs.node.get("pci_gpus")
+    # GPUs on the bus that this view was not given are the node's GPUs all the same: a container given
+    # 2 of 8 on a node of 8 lacks none.
+    outside = len(obs.node.get("pci_outside_view") or {})
     known = {normalise_bdf(g.pci_bus_id) for g in ctx.gpus if g.pci_bus_id}
     unseen = [b for b in (pci or []) if b not in known]
     if len(known) < nvml_count and pci is not None and len(pci) <= nvml_count:
         unseen = []  # a GPU without a bus id (lost) explains the difference: no GPU is unaccounted for
-    short_of_expected = expected is not None and nvml_count < expected
+    short_of_expected = expected is not None and nvml_count + outside < expected
     if not short_of_expected and not unseen:
         return None
     evidence: dict[str, Any] = {"expected": expected, "nvml": count, "pci": None if pci is None else len(pci),
-                                "on_pci_not_in_nvml": unseen}
+                                "on_pci_not_in_nvml": unseen, "outside_view": outside}
     if obs.node.get("nvml_error"):
         evidence["nvml_error"] = obs.node["nvml_error"]
-    want: int = expected if expected is not None and short_of_expected else nvml_count + len(unseen)
-    on_bus = len(pci) if pci is not None else None
+    want: int = expected if expected is not None and short_of_expected else nvml_count + outside + len(unseen)
+    on_bus = len(pci) + outside if pci is not None else None
     if unseen or (on_bus is not None and expected is not None and on_bus >= expected):
         action = Action.REBOOT
         why = "on the PCI bus but not initialised by the driver"
@@ -243,12 +275,14 @@ def _missing(obs: Observations, ctx: CollectContext) -> Finding | None:
         action = Action.DRAIN
         why = "not even on the PCI bus (seating, power or hardware)"
     nvml_text = "NVML unavailable" if count is None else f"NVML lists {count}"
+    beside = f" and {outside} are outside this view" if outside else ""
     where = f" ({', '.join(unseen)})" if unseen else ""
     return Finding(
         code="gpu.missing",
         severity=Severity.CRITICAL,
         entity=Entity.node(ctx.node_name),
-        message=f"{max(want - nvml_count, len(unseen))} GPU(s) missing: {nvml_text} of {want}{where}; {why}",
+        message=(f"{max(want - nvml_count - outside, len(unseen))} GPU(s) missing{where}: {nvml_text} of {want}"
+                 f"{beside}; {why}"),
         action=action,
         evidence=evidence,
         source=NAME,

@@ -17,6 +17,11 @@ entries in the observations; ``evaluate`` turns that snapshot into findings with
   GPUs were reset since (re-reading the kernel log after a restart must not bring back XIDs a reset
   already cleared). A reboot (a new ``boot_id``) counts as a reset of every GPU. Occurrences are
   counted once per source even when the kernel log is read again (``seen_until``).
+- An XID whose PCI address is none of this view's GPUs, where this view does not hold every GPU on the
+  bus (GPUs outside it — another container's, a Slurm job's device cgroup, vfio — or the address is a
+  bus GPU NVML does not list), is ``xid.outside_view`` (info) naming the address: the host's kernel log
+  speaks of GPUs this agent does not watch, and their owner's agent judges them. Where every GPU on the
+  bus is this view's, an unmatched address keeps the catalog's action (a node finding).
 - NVML events are read on a thread of their own (``wait_xid_events``) when ``event_thread`` is on,
   else polled without waiting at each ``collect``. ``gpuhealth status`` (``ctx.extras["one_shot"]``)
   never starts the thread.
@@ -44,6 +49,7 @@ from gpuhealth.catalog.thresholds import default_thresholds, thresholds_from
 from gpuhealth.catalog.xid import XidInfo, xid_info
 from gpuhealth.catalog.xid_policy import XidPolicy
 from gpuhealth.collectors.base import CollectContext, CollectError, History, Lane, Observations
+from gpuhealth.collectors.presence import PciView, pci_view
 from gpuhealth.model import Action, Entity, EntityKind, Finding, MetricKind, Sample, Severity
 
 DEDUP_S = 10.0  # NVML event and kernel-log line of one XID arrive within this of each other
@@ -55,6 +61,7 @@ LEDGER_VERSION = 1
 _RESET_COUNTERS = ("TotalEccErrors_CORRECTED_VOLATILE", "TotalEccErrors_UNCORRECTED_VOLATILE")
 _MAX_EVENTS_PER_POLL = 256
 RECENT_KEPT = 64  # occurrence times kept per (GPU, XID): enough for any count-in-window rule
+VIEW_RESCAN_S = 60.0  # the PCI walk behind an unmatched address is redone at most this often (as presence's)
 SXID_RETENTION_S = 86400.0
 
 
@@ -379,6 +386,7 @@ class XidCollector:
         self._kmsg_cursor: int | None = None  # newest /dev/kmsg record counted, this boot
         self._sxids: dict[tuple[str, int], dict[str, Any]] = {}  # (switch PCI, SXid) → what was seen
         self._new_sxids: list[SxidEvent] = []
+        self._view: tuple[float, PciView] | None = None  # when read, and the bus as this view sees it
 
     # ------------------------------------------------------------------ protocol
     def supported(self, ctx: CollectContext) -> bool:
@@ -397,10 +405,30 @@ class XidCollector:
             self.ledger.expire(ctx.now, lambda code: not xid_info(code).hardware)
             obs.node["events"] = [_event_dict(ev) for ev in events]
             obs.node["active"] = [e.snapshot() for e in self.ledger.active()]
+            self._mark_not_watched(ctx, obs, obs.node["active"])
             obs.node["counts"] = [{"gpu": k[0], "xid": k[1], "count": c} for k, c in self.ledger.counts().items()]
             obs.node["sxids"] = self._note_sxids(ctx.now)
             self._save_if_changed(obs)
         return obs
+
+    def _mark_not_watched(self, ctx: CollectContext, obs: Observations, active: list[dict[str, Any]]) -> None:
+        """Say why an XID at an address of none of NVML's GPUs belongs to a GPU this agent does not watch
+        (``not_watched``); the PCI bus is read only while there is such an XID."""
+        unmatched = [e for e in active if str(e["gpu"]).startswith("pci:")]
+        if not unmatched:
+            return
+        cached = self._view
+        if cached is None or not 0 <= ctx.now - cached[0] < VIEW_RESCAN_S:
+            try:
+                cached = self._view = (ctx.now, pci_view(ctx))
+            except OSError as exc:  # sysfs unreadable: nothing known, the catalog's action stands
+                obs.errors.append(CollectError(None, "pci_view", None, f"cannot read the PCI bus: {exc}"))
+                return
+        nvml = {_address(g.pci_bus_id) for g in ctx.gpus if g.pci_bus_id}
+        for entry in unmatched:
+            why = _not_watched(_address(str(entry.get("pci") or "")), cached[1], nvml)
+            if why:
+                entry["not_watched"] = why
 
     # ------------------------------------------------------------------ persistence (agent only)
     def _load_once(self, ctx: CollectContext, obs: Observations) -> None:
@@ -477,6 +505,9 @@ class XidCollector:
         policy = thresholds_from(ctx).xid
         for entry in obs.node.get("active", []):
             info = policy_info(xid_info(int(entry["xid"])), policy)
+            if entry.get("not_watched"):
+                out.append(_not_watched_finding(entry, info, ctx))
+                continue
             severity, action, escalated = judge(entry, info, policy)
             if escalated == "count":
                 esc = policy.escalation(info.code, info.hardware)
@@ -629,6 +660,45 @@ class XidCollector:
 def _event_dict(ev: XidEvent) -> dict[str, Any]:
     return {"gpu_index": ev.gpu_index, "xid": ev.xid, "time": ev.timestamp, "source": ev.source,
             "pci": ev.pci_bus_id, "detail": ev.detail}
+
+
+def _address(bus_id: str) -> str:
+    """NVML "00000000:B8:00.0", sysfs "0000:b8:00.0" or the kernel log's "0000:b8:00" → "0000:b8:00"."""
+    parts = bus_id.strip().lower().rsplit(".", 1)[0].split(":")
+    if len(parts) != 3:
+        return bus_id.strip().lower()
+    return f"{parts[0][-4:].zfill(4)}:{parts[1]}:{parts[2]}"
+
+
+def _not_watched(address: str, view: PciView, nvml: set[str]) -> str | None:
+    """Why the GPU at ``address`` is not this agent's to judge, or None where this view holds every GPU on
+    the bus (or the bus could not be read): then an unmatched address keeps the catalog's action."""
+    if view.in_view is None:
+        return None
+    for bdf, why in sorted(view.outside.items()):
+        if _address(bdf) == address:
+            return f"outside this view: {why}"
+    if any(_address(bdf) == address and _address(bdf) not in nvml for bdf in view.in_view):
+        return "on the PCI bus but not listed by NVML (gpu.missing judges it)"
+    if view.outside:
+        return f"no GPU of this view; {len(view.outside)} GPU(s) on the PCI bus are outside it"
+    return None
+
+
+def _not_watched_finding(entry: Mapping[str, Any], info: XidInfo, ctx: CollectContext) -> Finding:
+    address = entry.get("pci") or "?"
+    times = f" ({entry['count']}×)" if entry["count"] > 1 else ""
+    return Finding(
+        code="xid.outside_view", severity=Severity.INFO, entity=Entity(EntityKind.NODE, ctx.node_name),
+        message=(f"XID {info.code}{times} at PCI {address}: {info.name} — it belongs to a GPU this agent does "
+                 f"not watch ({entry['not_watched']}); not judged here"
+                 + (f" [{entry['detail']}]" if entry.get("detail") else "")),
+        action=Action.NONE,
+        evidence={"xid": info.code, "name": info.name, "pci": address, "count": entry["count"],
+                  "first_seen": entry["first_seen"], "last_seen": entry["last_seen"], "sources": entry["sources"],
+                  "detail": entry["detail"], "why": entry["not_watched"], "catalog_action": str(info.action)},
+        source="xid",
+    )
 
 
 def _entity(entry: Mapping[str, Any], ctx: CollectContext) -> Entity:

@@ -342,3 +342,60 @@ def test_without_a_boot_id_an_old_boots_kernel_log_cursor_is_not_trusted(tmp_pat
     after = Harness(tmp_path, clock, collector=XidCollector(event_thread=False),
                     kmsg=[f"6,12,{usec},-;NVRM: Xid (PCI:0000:00:06): 79, pid=0, name=, fell off the bus"])
     assert [f.code for f in after.run(state_dir=str(state)).findings] == ["xid.79"]
+
+
+# ------------------------------------------------------------------ XIDs of GPUs this view does not hold (audit 3)
+# A pod given GPUs 00:06.0 and 00:07.0 of the recording; the host's kernel log names the node's other GPUs.
+_POD = {"environment": {"virtualization": "none", "container": True, "host_pid_namespace": False,
+                        "host_network_namespace": False, "nvswitches_visible": 4},
+        "other_pci_gpus": [{"bdf": f"0000:{b}:00.0", "driver": "nvidia", "minor": 2 + n, "device_node": "absent"}
+                           for n, b in enumerate(("9a", "ab", "b8", "c1", "db", "e4"))]}
+
+
+def test_xids_of_another_pods_gpus_are_info_naming_the_address(tmp_path: Path, clock) -> None:  # type: ignore[no-untyped-def]
+    h = Harness(tmp_path, clock, system=_POD,
+                kmsg=["NVRM: Xid (PCI:0000:b8:00): 79, pid=0, GPU has fallen off the bus.",
+                      "NVRM: Xid (PCI:0000:c1:00): 48, pid=1234, name=python, An uncorrectable double bit error",
+                      "NVRM: Xid (PCI:0000:f0:00): 79, pid=0, GPU has fallen off the bus.",  # no GPU on the bus
+                      "NVRM: Xid (PCI:0000:00:07): 48, pid=1, name=python, An uncorrectable double bit error"])
+    found = h.run().findings
+    foreign = sorted((f.evidence["pci"], f.evidence["xid"], f.severity, f.action, f.entity.kind) for f in found
+                     if f.code == "xid.outside_view")
+    assert foreign == [("0000:b8:00", 79, Severity.INFO, Action.NONE, EntityKind.NODE),
+                       ("0000:c1:00", 48, Severity.INFO, Action.NONE, EntityKind.NODE),
+                       ("0000:f0:00", 79, Severity.INFO, Action.NONE, EntityKind.NODE)]
+    by_pci = {f.evidence["pci"]: f for f in found if f.code == "xid.outside_view"}
+    assert "0000:b8:00" in by_pci["0000:b8:00"].message and "does not watch" in by_pci["0000:b8:00"].message
+    assert "6 GPU(s) on the PCI bus are outside it" in by_pci["0000:f0:00"].evidence["why"]
+    # The GPU this pod holds keeps the catalog's action.
+    [own] = [f for f in found if f.code == "xid.48"]
+    assert (own.severity, own.action, own.entity.gpu_index) == (Severity.CRITICAL, Action.RESET_GPU, 1)
+
+
+def test_an_xid_of_a_bus_gpu_nvml_does_not_list_is_left_to_gpu_missing(tmp_path: Path, clock) -> None:  # type: ignore[no-untyped-def]
+    # Bare metal, every GPU this view's: the driver lists 0000:9a:00.0 and this process may open it, NVML lost it.
+    bare = {"environment": {"virtualization": "none", "container": False, "host_pid_namespace": True,
+                            "host_network_namespace": True, "nvswitches_visible": 4},
+            "other_pci_gpus": [{"bdf": "0000:9a:00.0", "driver": "nvidia", "minor": 2}]}
+    h = Harness(tmp_path, clock, system=bare,
+                kmsg=["NVRM: Xid (PCI:0000:9a:00): 79, pid=0, GPU has fallen off the bus.",
+                      "NVRM: Xid (PCI:0000:f0:00): 79, pid=0, GPU has fallen off the bus."])
+    found = {(f.code, f.evidence.get("pci")): f for f in h.run().findings}
+    assert found[("xid.outside_view", "0000:9a:00")].evidence["why"].startswith("on the PCI bus but not listed")
+    node = found[("xid.79", "0000:f0:00")]  # no GPU outside the view: an unknown address keeps today's action
+    assert (node.severity, node.action, node.entity.kind) == (Severity.CRITICAL, Action.REBOOT, EntityKind.NODE)
+
+
+def test_the_bus_is_read_only_while_an_unmatched_xid_is_active(tmp_path: Path, clock, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    import gpuhealth.collectors.xid as xid_mod
+
+    walks: list[float] = []
+    real = xid_mod.pci_view
+    monkeypatch.setattr(xid_mod, "pci_view", lambda ctx: walks.append(ctx.now) or real(ctx))
+    h = Harness(tmp_path, clock, system=_POD, kmsg=["NVRM: Xid (PCI:0000:00:06): 13, pid=1, name=a, SM"])
+    h.run()
+    assert walks == []  # every XID on this view's GPUs: no PCI walk
+    h2 = Harness(tmp_path, clock, system=_POD, kmsg=["NVRM: Xid (PCI:0000:b8:00): 79, pid=0, off the bus"])
+    for _ in range(3):
+        assert [f.code for f in h2.run().findings] == ["xid.outside_view"]
+    assert len(walks) == 1  # cached for VIEW_RESCAN_S
