@@ -51,11 +51,17 @@ def environment_of(ctx: CollectContext) -> Environment:
 
 
 def read_fields(
-    ctx: CollectContext, obs: Observations, index: int, requests: Sequence[tuple[str, int]]
+    ctx: CollectContext,
+    obs: Observations,
+    index: int,
+    requests: Sequence[tuple[str, int]],
+    failures: dict[tuple[str, int], NvmlError] | None = None,
 ) -> dict[tuple[str, int], Any]:
     """One batched ``field_values`` call; returns the values that came back. Per-field failures
     go to ``obs`` ("Not Supported" → unsupported, anything else → errors) keyed ``FIELD`` or
-    ``FIELD@scope``; a failure of the whole call is recorded once under ``field_values``."""
+    ``FIELD@scope``, and to ``failures`` when given (a caller that can ask another way needs to know
+    which fields the driver does not serve); a failure of the whole call is recorded once under
+    ``field_values``."""
     if not requests:
         return {}
     try:
@@ -66,6 +72,8 @@ def read_fields(
     out: dict[tuple[str, int], Any] = {}
     for (name, scope), res in zip(requests, results, strict=False):
         if isinstance(res, NvmlError):
+            if failures is not None:
+                failures[(name, scope)] = res
             key = name if scope == 0 else f"{name}@{scope}"
             if res.code == errors.INVALID_ARGUMENT:
                 # Drivers answer INVALID_ARGUMENT per field for ids they don't serve (seen on 580 with

@@ -8,12 +8,20 @@ states (cheap) and the counters of four links in rotation (all links at the firs
 each link's last counters are carried with the time they were read, so rates and findings stay
 steady between its reads.
 
-Expected link count: ``config.collectors.expected_nvlinks`` when set, else the GPU's own
-``NVML_FI_DEV_NVLINK_LINK_COUNT``. One inactive link among the expected ones →
-``nvlink.link_down`` (critical, entity = that link). A GPU whose every NVLink query answers
-"Not Supported" and that nobody expects links from (a PCIe card alone in a VM, like the H100
-recording) has no NVLink: no finding. If config expects links but the GPU reports none, that is
-reported, since the operator said they should be there.
+Link state: NVML's per-link state field (``NVML_FI_DEV_NVLINK_GET_STATE``) in the batch; where the
+driver does not serve that field (INVALID_ARGUMENT, or "Not Supported" on a GPU that reports links),
+the per-link ``nvmlDeviceGetNvLinkState`` instead (~1 ms a link, only on such drivers).
+
+Down links: ``nvlink.link_down`` (critical, reboot; entity = that link) only for a link *read
+inactive* that there is evidence should be up: this agent saw it active earlier, or the GPU has
+other links active now (they train together: 17 of 18 up and one inactive is a fault). A link whose
+state cannot be read is not called down. A GPU none of whose links has been active since the agent
+started (a 1-GPU slice of an HGX board in a VM, whose links the host never trained; a PCIe card
+without its bridge) is ``nvlink.untrained`` (info); one that reports links whose state nobody can read
+is ``nvlink.state_unknown`` (info). A GPU whose every NVLink query answers "Not Supported" (a PCIe
+card alone in a VM, like the H100 recording) has no NVLink: no finding.
+``config.collectors.expected_nvlinks``, when set, is the operator's word that the links are there:
+then each of those links not read active is down, and a GPU that reports none is too.
 
 Errors: CRC (flit), replay and recovery counters as growth over the history window →
 ``nvlink.errors``, judged as DCGM's NVLink health watch does: any CRC growth → warning, CRC at
@@ -39,6 +47,7 @@ import os
 from collections.abc import Iterable
 from typing import Any
 
+from gpuhealth.backends import errors
 from gpuhealth.backends.base import NVLINK_MAX_LINKS
 from gpuhealth.backends.errors import NvmlError
 from gpuhealth.backends.fabricmanager import RUNNING, STOPPED, fabric_manager_state
@@ -117,6 +126,15 @@ def _state_counts(obs: Observations, gpus: list[int]) -> str:
     return ", ".join(f"{n} GPU(s) {text}" for text, n in sorted(counts.items()))
 
 
+def _field_unserved(exc: NvmlError | None, rec: dict[str, Any]) -> bool:
+    """The driver does not serve the state field, though the link may well answer the per-link
+    getter: INVALID_ARGUMENT (field ids newer than the driver), or "Not Supported" from a GPU that
+    reports NVLinks (a GPU without NVLink answers "Not Supported" to both: not worth the calls)."""
+    if exc is None:
+        return False
+    return exc.code == errors.INVALID_ARGUMENT or (exc.not_supported and (rec.get("link_count") or 0) > 0)
+
+
 def expected_links(rec: dict[str, Any], ctx: CollectContext) -> int | None:
     configured = ctx.config.collectors.expected_nvlinks
     if configured is not None:
@@ -135,6 +153,8 @@ class NvlinkCollector:
         self._caps: dict[str, dict[str, int]] = {}  # GPU UUID → link_count/nvswitch_links (static)
         self._cursor: dict[str, int] = {}  # GPU UUID → first link of the next counter chunk
         self._counters: dict[str, dict[int, tuple[float, dict[str, int]]]] = {}  # UUID → link → (read at, values)
+        # UUID → links read active at some sweep of this process: the evidence that an inactive link should be up
+        self._seen_active: dict[str, set[int]] = {}
 
     def supported(self, ctx: CollectContext) -> bool:
         return True
@@ -183,17 +203,27 @@ class NvlinkCollector:
                 requests.extend((f, link) for f in COUNTER_FIELDS.values())
             if n:
                 requests.extend((f, ALL_LINKS) for f in THROUGHPUT_FIELDS.values())
-            values = read_fields(ctx, obs, i, requests)
+            failed: dict[tuple[str, int], NvmlError] = {}
+            values = read_fields(ctx, obs, i, requests, failed)
             if any(e.gpu == i and e.key == "field_values" for e in obs.errors):
                 # The whole batch failed (GPU lost, driver gone): the runner/presence report that;
                 # "no link answered" here must not read as "every link is down".
                 rec["unreadable"] = True
                 continue
             states: dict[int, int] = {}
+            unserved: list[int] = []
             for link in range(n):
                 s = values.get((STATE_FIELD, link))
                 if is_number(s):
                     states[link] = int(s)
+                elif _field_unserved(failed.get((STATE_FIELD, link)), rec):
+                    unserved.append(link)
+            if unserved:
+                states.update(self._states_by_getter(ctx, obs, i, unserved))
+                rec["state_source"] = "nvmlDeviceGetNvLinkState"
+            seen = self._seen_active.setdefault(g.uuid, set())
+            seen.update(link for link, s in states.items() if s == 1)
+            rec["links_seen_active"] = sorted(seen)
             cache = self._counters.setdefault(g.uuid, {})
             for link in chunk:
                 got = {label: int(v) for label, f in COUNTER_FIELDS.items() if is_number(v := values.get((f, link)))}
@@ -221,6 +251,24 @@ class NvlinkCollector:
         return obs
 
     @staticmethod
+    def _states_by_getter(ctx: CollectContext, obs: Observations, index: int, links: list[int]) -> dict[int, int]:
+        """Link states from the per-link getter, for links whose state field the driver does not serve."""
+        out: dict[int, int] = {}
+        for link in links:
+            try:
+                v = ctx.backend.nvlink(index, link, "state")
+            except NvmlError as exc:
+                key = f"nvlink.state@{link}"
+                if exc.code == errors.INVALID_ARGUMENT:
+                    obs.unsupported.add((index, key))  # no such link on this GPU, or not served either
+                else:
+                    obs.note_error(index, key, exc)
+                continue
+            if is_number(v):
+                out[link] = int(v)
+        return out
+
+    @staticmethod
     def _fabric_manager(ctx: CollectContext) -> str | None:
         try:  # a recording (or a backend that knows) says it
             return str(ctx.backend.system("fabric_manager"))
@@ -240,8 +288,11 @@ class NvlinkCollector:
             if rec.get("unreadable"):
                 continue
             states: dict[int, int] = rec.get("link_states") or {}
-            wanted = expected_links(rec, ctx)
-            if wanted:
+            configured = ctx.config.collectors.expected_nvlinks
+            wanted = int(configured) if configured is not None else None
+            if wanted is None:
+                out.extend(self._down_links(i, rec, ctx))
+            elif wanted:  # the operator's word: every one of these links is there
                 if not states:
                     out.append(Finding(
                         "nvlink.link_down", Severity.CRITICAL, gpu_entity(ctx, i),
@@ -265,6 +316,42 @@ class NvlinkCollector:
                 if f is not None:
                     out.append(f)
             out.extend(self._fabric_findings(i, rec, ctx))
+        return out
+
+    @staticmethod
+    def _down_links(i: int, rec: dict[str, Any], ctx: CollectContext) -> list[Finding]:
+        """Links read inactive that should be up (seen active earlier, or the GPU's other links are up)."""
+        states: dict[int, int] = rec.get("link_states") or {}
+        count = rec.get("link_count")
+        if not states:
+            if not is_number(count) or count <= 0:
+                return []  # no NVLink on this GPU (every query "Not Supported")
+            return [Finding(
+                "nvlink.state_unknown", Severity.INFO, gpu_entity(ctx, i),
+                f"GPU {i}: reports {int(count)} NVLinks but the state of none can be read (neither NVML's "
+                "link-state field nor the per-link query answers): not judged",
+                Action.NONE, {"link_count": int(count)}, NAME)]
+        seen = set(rec.get("links_seen_active") or ())
+        if not seen:
+            return [Finding(
+                "nvlink.untrained", Severity.INFO, gpu_entity(ctx, i),
+                f"GPU {i}: none of its {len(states)} NVLinks is active, and none has been at any reading since "
+                "gpuhealth started: they were never trained here (a VM given part of an NVLink board, whose host "
+                "trains the fabric; a card without its NVLink bridge); not judged as down",
+                Action.NONE, {"links_inactive": sorted(link for link, s in states.items() if s == 0),
+                              "link_count": count}, NAME)]
+        up = sum(1 for s in states.values() if s == 1)
+        expected = int(count) if is_number(count) and count > 0 else len(states)
+        out: list[Finding] = []
+        for link, state in sorted(states.items()):
+            if state != 0 or (link not in seen and up == 0):
+                continue  # active, or nothing says this one should be up (its peers that were are down too)
+            out.append(Finding(
+                "nvlink.link_down", Severity.CRITICAL, link_entity(ctx, i, "nvlink", link),
+                f"GPU {i}: NVLink {link} is inactive ({up} of {expected} up"
+                f"{'' if up else '; it was active earlier'})",
+                Action.REBOOT, {"link": link, "state": state, "expected": expected, "up": up}, NAME,
+            ))
         return out
 
     @staticmethod

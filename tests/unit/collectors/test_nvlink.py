@@ -7,6 +7,8 @@ from typing import Any
 import pytest
 from collector_kit import Sweeper, by_code, context, inline, problems, recording, sample_values, scenario
 
+from gpuhealth.backends import errors
+from gpuhealth.backends.errors import NvmlError
 from gpuhealth.collectors import nvlink
 from gpuhealth.config import Config
 from gpuhealth.model import Action, EntityKind, Severity
@@ -183,3 +185,82 @@ def test_growth_is_judged_with_a_fast_slow_lane(clock):
     [f] = found
     assert f.code == "nvlink.errors" and f.severity is Severity.CRITICAL and f.entity.id.endswith("/nvlink/7")
     assert seconds <= 10 + 5  # min_window_s, then at most one rotation of the link reads
+
+
+# --- False drains where the link state is unknown or the links never trained (audit 2026-11-28, items 1) ---
+
+class _StateFieldUnserved:
+    """A driver that answers INVALID_ARGUMENT to NVML's per-link state field (ids newer than it serves), while
+    the per-link getter answers from the recording as the driver would."""
+
+    def __init__(self, backend: Any) -> None:
+        self.backend = backend
+        self.getter_calls = 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.backend, name)
+
+    def field_values(self, index: int, requests: list[tuple[str, int]]) -> list[Any]:
+        got = self.backend.field_values(index, requests)
+        return [NvmlError(errors.INVALID_ARGUMENT, "Invalid Argument") if name == nvlink.STATE_FIELD else v
+                for (name, _), v in zip(requests, got, strict=True)]
+
+    def nvlink(self, index: int, link: int, key: str) -> Any:
+        self.getter_calls += 1
+        return self.backend.nvlink(index, link, key)
+
+
+def test_an_unserved_state_field_falls_back_to_the_per_link_query(clock):
+    b = _StateFieldUnserved(recording("nvml_h200x2.json", clock))
+    s = Sweeper(nvlink.create(), b, clock)
+    found = s.sweep()
+    assert problems(found) == [] and by_code(found, "nvlink.state_unknown") == []
+    assert s.last_obs.per_gpu[0]["link_states"] == dict.fromkeys(range(18), 1)
+    assert s.last_obs.per_gpu[0]["state_source"] == "nvmlDeviceGetNvLinkState"
+    assert b.getter_calls == 2 * 18
+
+
+def test_a_down_link_is_still_found_through_the_per_link_query(clock):
+    b = _StateFieldUnserved(scenario("nvlink_down.yaml", clock))
+    (f,) = problems(Sweeper(nvlink.create(), b, clock).sweep())
+    assert (f.code, f.severity, f.action) == ("nvlink.link_down", Severity.CRITICAL, Action.REBOOT)
+    assert f.evidence == {"link": 5, "state": 0, "expected": 18, "up": 17}
+
+
+def test_links_whose_state_nobody_can_read_are_not_down(clock):
+    s = Sweeper(nvlink.create(), scenario("nvlink_state_field_unserved.yaml", clock), clock)
+    found = s.sweep()
+    assert by_code(found, "nvlink.link_down") == []
+    unknown = by_code(found, "nvlink.state_unknown")
+    assert [(f.entity.gpu_index, f.severity, f.action) for f in unknown] == [(0, Severity.INFO, Action.NONE),
+                                                                             (1, Severity.INFO, Action.NONE)]
+    assert s.last_obs.errors == []  # INVALID_ARGUMENT from field and getter: unsupported, not a failing GPU
+
+
+def test_a_vm_slice_whose_links_never_trained_is_info_not_18_links_down(clock):
+    s = Sweeper(nvlink.create(), scenario("nvlink_vm_1gpu_untrained.yaml", clock), clock)
+    (f,) = [x for x in s.sweep() if x.code.startswith("nvlink.")]
+    assert (f.code, f.severity, f.action, f.entity.gpu_index) == ("nvlink.untrained", Severity.INFO, Action.NONE, 0)
+    assert f.evidence["links_inactive"] == list(range(18)) and "never trained" in f.message
+    assert [x.code for x in s.after(60) if x.code.startswith("nvlink.")] == ["nvlink.untrained"]
+
+
+def test_links_seen_active_that_all_go_inactive_are_down(clock):
+    """Every link of GPU 0 drops at once: no other link is up, but this agent saw them active."""
+    b = inline(clock, events=[{"at": 30, "type": "set", "gpu": 0, "key": "nvlink",
+                               "value": {str(n): {"state": 0} for n in range(18)}}])
+    s = Sweeper(nvlink.create(), b, clock)
+    assert problems(s.sweep()) == []
+    down = by_code(s.after(60), "nvlink.link_down")
+    assert len(down) == 18 and {f.severity for f in down} == {Severity.CRITICAL}
+    assert down[0].evidence == {"link": 0, "state": 0, "expected": 18, "up": 0}
+    assert "it was active earlier" in down[0].message
+
+
+def test_an_untrained_gpu_beside_a_trained_one_is_judged_on_its_own(clock):
+    """GPU 1 never trained; GPU 0 has 17 of 18 up: only GPU 0's inactive link is down."""
+    b = inline(clock, {"0": {"nvlink": {"5": {"state": 0}}},
+                       "1": {"nvlink": {str(n): {"state": 0} for n in range(18)}}})
+    found = Sweeper(nvlink.create(), b, clock).sweep()
+    assert [(f.code, f.entity.gpu_index) for f in found if f.code.startswith("nvlink.")] == [
+        ("nvlink.link_down", 0), ("nvlink.untrained", 1)]
