@@ -5,8 +5,10 @@ Width and generation mean different things:
   dirty or unseated connector, a failing retimer) stays at x8 until retrained: half the host↔GPU
   bandwidth. ``current < max`` width is a real fault → ``pcie.link_degraded`` (critical by default).
   NVML's ``MaxPcieLinkWidth`` is the most the GPU *and the slot* allow; sysfs ``max_link_width`` is
-  the GPU's own capability. When NVML says current == max but sysfs says the GPU could do more,
-  the slot itself is narrower: reported as a warning (a platform fact, possibly by design).
+  the GPU's own capability. So the critical judgement takes current and maximum as a pair from NVML
+  only; sysfs's maximum never stands in for NVML's. When the GPU could do more than its link runs at
+  and nothing says the slot allows more (NVML's maximum equals the current width, or NVML gives no
+  maximum: some drivers and VM guests), the slot may be narrower by design: a warning, not a drain.
 - **Generation** is lowered by the GPU itself when idle (link power management) and raised under
   load, so ``current < max`` at idle is normal. It is judged only while the GPU is busy
   (utilization ≥ ``gen_check_min_utilization_pct``) → ``pcie.link_degraded`` warning.
@@ -89,8 +91,11 @@ class PcieCollector:
         out: list[Finding] = []
         for i, rec in sorted(obs.per_gpu.items()):
             ent = link_entity(ctx, i, "pcie", "")
-            cur_w = rec.get("width_current", rec.get("sysfs_width_current"))
-            max_w = rec.get("width_max", rec.get("sysfs_width_max"))
+            # The slot's maximum and the current width as one pair from NVML (see the module doc); the GPU's
+            # own capability (sysfs) against whatever current width is known is the weaker, slot-or-fault case.
+            cur_w, max_w = rec.get("width_current"), rec.get("width_max")
+            if not is_number(cur_w) or not is_number(max_w):
+                cur_w, max_w = rec.get("width_current", rec.get("sysfs_width_current")), None
             gpu_max_w = rec.get("sysfs_width_max")
             ev: dict[str, Any] = {k: rec[k] for k in sorted(rec) if k != "util_pct" and k != "replays"}
             width_sev = Severity.parse(th.width_degraded_severity)
@@ -101,9 +106,11 @@ class PcieCollector:
                     Action.DRAIN, {**ev, "kind": "width"}, NAME,
                 ))
             elif is_number(cur_w) and is_number(gpu_max_w) and 0 < cur_w < gpu_max_w:
+                slot = ("the slot allows less" if max_w is not None else
+                        "NVML gives no slot maximum to tell a narrower slot from a link trained down")
                 out.append(Finding(
                     "pcie.link_degraded", Severity.WARNING, ent,
-                    f"GPU {i}: PCIe link at x{cur_w}; the GPU supports x{gpu_max_w} but the slot allows less",
+                    f"GPU {i}: PCIe link at x{cur_w}; the GPU supports x{gpu_max_w} but {slot}",
                     Action.MONITOR, {**ev, "kind": "slot_width"}, NAME,
                 ))
             cur_g = rec.get("gen_current", rec.get("sysfs_gen_current"))

@@ -66,7 +66,34 @@ def test_sysfs_alone_finds_a_degraded_link_when_nvml_cannot(clock, tmp_path):
     s = Sweeper(pcie.create(), b, clock, sysfs=RealSysfs(tmp_path))
     (f,) = problems(s.sweep())
     assert f.entity.gpu_index == 0 and f.evidence["sysfs_width_current"] == 4
+    # sysfs's max_link_width is the GPU's capability, not the slot's: x4 in an x4 slot looks the same
+    assert (f.severity, f.action, f.evidence["kind"]) == (Severity.WARNING, Action.MONITOR, "slot_width")
     assert "sysfs_width_current" not in s.last_obs.per_gpu[1]  # GPU 1 has no device in this tree
+
+
+# --- Width from one source (audit 2026-11-28, item 4) ---
+
+def test_an_x8_slot_with_no_nvml_maximum_is_a_warning_not_a_drain(clock):
+    """NVML gives the current width (8) but no maximum; sysfs's x16 is the GPU's capability, not the slot's."""
+    (f,) = problems(Sweeper(pcie.create(), scenario("pcie_max_unsupported_x8_slot.yaml", clock), clock).sweep())
+    assert (f.code, f.severity, f.action) == ("pcie.link_degraded", Severity.WARNING, Action.MONITOR)
+    assert f.evidence["kind"] == "slot_width" and "NVML gives no slot maximum" in f.message
+
+
+def test_nvml_current_is_never_paired_with_another_sources_maximum(clock):
+    # NVML's current width missing, its maximum 16, sysfs says 8 of 16: no pair from one source says x8 of x16
+    b = inline(clock, {"0": {"CurrPcieLinkWidth": UNSUPPORTED, "sysfs": {"current_link_width": "8"}}})
+    (f,) = problems(Sweeper(pcie.create(), b, clock).sweep())
+    assert (f.severity, f.evidence["kind"]) == (Severity.WARNING, "slot_width")
+
+
+def test_nvml_x8_of_x16_stays_critical_whatever_sysfs_says(clock):
+    # A hypervisor may emulate the guest's sysfs link registers (x16 / x16): NVML's own pair decides.
+    b = inline(clock, {"0": {"CurrPcieLinkWidth": 8, "MaxPcieLinkWidth": 16,
+                             "sysfs": {"current_link_width": "16", "max_link_width": "16"}}})
+    (f,) = problems(Sweeper(pcie.create(), b, clock).sweep())
+    assert (f.severity, f.action, f.evidence["kind"]) == (Severity.CRITICAL, Action.DRAIN, "width")
+    assert "x8, below its maximum x16" in f.message
 
 
 def test_replay_budget_follows_dcgm():
