@@ -4,7 +4,9 @@ handles its errors; when it dies after the GPUs registered, their fabric state s
 
 The answer is read from ``/proc``: a process whose command is ``nv-fabricmanager`` (its ``comm`` is
 cut to 15 characters by the kernel, so the command line is read too). A recording says what the
-recorder saw under the system key ``fabric_manager`` ("running" / "stopped").
+recorder saw under the system key ``fabric_manager`` ("running" / "stopped"; absent when it could not tell).
+"Stopped" needs a ``/proc`` that shows other users' processes: an unprivileged agent (the unit's
+``DynamicUser``) under ``/proc`` mounted ``hidepid`` sees only its own, and the answer is None (unknown).
 """
 
 from __future__ import annotations
@@ -16,8 +18,20 @@ RUNNING, STOPPED = "running", "stopped"
 FM_BINARY = "nv-fabricmanager"
 
 
+def _others_visible(proc_root: str | os.PathLike[str] = "/proc") -> bool:
+    """Whether this process sees other users' processes in ``/proc``. PID 1 exists in every PID namespace and
+    is root's; ``/proc`` mounted ``hidepid=1`` (``noaccess``) lets an unprivileged reader list it but not read
+    it, ``hidepid=2`` (``invisible``) hides it. Either way root's ``nv-fabricmanager`` would be hidden too."""
+    try:
+        (Path(proc_root) / "1" / "comm").read_bytes()
+    except OSError:
+        return False
+    return True
+
+
 def fabric_manager_state(proc_root: str | os.PathLike[str] = "/proc") -> str | None:
-    """"running", "stopped", or None when ``/proc`` cannot be read (unknown, not "stopped")."""
+    """"running", "stopped", or None when it cannot be told: ``/proc`` unreadable, or other users'
+    processes hidden from this one (an unprivileged agent under ``hidepid``) — unknown, not "stopped"."""
     root = Path(proc_root)
     try:
         entries = list(root.iterdir())
@@ -35,7 +49,7 @@ def fabric_manager_state(proc_root: str | os.PathLike[str] = "/proc") -> str | N
             continue  # the process ended while we looked, or is not ours to read
         if os.path.basename(argv0) == FM_BINARY:
             return RUNNING
-    return STOPPED
+    return STOPPED if _others_visible(root) else None
 
 
 __all__ = ["RUNNING", "STOPPED", "fabric_manager_state"]

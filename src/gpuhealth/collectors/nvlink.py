@@ -37,7 +37,8 @@ fabric state stays "completed" after the manager dies, so only this check sees i
 that the manager belongs here and would be seen (``backends/environment.py``): NVSwitch PCI devices visible
 to this host (bare metal, or a guest given the switches) and the host's PID namespace. Elsewhere — a VM
 guest given only GPUs (the host runs the fabric), a container without ``hostPID``, a replay that does not
-record its environment, ``/proc`` unreadable — the manager cannot be seen: ``fabric.manager_unobserved``
+record its environment, ``/proc`` unreadable or hiding other users' processes (``hidepid``) — the manager
+cannot be seen: ``fabric.manager_unobserved``
 (info) says why, and the GPUs' own fabric state (above) is what is judged.
 """
 
@@ -111,7 +112,8 @@ def _manager_unseen_because(env: dict[str, Any], fm: str | None) -> str | None:
     if env.get("host_pid_namespace") is None:
         return "it is unknown whether /proc shows the host's processes"
     if fm is None:
-        return "/proc cannot be read"
+        return ("/proc does not show this agent the host's other processes (mounted hidepid for an unprivileged "
+                "agent, or unreadable)")
     return None
 
 
