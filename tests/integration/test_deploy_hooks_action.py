@@ -62,9 +62,12 @@ def throttled_agent(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[
     scenario = tmp_path / "throttled.yaml"
     scenario.write_text(yaml.safe_dump({"recording": "nvml_h200x2.json", "overrides": {
         "0": {"CurrentClocksEventReasons": SCENARIOS[code], "CurrentClocksThrottleReasons": SCENARIOS[code]}}}))
+    # the power brake means drain once held (a BMC capping power asserts it for a moment): 3 s here, not 30
+    thresholds = tmp_path / "thresholds.yaml"
+    thresholds.write_text(yaml.safe_dump({"throttle": {"violation_min_window_s": 3.0}}))
     cfg = tmp_path / "agent.yaml"
     cfg.write_text(yaml.safe_dump({
-        "collectors": {"fast_interval_s": 1.0, "slow_interval_s": 1.0},
+        "collectors": {"fast_interval_s": 1.0, "slow_interval_s": 1.0, "thresholds_file": str(thresholds)},
         "agent": {"node_name": NODE, "socket_path": str(tmp_path / "agent.sock"), "state_dir": str(tmp_path / "st"),
                   "pod_resources_socket": str(tmp_path / "none.sock")}}))
     work = tmp_path / "agent"
@@ -73,7 +76,8 @@ def throttled_agent(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[
     try:
         agent.wait_ready()
         deadline = time.monotonic() + 30
-        while not any(f["code"] == code for g in agent.health()["gpus"] for f in g["findings"]):
+        while not any(f["code"] == code and f["action"] == "drain" for g in agent.health()["gpus"]
+                      for f in g["findings"]):
             assert time.monotonic() < deadline, agent.log()[-3000:]
             time.sleep(0.2)
         yield code, agent

@@ -1,9 +1,10 @@
 """InfiniBand / RoCE ports from sysfs (``/sys/class/infiniband/<dev>/ports/<n>/``).
 
 - A port that is not ACTIVE / LinkUp → ``ib.port_down``. A port that was up earlier in the
-  history and went down is critical (``drain``: multi-node jobs on this node will hang or crawl);
-  a port with a physical link that the subnet manager has not activated (INIT/ARMED) is a warning;
-  a port never seen up (not cabled, or disabled) is info only — nothing says it should carry traffic.
+  history and went down (Polling, LinkDown, …) is critical (``drain``: multi-node jobs on this node will
+  hang or crawl); a port an administrator disabled (physical state Disabled) is info, up before or not — a
+  choice, not a fault; a port with a physical link that the subnet manager has not activated (INIT/ARMED)
+  is a warning; a port never seen up (not cabled) is info only — nothing says it should carry traffic.
 - Error counters (symbol errors, link downed, receive errors, link error recovery, …) growing over
   the history window → ``ib.errors`` warning.
 A host without InfiniBand has no ports: no observations, no findings.
@@ -85,18 +86,18 @@ class InfinibandCollector:
             if not _is_up(p):
                 was_up = pid in (obs.node.get("ever_up") or ()) or any(
                     _is_up((o.node.get("ports") or {}).get(pid) or {}) for o in history if o is not obs)
-                if was_up:
+                if p.get("phys_state") == "DISABLED":  # someone turned it off (ibportstate, the switch): a choice
+                    sev, action, how = Severity.INFO, Action.NONE, "is administratively disabled"
+                elif was_up:
                     sev, action, how = Severity.CRITICAL, Action.DRAIN, "went down"
                 elif p.get("phys_state") == "LINKUP":
                     sev, action, how = Severity.WARNING, Action.MONITOR, "has a physical link but is not active"
-                elif p.get("phys_state") == "DISABLED":
-                    sev, action, how = Severity.INFO, Action.NONE, "is administratively disabled"
                 else:  # never up: possibly just not cabled; nothing says this port should carry traffic
                     sev, action, how = Severity.INFO, Action.NONE, "is not up (not connected?)"
                 out.append(Finding(
                     "ib.port_down", sev, ent,
                     f"{pid} {how}: state {p.get('state') or '?'}, physical {p.get('phys_state') or '?'}",
-                    action, ev, NAME,
+                    action, {**ev, "was_up": was_up}, NAME,
                 ))
             grown: dict[str, int] = {}
             window = 0.0

@@ -5,6 +5,11 @@ Idle, application-clock settings, display clocks and sync boost are not problems
 the normal way a busy GPU holds its power limit: info only. HW slowdown (clocks cut by half or
 more), HW thermal, HW power brake (an external signal from the chassis) and SW thermal are.
 
+The HW power brake is also how a facility caps power on purpose (the BMC asserts it): one sweep that sees it
+is a warning; it means drain only when sustained — its violation counter above ``sustained_violation_share``
+of the window, or its bit set in every sweep for at least ``violation_min_window_s`` (drivers without the
+counter).
+
 HW slowdown is the umbrella bit: NVML sets it together with HW thermal or HW power brake, so a
 finding names the most specific reason and reports ``throttle.hw_slowdown`` only when it is alone.
 
@@ -57,7 +62,7 @@ REASONS: tuple[Reason, ...] = (
     Reason(0x20, "sw_thermal", "SW thermal slowdown", "throttle.sw_thermal", Severity.WARNING, Action.MONITOR),
     Reason(0x40, "hw_thermal", "HW thermal slowdown", "throttle.hw_thermal", Severity.WARNING, Action.DRAIN),
     Reason(0x80, "hw_power_brake", "HW power brake slowdown", "throttle.hw_power_brake", Severity.WARNING,
-           Action.DRAIN),
+           Action.MONITOR),  # drain when sustained: a BMC caps power through it on purpose
     Reason(0x100, "display_clocks", "display clock setting", None, Severity.INFO, Action.NONE),
 )
 _SPECIFIC_HW = 0x40 | 0x80  # when either is set, HW slowdown (0x8) is implied
@@ -81,6 +86,8 @@ VIOLATION_WINDOW_S = 60.0
 
 # Violation counters that mean a problem reason was active (→ the reason they stand for).
 _COUNTER_REASON = {"sw_thermal": 0x20, "hw_thermal": 0x40, "hw_power_brake": 0x80}
+# Reasons also sustained when their bit stays set in every sweep over the window (no counter needed).
+_SUSTAINED_BY_BIT = frozenset({0x80})
 
 
 def decode(mask: int) -> list[Reason]:
@@ -164,7 +171,9 @@ class ThrottleCollector:
                 if r.code is None:
                     continue
                 share = shares.get(r.name)
-                sustained = share is not None and share >= th.sustained_violation_share
+                held_s = _bit_held_s(history, obs, i, r.bit) if r.bit in _SUSTAINED_BY_BIT else None
+                sustained = ((share is not None and share >= th.sustained_violation_share)
+                             or (held_s is not None and held_s >= th.violation_min_window_s))
                 action = r.action
                 if sustained and r.severity is Severity.WARNING:
                     action = max(action, Action.DRAIN)
@@ -178,7 +187,8 @@ class ThrottleCollector:
                      "reasons": [x.name for x in decode(int(mask))] if is_number(mask) else [],
                      "violation_share": None if share is None else round(share, 4),
                      "window_s": round(window, 1) if share is not None else None,
-                     "sustained": sustained},
+                     "sustained": sustained,
+                     **({"held_s": round(held_s, 1)} if held_s is not None else {})},
                     NAME,
                 ))
         return out
@@ -203,6 +213,25 @@ class ThrottleCollector:
                         MetricKind.COUNTER, i, (("reason", label),),
                     ))
         return out
+
+
+def _bit_held_s(history: History, now: Observations, gpu: int, bit: int) -> float | None:
+    """Seconds ``bit`` has been set in every sweep of this GPU up to now, within the violation window (None
+    when it is not set now). A sweep that did not read the mask ends the run: unknown is not "held"."""
+    mask = now.per_gpu.get(gpu, {}).get("reasons")
+    if not is_number(mask) or not int(mask) & bit:
+        return None
+    since = now.time
+    for past in reversed(list(history)):
+        if past is now or past.time >= now.time:
+            continue
+        if now.time - past.time > VIOLATION_WINDOW_S:
+            break
+        was = past.per_gpu.get(gpu, {}).get("reasons")
+        if not is_number(was) or not int(was) & bit:
+            break
+        since = past.time
+    return now.time - since
 
 
 def create() -> Collector:

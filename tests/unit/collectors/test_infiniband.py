@@ -70,6 +70,23 @@ def test_port_that_went_down_is_critical_one_never_up_is_info(clock, tmp_path):
     assert later["node-a/ib/mlx5_0/1"].severity is Severity.CRITICAL
 
 
+def test_a_port_an_administrator_disabled_after_it_was_up_is_info_a_link_that_fell_is_critical(clock, tmp_path):
+    write_port(tmp_path, "mlx5_0", 1)
+    write_port(tmp_path, "mlx5_1", 1)
+    s = Sweeper(infiniband.create(), recording("nvml_h200x2.json", clock), clock, sysfs=RealSysfs(tmp_path))
+    assert s.sweep() == []
+    write_port(tmp_path, "mlx5_0", 1, state="1: DOWN", phys="3: Disabled")  # ibportstate … disable
+    write_port(tmp_path, "mlx5_1", 1, state="1: DOWN", phys="2: Polling")  # the link fell: no peer
+    later = {f.entity.id: f for f in s.after(60)}
+    off = later["node-a/ib/mlx5_0/1"]
+    assert (off.code, off.severity, off.action) == ("ib.port_down", Severity.INFO, Action.NONE)
+    assert "administratively disabled" in off.message and off.evidence["was_up"] is True
+    fell = later["node-a/ib/mlx5_1/1"]
+    assert (fell.severity, fell.action) == (Severity.CRITICAL, Action.DRAIN) and "went down" in fell.message
+    write_port(tmp_path, "mlx5_1", 1, state="1: DOWN", phys="4: PortConfigurationTraining")
+    assert {f.entity.id: f for f in s.after(60)}["node-a/ib/mlx5_1/1"].severity is Severity.CRITICAL
+
+
 def test_error_counters_growing(clock, tmp_path):
     write_port(tmp_path, "mlx5_0", 1)
     s = Sweeper(infiniband.create(), recording("nvml_h200x2.json", clock), clock, sysfs=RealSysfs(tmp_path))

@@ -45,12 +45,35 @@ def test_hw_slowdown_is_a_warning_on_that_gpu(clock):
 def test_power_brake_named_once_and_sustained_means_drain(clock):
     b = scenario("hw_power_brake.yaml", clock)
     s = Sweeper(throttle.create(), b, clock)
-    (first,) = problems(s.sweep())
-    assert (first.code, first.action, first.evidence["sustained"]) == ("throttle.hw_power_brake", Action.DRAIN,
-                                                                        False)
+    (first,) = problems(s.sweep())  # one sweep: a BMC capping power looks just like this — a warning only
+    assert (first.code, first.severity, first.action, first.evidence["sustained"]) == (
+        "throttle.hw_power_brake", Severity.WARNING, Action.MONITOR, False)
     (later,) = problems(s.after(30))  # counter grew 15 s in 30 s: 50 % of wall time
     assert later.code == "throttle.hw_power_brake" and later.evidence["sustained"] is True
+    assert later.action is Action.DRAIN
     assert later.evidence["violation_share"] == pytest.approx(0.5)
+
+
+def test_a_power_brake_blip_is_a_warning_and_never_drains(clock):
+    # the bit in one sweep, then clear; its counter grew 3 s in 30 s (10 %, under the 20 % rule)
+    b = inline(clock, {"0": {"CurrentClocksEventReasons": 0x88}},
+               events=[{"at": 5, "type": "set", "gpu": 0, "key": "CurrentClocksEventReasons", "value": 0x1},
+                       {"at": 30, "type": "set", "gpu": 0, "key": "field_values",
+                        "value": {"NVML_FI_DEV_CLOCKS_EVENT_REASON_HW_POWER_BRAKE_SLOWDOWN": 3_000_000_000}}])
+    s = Sweeper(throttle.create(), b, clock)
+    seen = [problems(s.sweep()), *(problems(s.after(5)) for _ in range(12))]
+    brakes = [f for found in seen for f in found if f.code == "throttle.hw_power_brake"]
+    assert brakes and all((f.severity, f.action) == (Severity.WARNING, Action.MONITOR) for f in brakes)
+
+
+def test_a_power_brake_held_in_every_sweep_for_the_window_drains_without_counters(clock):
+    # drivers without the violation counter: the bit held sweep after sweep for 30 s is sustained
+    b = inline(clock, {"0": {"CurrentClocksEventReasons": 0x88}})
+    s = Sweeper(throttle.create(), b, clock)
+    actions = [problems(s.sweep())[0].action, *(problems(s.after(5))[0].action for _ in range(6))]
+    assert actions == [Action.MONITOR] * 6 + [Action.DRAIN]  # t = 0 … 25 s: a warning; t = 30 s: drain
+    (held,) = problems(s.after(5))
+    assert held.evidence["sustained"] is True and held.evidence["held_s"] == pytest.approx(35.0)
 
 
 def test_sw_power_cap_is_info_only(clock):
