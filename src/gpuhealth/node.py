@@ -37,7 +37,7 @@ from gpuhealth.collectors.runner import CollectorRun, CollectorRunner, Collector
 from gpuhealth.collectors.versions import versions_of
 from gpuhealth.config import Config
 from gpuhealth.exporters import ExportSnapshot
-from gpuhealth.model import Action, EntityKind, Finding, Health, health_of, worst_action
+from gpuhealth.model import Action, EntityKind, Finding, Health, Severity, health_of, worst_action
 
 
 def open_backend(snapshot: str | Path | None) -> NvmlBackend:
@@ -119,10 +119,13 @@ class NodeReport:
 
     @property
     def health(self) -> Health:
-        """Worst of all findings; UNKNOWN when there is nothing to judge by (no GPU, or NVML down,
-        and no finding)."""
+        """Worst of all findings; UNKNOWN when there is nothing to judge by (no GPU and no finding), and
+        while NVML is down unless a critical finding already says unhealthy (a warning alone would call
+        unchecked GPUs fit: ``nvml.unavailable``'s "could not check")."""
         findings = self.all_findings()
-        if not findings and (not self.gpus or not self.nvml_up):
+        if not findings and not self.gpus:
+            return Health.UNKNOWN
+        if not self.nvml_up and not any(f.severity is Severity.CRITICAL for f in findings):
             return Health.UNKNOWN
         return health_of(findings)
 

@@ -37,6 +37,7 @@ from gpuhealth.agent.nvml_supervisor import (
     NvmlPolicy,
     NvmlState,
     NvmlSupervisor,
+    start_view,
     unavailable_finding,
 )
 from gpuhealth.agent.scheduler import Job, Scheduler
@@ -88,7 +89,9 @@ class Agent:
                       version=__version__, nvml_up=False),
             history_len=config.collectors.history_len,
         )
-        self.nvml = NvmlSupervisor(backend, self._on_nvml, policy=nvml_policy, quiesce=self._quiesce_event_readers)
+        self.nvml = NvmlSupervisor(backend, self._on_nvml, policy=nvml_policy, quiesce=self._quiesce_event_readers,
+                                   view=lambda: start_view(self.backend, self.config.collectors.sysfs_root,
+                                                           sysfs=self._sysfs))
         self.systemd = SystemdReporter(notifier or SystemdNotifier(),
                                        nvml_attempted=lambda: self.nvml.state is not NvmlState.STARTING)
         watchdog = self.systemd.watchdog_interval_s

@@ -19,6 +19,14 @@ transition does to the backend.
   LIBRARY_NOT_FOUND, or NVML would not start). ``initialise`` is retried with backoff.
 - **STOPPED**: the agent is stopping.
 
+While NVML is not answering the agent serves ``nvml.unavailable``, in one of two forms
+(``unavailable_finding``): **critical, reboot** when the driver is the likely fault — NVML was up with
+GPUs and went away, or it never starts on bare metal whose GPUs are on the PCI bus with the kernel module
+loaded (``/proc/driver/nvidia``) and NVML answers a driver error (``driver_fault_at_start``); otherwise
+**warning, no action: could not check** — a pod without the NVIDIA runtime (no library), no permission on
+``/dev/nvidia*``, a view where the driver never came up. That says nothing about the GPUs, so it must not
+take the node out; the node's health is ``unknown`` (docs/environments.md).
+
 Events not in ``TRANSITIONS`` are ignored (a second collector that sees the same gone driver). The
 supervisor owns the backend's ``init``/``shutdown``; what the agent makes of each transition (its
 cache, its schedule, its findings) it learns through one callback, ``on_change(NvmlChange)``.
@@ -32,7 +40,9 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
+from gpuhealth.backends import errors
 from gpuhealth.backends.base import NvmlBackend
 from gpuhealth.backends.errors import BackendUnavailable, NvmlError
 from gpuhealth.collectors.base import GpuIdentity
@@ -42,6 +52,15 @@ from gpuhealth.model import Action, Entity, Finding, Severity
 log = logging.getLogger("gpuhealth.agent")
 
 NVML_UNAVAILABLE = "nvml.unavailable"
+
+# nvml.h's NVML_ERROR_LIB_RM_VERSION_MISMATCH: the library is newer than the loaded kernel module (a driver
+# upgraded without a reboot). Not in backends.errors: nothing else acts on it.
+LIB_RM_VERSION_MISMATCH = 18
+# Start-up errors that blame the driver itself, not the agent's view of it: with the kernel module loaded on
+# bare metal and GPUs on the bus, a reboot is what brings these back. LIBRARY_NOT_FOUND, NO_PERMISSION,
+# UNKNOWN and the rest are the view (no runtime, no device nodes, an unprivileged agent) or unsure.
+DRIVER_FAULT_AT_START_CODES = frozenset({errors.DRIVER_NOT_LOADED, LIB_RM_VERSION_MISMATCH, errors.IRQ_ISSUE,
+                                         errors.GPU_IS_LOST, errors.RESET_REQUIRED})
 
 
 class NvmlState(enum.StrEnum):
@@ -96,15 +115,84 @@ class NvmlChange:
     reinits: int = 0  # re-initialisations so far (the first start is not one)
     reason: str = ""  # INIT_FAILED, DRIVER_LOST: why NVML is not answering
     retry_in_s: float = 0.0  # INIT_FAILED: when the next attempt is due; DRIVER_LOST: the next backoff
+    driver_fault: bool = False  # INIT_FAILED, DRIVER_LOST: the driver is the likely fault (reboot), not the view
 
 
-def unavailable_finding(node_name: str, change: NvmlChange) -> Finding:
-    """The agent's own finding while NVML is not answering."""
+@dataclass(frozen=True, slots=True)
+class StartView:
+    """What the host shows while NVML will not start: could a broken driver be the cause?"""
+
+    bare_metal: bool = False
+    driver_loaded: bool = False  # the driver's /proc/driver/nvidia is there: the kernel module is loaded
+    gpus_on_bus: int = 0  # NVIDIA GPU functions on the PCI bus
+
+    def to_dict(self) -> dict[str, object]:
+        return {"bare_metal": self.bare_metal, "driver_loaded": self.driver_loaded, "gpus_on_bus": self.gpus_on_bus}
+
+
+def start_view(backend: NvmlBackend | None, root: str = "/", *, sysfs: Any = None) -> StartView:
+    """The environment, the driver's /proc directory and the PCI bus as ``backend``'s node shows them
+    (a replay's recorded ones for a simulated backend; ``sysfs``: a given one). Unreadable: "not seen"."""
+    from gpuhealth.backends.environment import environment_for
+    from gpuhealth.backends.sysfs import sysfs_for
+
+    try:
+        env = environment_for(backend, root)
+        sysfs = sysfs if sysfs is not None else sysfs_for(backend, root)
+        return StartView(bare_metal=env.kind == "bare metal", driver_loaded=sysfs.nvidia_driver_gpus() is not None,
+                         gpus_on_bus=len(sysfs.nvidia_pci_devices()))
+    except (OSError, ValueError, NvmlError):
+        log.debug("cannot read the host's view of the driver", exc_info=True)
+        return StartView()
+
+
+def failure_code(exc: BaseException) -> int | None:
+    """NVML's return code behind a start-up failure; the live backend wraps LIBRARY_NOT_FOUND and
+    DRIVER_NOT_LOADED in ``BackendUnavailable`` with the bindings' error (its ``value``) as the cause."""
+    if isinstance(exc, NvmlError):
+        return exc.code
+    value = getattr(exc.__cause__, "value", None)
+    return value if isinstance(value, int) else None
+
+
+def driver_fault_at_start(code: int | None, view: StartView) -> bool:
+    """NVML never started: is the driver the likely fault (reboot) rather than this view of it? Only on bare
+    metal with the kernel module loaded and GPUs on the bus, for an error that blames the driver. When unsure,
+    no: a false reboot drains a healthy node."""
+    return (code in DRIVER_FAULT_AT_START_CODES and view.bare_metal and view.driver_loaded
+            and view.gpus_on_bus > 0)
+
+
+def unavailable_finding(node_name: str, change: NvmlChange, source: str = "agent",
+                        view: StartView | None = None) -> Finding:
+    """The finding while NVML is not answering: critical/reboot when the driver is the likely fault,
+    else a warning that GPU health could not be checked (no action: the node is not taken out)."""
+    evidence: dict[str, object] = {"reason": change.reason, "retry_in_s": change.retry_in_s,
+                                   "driver_fault": change.driver_fault}
+    if view is not None:
+        evidence["view"] = view.to_dict()
+    if change.driver_fault:
+        return Finding(
+            NVML_UNAVAILABLE, Severity.CRITICAL, Entity.node(node_name),
+            f"NVML is not answering ({change.reason}); the driver is the likely fault; GPU health is unknown "
+            "until it is back", Action.REBOOT, evidence, source,
+        )
     return Finding(
-        NVML_UNAVAILABLE, Severity.CRITICAL, Entity.node(node_name),
-        f"NVML is not answering ({change.reason}); GPU health is unknown until it is back",
-        Action.REBOOT, {"reason": change.reason, "retry_in_s": change.retry_in_s}, "agent",
+        NVML_UNAVAILABLE, Severity.WARNING, Entity.node(node_name),
+        f"could not check the GPUs: NVML did not start here ({change.reason}); a view without the NVIDIA library, "
+        "/dev/nvidia* access or a driver is not a GPU fault: the node is not taken out",
+        Action.NONE, evidence, source,
     )
+
+
+def start_failure_finding(node_name: str, reason: str, error: BaseException, backend: NvmlBackend | None,
+                          root: str = "/", source: str = "agent") -> Finding:
+    """A one-shot check's ``nvml.unavailable`` (``status``, ``qualify``): it never saw NVML up, so the
+    driver is blamed only where ``driver_fault_at_start`` says so."""
+    view = start_view(backend, root)
+    change = NvmlChange(NvmlEvent.INIT_FAILED, NvmlState.DOWN, reason=reason,
+                        driver_fault=driver_fault_at_start(failure_code(error), view))
+    return unavailable_finding(node_name, change, source, view)
 
 
 class NvmlSupervisor:
@@ -120,12 +208,15 @@ class NvmlSupervisor:
         policy: NvmlPolicy | None = None,
         quiesce: Callable[[], None] = lambda: None,
         clock: Callable[[], float] = time.monotonic,
+        view: Callable[[], StartView] = StartView,
     ) -> None:
         self.backend = backend
         self.policy = policy or NvmlPolicy()
         self._on_change = on_change
         self._quiesce = quiesce
         self._clock = clock
+        self._view = view  # read only when NVML never started: is the driver the fault?
+        self._saw_gpus = False  # NVML was up with GPUs at least once: losing it now is the driver's fault
         self._lock = threading.RLock()
         self._state = NvmlState.STARTING
         self._ever_up = False
@@ -165,8 +256,10 @@ class NvmlSupervisor:
                 self._backoff_s = min(self._backoff_s * 2, self.policy.backoff_max_s)
                 if self._down_since is None:
                     self._down_since = self._clock()
+                fault = self._saw_gpus or driver_fault_at_start(failure_code(exc), self._view())
                 log.warning("NVML unavailable (%s); retrying in %.0f s", exc, retry)
-                self._move(NvmlEvent.INIT_FAILED, reason=f"NVML init failed: {exc}", retry_in_s=retry)
+                self._move(NvmlEvent.INIT_FAILED, reason=f"NVML init failed: {exc}", retry_in_s=retry,
+                           driver_fault=fault)
             return
         with self._lock:
             if self._ever_up:
@@ -175,6 +268,7 @@ class NvmlSupervisor:
             else:
                 log.info("NVML up: %d GPU(s), driver %s", len(gpus), driver)
             self._ever_up = True
+            self._saw_gpus = self._saw_gpus or bool(gpus)
             self._down_since = None
             self._backoff_s = self.policy.backoff_min_s
             self._move(NvmlEvent.INIT_OK, gpus=gpus, driver_version=driver, cuda_driver_version=cuda)
@@ -186,7 +280,7 @@ class NvmlSupervisor:
                 return
             log.error("NVML went away (%s); re-initialising with backoff", why)
             self._down_since = self._clock()
-            self._move(NvmlEvent.DRIVER_LOST, reason=why, retry_in_s=self._backoff_s)
+            self._move(NvmlEvent.DRIVER_LOST, reason=why, retry_in_s=self._backoff_s, driver_fault=self._saw_gpus)
 
     def enumerate(self, known: Sequence[GpuIdentity]) -> None:
         """UP: list the GPUs again; re-open NVML in place when a lost GPU has waited long enough."""
@@ -204,6 +298,7 @@ class NvmlSupervisor:
             if known:
                 log.warning("GPU list changed: %d → %d GPUs", len(known), len(gpus))
             with self._lock:
+                self._saw_gpus = self._saw_gpus or bool(gpus)
                 self._move(NvmlEvent.GPUS_ENUMERATED, gpus=gpus)
         if self._lost and self._clock() - self._lost_since > self._lost_wait_s:
             self._lost_since = self._clock()
@@ -260,5 +355,6 @@ def _system(backend: NvmlBackend, key: str) -> str:
         return ""
 
 
-__all__ = ["NVML_UNAVAILABLE", "TRANSITIONS", "NvmlChange", "NvmlEvent", "NvmlPolicy", "NvmlState", "NvmlSupervisor",
-           "unavailable_finding"]
+__all__ = ["DRIVER_FAULT_AT_START_CODES", "LIB_RM_VERSION_MISMATCH", "NVML_UNAVAILABLE", "TRANSITIONS", "NvmlChange",
+           "NvmlEvent", "NvmlPolicy", "NvmlState", "NvmlSupervisor", "StartView", "driver_fault_at_start",
+           "failure_code", "start_failure_finding", "start_view", "unavailable_finding"]

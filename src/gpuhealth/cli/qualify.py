@@ -18,30 +18,42 @@ from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 from rich.text import Text
 
+from gpuhealth.agent.nvml_supervisor import start_failure_finding
+from gpuhealth.backends.base import NvmlBackend
 from gpuhealth.backends.errors import NvmlError
 from gpuhealth.cli._console import output_console
 from gpuhealth.cli._node_inputs import NodeInputError, open_node
 from gpuhealth.cli.exitcodes import PROFILE_NAMES, exit_code
+from gpuhealth.config import ConfigError, load_config
 from gpuhealth.diag.qualify import LEVELS, QualifyReport, default_state_dir, run_qualify
 from gpuhealth.diag.runner import DiagRunner
-from gpuhealth.model import Action, Entity, Finding, Health, Severity
+from gpuhealth.model import Action, Health
 from gpuhealth.node import collect_once
 
 _STYLE = {Health.HEALTHY: "bold green", Health.DEGRADED: "bold yellow", Health.UNHEALTHY: "bold red",
           Health.UNKNOWN: "bold magenta"}
 
 
-def _fail(message: str, profile: str, *, as_json: bool = False, level: str = "", driver: bool = False) -> None:
+def _fail(message: str, profile: str, *, as_json: bool = False, level: str = "", driver: BaseException | None = None,
+          backend: NvmlBackend | None = None, root: str = "/") -> None:
     click.echo(f"gpuhealth qualify: {message}", err=True)
+    # NVML would not start: "could not check" unless the driver is the likely fault (cli/status.py alike)
+    finding = None if driver is None else start_failure_finding(socket.gethostname(), message, driver, backend, root,
+                                                                 "cli/qualify.py")
+    reboot = finding is not None and finding.action is Action.REBOOT
+    health = Health.UNHEALTHY if reboot else Health.UNKNOWN
     if as_json:  # a report all the same: a scheduler hook tells "could not check" (health unknown) from "not fit"
-        findings = []
-        if driver:
-            findings.append(Finding("nvml.unavailable", Severity.CRITICAL, Entity.node(socket.gethostname()),
-                                    f"NVML is not answering: {message}", Action.REBOOT, {}, "cli/qualify.py"))
-        click.echo(json.dumps({"node": {"name": socket.gethostname(), "level": level, "health": str(Health.UNKNOWN),
+        click.echo(json.dumps({"node": {"name": socket.gethostname(), "level": level, "health": str(health),
                                         "fit": False, "error": message},
-                               "gpus": [], "findings": [f.to_dict() for f in findings]}, indent=2))
-    sys.exit(exit_code(Health.UNKNOWN, profile))
+                               "gpus": [], "findings": [] if finding is None else [finding.to_dict()]}, indent=2))
+    sys.exit(exit_code(health, profile, takes_node_out=reboot))
+
+
+def _sysfs_root(config_path: str | None) -> str:
+    try:
+        return load_config(config_path).collectors.sysfs_root
+    except ConfigError:
+        return "/"
 
 
 @click.command(name="qualify")
@@ -63,7 +75,8 @@ def command(level: str, snapshot: str | None, kmsg_path: str | None, expected_gp
     try:
         config, backend = open_node(config_path, snapshot, kmsg_path, expected_gpus)
     except NodeInputError as exc:
-        _fail(str(exc), profile, as_json=as_json, level=level, driver=exc.driver)
+        _fail(str(exc), profile, as_json=as_json, level=level, driver=exc.__cause__ if exc.driver else None,
+              root=_sysfs_root(config_path))
         return
     err = Console(stderr=True, highlight=False)
     show_progress = not as_json and err.is_terminal
@@ -80,7 +93,8 @@ def command(level: str, snapshot: str | None, kmsg_path: str | None, expected_gp
         else:
             result = run_qualify(report, config, level, runner, force=force, t0=t0)
     except NvmlError as exc:
-        _fail(f"NVML failed: {exc}", profile, as_json=as_json, level=level, driver=True)
+        _fail(f"NVML failed: {exc}", profile, as_json=as_json, level=level, driver=exc, backend=backend,
+              root=config.collectors.sysfs_root)
         return
     except (ValueError, OSError) as exc:
         _fail(str(exc), profile, as_json=as_json, level=level)

@@ -4,7 +4,9 @@ Thin edge: parse flags, call ``node.collect_once``, render (rich table or ``--js
 chosen profile's code. Anything that stops the check (no driver, a malformed recording or config)
 is one line on stderr and the profile's "could not check" code — never a traceback; with
 ``--json`` a report still comes out (health ``unknown``, the reason, and ``nvml.unavailable`` when
-the driver is the cause), so a scheduler's drain reason can name it.
+NVML would not start: a warning "could not check", or — on bare metal with the driver's module loaded and
+GPUs on the bus, an error that blames the driver — critical with a reboot, health ``unhealthy``), so a
+scheduler's drain reason can name it.
 
 ``--agent URL`` asks the running agent (``/health``) first: it knows what one sweep cannot (rates
 over its history, XIDs that came and went). Only when it does not answer within
@@ -24,6 +26,8 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from gpuhealth.agent.nvml_supervisor import start_failure_finding
+from gpuhealth.backends.base import NvmlBackend
 from gpuhealth.backends.environment import Environment
 from gpuhealth.backends.errors import NvmlError, RecordingError
 from gpuhealth.catalog.thresholds import ThresholdsError
@@ -33,7 +37,8 @@ from gpuhealth.cli._console import output_console
 from gpuhealth.cli._node_inputs import NodeInputError, open_node
 from gpuhealth.cli.exitcodes import PROFILE_NAMES, exit_code
 from gpuhealth.collectors.registry import UnknownCollector
-from gpuhealth.model import Action, Entity, Finding, Health, Severity, takes_node_out
+from gpuhealth.config import ConfigError, load_config
+from gpuhealth.model import Action, Finding, Health, Severity, takes_node_out
 from gpuhealth.node import NodeReport, collect_once
 
 _HEALTH_STYLE = {Health.HEALTHY: "bold green", Health.DEGRADED: "bold yellow", Health.UNHEALTHY: "bold red",
@@ -41,20 +46,33 @@ _HEALTH_STYLE = {Health.HEALTHY: "bold green", Health.DEGRADED: "bold yellow", H
 _SEVERITY_STYLE = {Severity.INFO: "cyan", Severity.WARNING: "yellow", Severity.CRITICAL: "red"}
 
 
-def _fail(message: str, profile: str, *, as_json: bool = False, driver: bool = False,
-          agent_error: str | None = None) -> None:
+def _fail(message: str, profile: str, *, as_json: bool = False, driver: BaseException | None = None,
+          backend: NvmlBackend | None = None, config_path: str | None = None, agent_error: str | None = None) -> None:
+    """The node was not checked: one line on stderr and the profile's "could not check" code. ``driver``: NVML
+    would not start or list the GPUs (that error); ``nvml.unavailable`` then says whether the driver is the
+    likely fault (bare metal, module loaded, GPUs on the bus: unhealthy, reboot) or nothing could be checked."""
     click.echo(f"gpuhealth status: {message}", err=True)
+    finding = None if driver is None else _nvml_finding(message, driver, backend, config_path)
+    health = Health.UNHEALTHY if finding is not None and finding.action is Action.REBOOT else Health.UNKNOWN
     if as_json:  # a report all the same: the caller's drain reason names why the node was not checked
-        findings = []
-        if driver:
-            findings.append(Finding("nvml.unavailable", Severity.CRITICAL, Entity.node(socket.gethostname()),
-                                    f"NVML is not answering: {message}", Action.REBOOT, {}, "cli/status.py"))
-        doc: dict[str, Any] = {"node": {"name": socket.gethostname(), "health": str(Health.UNKNOWN),
-                                        "error": message}, "gpus": [], "findings": [f.to_dict() for f in findings]}
+        node: dict[str, Any] = {"name": socket.gethostname(), "health": str(health), "error": message}
+        if finding is not None:
+            node["action"] = str(finding.action)
+        doc: dict[str, Any] = {"node": node, "gpus": [],
+                               "findings": [] if finding is None else [finding.to_dict()]}
         if agent_error is not None:
             doc.update(source="one-shot", agent_error=agent_error)
         click.echo(json.dumps(doc, indent=2))
-    sys.exit(exit_code(Health.UNKNOWN, profile))
+    sys.exit(exit_code(health, profile, takes_node_out=finding is not None and finding.action.takes_node_out))
+
+
+def _nvml_finding(message: str, error: BaseException, backend: NvmlBackend | None,
+                  config_path: str | None) -> Finding:
+    try:
+        root = load_config(config_path).collectors.sysfs_root
+    except ConfigError:
+        root = "/"
+    return start_failure_finding(socket.gethostname(), message, error, backend, root, "cli/status.py")
 
 
 @click.command(name="status")
@@ -91,13 +109,14 @@ def command(snapshot: str | None, kmsg_path: str | None, expected_gpus: int | No
     try:
         config, backend = open_node(config_path, snapshot, kmsg_path, expected_gpus)
     except NodeInputError as exc:
-        _fail(str(exc), profile, as_json=as_json, driver=exc.driver, agent_error=agent_error)
+        _fail(str(exc), profile, as_json=as_json, driver=exc.__cause__ if exc.driver else None,
+              config_path=config_path, agent_error=agent_error)
         return
     try:
         report = collect_once(backend, config)
     except NvmlError as exc:
-        _fail(f"NVML cannot list the GPUs: {exc.message} (code {exc.code})", profile, as_json=as_json, driver=True,
-              agent_error=agent_error)
+        _fail(f"NVML cannot list the GPUs: {exc.message} (code {exc.code})", profile, as_json=as_json, driver=exc,
+              backend=backend, config_path=config_path, agent_error=agent_error)
         return
     except (ThresholdsError, CatalogError, UnknownCollector, RecordingError) as exc:
         _fail(str(exc), profile, as_json=as_json, agent_error=agent_error)

@@ -295,3 +295,37 @@ def test_nvlink_series_per_gpu_by_default_per_link_from_config_reload_or_one_scr
     agent.reload(cfg)  # what SIGHUP does with the edited file
     assert per_link in _get(agent, "/metrics")[1]
     assert per_link not in _get(agent, "/metrics?nvlink=gpu")[1]
+
+
+class _DriverView:
+    """The host's side while NVML will not start: the driver's /proc directory (or not) and GPUs on the bus."""
+
+    def __init__(self, driver_loaded: bool, gpus_on_bus: int) -> None:
+        self.driver_loaded, self.gpus_on_bus = driver_loaded, gpus_on_bus
+
+    def nvidia_driver_gpus(self) -> dict[str, int | None] | None:
+        return {} if self.driver_loaded else None
+
+    def nvidia_pci_devices(self) -> list[object]:
+        return [object()] * self.gpus_on_bus
+
+
+@pytest.mark.parametrize(("driver_loaded", "health", "action"), [(False, "unknown", "none"),
+                                                                  (True, "unhealthy", "reboot")])
+def test_nvml_that_never_starts_takes_the_node_out_only_when_the_driver_is_at_fault(
+        agents: list[Agent], clock: Any, driver_loaded: bool, health: str, action: str) -> None:
+    """Bare metal, 8 GPUs on the bus, NVML answers DRIVER_NOT_LOADED from the start: with the kernel module
+    loaded (/proc/driver/nvidia) the driver is broken — reboot; without it this view has no driver — could not
+    check, and the node's health is unknown (a warning alone would call unchecked GPUs fit)."""
+    backend = FakeNvml.from_scenario({"recording": "nvml_h200x2.json",
+                                      "events": [{"at": 0, "type": "driver_unloaded"}],
+                                      "system": {"environment": {"virtualization": "none", "container": False}}},
+                                     clock=clock)
+    agent = _start(agents, Agent(fast_config(), backend, collectors=[TempCollector()], extensions=[], notifier=QUIET,
+                                 sysfs=_DriverView(driver_loaded, 8)))
+    wait_for(lambda: agent.node_report()["findings"], what="nvml.unavailable")
+    report = agent.node_report()
+    [finding] = report["findings"]
+    assert finding["code"] == NVML_UNAVAILABLE and finding["action"] == action
+    assert (report["node"]["health"], report["node"]["action"]) == (health, action)
+    assert agent.snapshot().node_health() is Health[health.upper()]

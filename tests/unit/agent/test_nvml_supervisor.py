@@ -5,7 +5,10 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
+
 from gpuhealth.agent.nvml_supervisor import (
+    LIB_RM_VERSION_MISMATCH,
     NVML_UNAVAILABLE,
     TRANSITIONS,
     NvmlChange,
@@ -13,10 +16,14 @@ from gpuhealth.agent.nvml_supervisor import (
     NvmlPolicy,
     NvmlState,
     NvmlSupervisor,
+    StartView,
+    start_view,
     unavailable_finding,
 )
+from gpuhealth.backends import errors
+from gpuhealth.backends.errors import BackendUnavailable, NvmlError
 from gpuhealth.backends.nvml_fake import FakeNvml
-from gpuhealth.model import Severity
+from gpuhealth.model import Action, Severity
 
 S, E = NvmlState, NvmlEvent
 
@@ -86,9 +93,112 @@ def test_nvml_that_never_starts_is_down_with_a_finding(clock: Any) -> None:
     sup.initialise()
     failed = changes[-1]
     assert (failed.event, failed.state, failed.retry_in_s) == (E.INIT_FAILED, S.DOWN, 1.0)
+    # the scenario's driver never loaded: nothing says the driver is at fault (the recording shows no GPU on the
+    # bus while NVML is down), so "could not check" — a warning that does not take the node out
+    assert failed.driver_fault is False
     finding = unavailable_finding("n1", failed)
-    assert finding.code == NVML_UNAVAILABLE and finding.severity is Severity.CRITICAL
-    assert finding.evidence == {"reason": failed.reason, "retry_in_s": 1.0}
+    assert finding.code == NVML_UNAVAILABLE and finding.severity is Severity.WARNING
+    assert finding.action is Action.NONE and not finding.action.takes_node_out
+    assert finding.message.startswith("could not check the GPUs")
+    assert finding.evidence == {"reason": failed.reason, "retry_in_s": 1.0, "driver_fault": False}
+
+
+def test_a_driver_that_was_up_and_went_away_is_critical_reboot(clock: Any) -> None:
+    sup, changes, _ = _supervisor(clock, [{"at": 5, "type": "driver_unloaded"}])
+    sup.initialise()
+    gpus = changes[-1].gpus
+    clock.advance(6)
+    sup.enumerate(gpus)
+    lost = changes[-1]
+    assert (lost.event, lost.driver_fault) == (E.DRIVER_LOST, True)
+    sup.initialise(gpus)  # the re-inits that fail after it: still the driver's fault
+    assert (changes[-1].event, changes[-1].driver_fault) == (E.INIT_FAILED, True)
+    for change in (lost, changes[-1]):
+        finding = unavailable_finding("n1", change)
+        assert (finding.severity, finding.action) == (Severity.CRITICAL, Action.REBOOT)
+
+
+BARE_METAL_DRIVER_LOADED = StartView(bare_metal=True, driver_loaded=True, gpus_on_bus=8)
+
+
+class FailingInit:
+    """NVML's library loads but ``nvmlInit`` answers ``error`` (the live backend's two wrappings)."""
+
+    simulated = False
+    description = "failing"
+
+    def __init__(self, error: Exception) -> None:
+        self.error = error
+
+    def init(self) -> None:
+        raise self.error
+
+    def shutdown(self) -> None:
+        pass
+
+
+class BindingsError(Exception):
+    def __init__(self, value: int) -> None:
+        super().__init__(f"NVML error {value}")
+        self.value = value
+
+
+def _unavailable(code: int) -> BackendUnavailable:
+    """What RealNvml.init raises for LIBRARY_NOT_FOUND / DRIVER_NOT_LOADED: the bindings' error as the cause."""
+    try:
+        raise BindingsError(code)
+    except BindingsError as exc:
+        try:
+            raise BackendUnavailable(f"NVIDIA driver not available: {exc}") from exc
+        except BackendUnavailable as wrapped:
+            return wrapped
+
+
+@pytest.mark.parametrize(("error", "view", "fault"), [
+    # bare metal, the kernel module loaded, GPUs on the bus, an error that blames the driver: reboot
+    (_unavailable(errors.DRIVER_NOT_LOADED), BARE_METAL_DRIVER_LOADED, True),
+    (NvmlError(LIB_RM_VERSION_MISMATCH, "Driver/library version mismatch"), BARE_METAL_DRIVER_LOADED, True),
+    # the agent's view, not the driver: could not check
+    (_unavailable(errors.LIBRARY_NOT_FOUND), BARE_METAL_DRIVER_LOADED, False),  # no libnvidia-ml here
+    (NvmlError(errors.NO_PERMISSION, "Insufficient Permissions"), BARE_METAL_DRIVER_LOADED, False),
+    (NvmlError(errors.UNKNOWN, "Unknown Error"), BARE_METAL_DRIVER_LOADED, False),  # unsure
+    (BackendUnavailable("nvidia-ml-py is not installed"), BARE_METAL_DRIVER_LOADED, False),
+    (_unavailable(errors.DRIVER_NOT_LOADED), StartView(bare_metal=False, driver_loaded=True, gpus_on_bus=8), False),
+    (_unavailable(errors.DRIVER_NOT_LOADED), StartView(bare_metal=True, driver_loaded=False, gpus_on_bus=8), False),
+    (_unavailable(errors.DRIVER_NOT_LOADED), StartView(bare_metal=True, driver_loaded=True, gpus_on_bus=0), False),
+])
+def test_nvml_that_never_starts_blames_the_driver_only_where_it_must(error: Exception, view: StartView,
+                                                                     fault: bool) -> None:
+    changes: list[NvmlChange] = []
+    sup = NvmlSupervisor(FailingInit(error), changes.append, view=lambda: view)  # type: ignore[arg-type]
+    sup.initialise()
+    assert (changes[-1].event, changes[-1].driver_fault) == (E.INIT_FAILED, fault)
+    finding = unavailable_finding("n1", changes[-1])
+    assert finding.action.takes_node_out is fault
+    assert finding.severity is (Severity.CRITICAL if fault else Severity.WARNING)
+
+
+def test_start_view_reads_the_environment_the_driver_directory_and_the_bus() -> None:
+    class Backend:
+        simulated = True
+
+        def system(self, key: str) -> Any:
+            assert key == "environment"
+            return {"virtualization": "none", "container": False}
+
+    class Sysfs:
+        def __init__(self, proc: dict[str, int | None] | None, gpus: int) -> None:
+            self.proc, self.gpus = proc, gpus
+
+        def nvidia_driver_gpus(self) -> dict[str, int | None] | None:
+            return self.proc
+
+        def nvidia_pci_devices(self) -> list[object]:
+            return [object()] * self.gpus
+
+    view = start_view(Backend(), sysfs=Sysfs({}, 8))  # type: ignore[arg-type]
+    assert view == StartView(bare_metal=True, driver_loaded=True, gpus_on_bus=8)
+    assert start_view(Backend(), sysfs=Sysfs(None, 2)) == StartView(True, False, 2)  # type: ignore[arg-type]
 
 
 def test_a_lost_gpu_gets_fresh_handles_now_and_then(clock: Any) -> None:
