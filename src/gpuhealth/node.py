@@ -40,19 +40,21 @@ from gpuhealth.exporters import ExportSnapshot
 from gpuhealth.model import Action, EntityKind, Finding, Health, Severity, health_of, worst_action
 
 
-def open_backend(snapshot: str | Path | None) -> NvmlBackend:
-    """An initialised backend: ``snapshot`` (a recording/scenario path, or a bundled recording's name
-    such as ``nvml_h200x2.json``) → simulated; None → the live driver.
-
-    Raises ``RecordingError`` (bad file), ``BackendUnavailable`` (no driver/library) or ``NvmlError``."""
-    backend: NvmlBackend
+def make_backend(snapshot: str | Path | None) -> NvmlBackend:
+    """The backend, not yet initialised: ``snapshot`` (a recording/scenario path, or a bundled recording's
+    name such as ``nvml_h200x2.json``) → simulated; None → the live driver. Raises ``RecordingError``."""
     if snapshot is not None:
         path = Path(snapshot)
         if not path.exists() and path.name == str(snapshot) and path.name in BUNDLED_RECORDINGS:
             path = bundled_recording_path(path.name)
-        backend = FakeNvml.from_file(path)
-    else:
-        backend = RealNvml()
+        return FakeNvml.from_file(path)
+    return RealNvml()
+
+
+def open_backend(snapshot: str | Path | None) -> NvmlBackend:
+    """``make_backend``, initialised. Raises ``RecordingError`` (bad file), ``BackendUnavailable`` (no
+    driver/library) or ``NvmlError``."""
+    backend = make_backend(snapshot)
     backend.init()
     return backend
 
@@ -253,4 +255,4 @@ def report_of_snapshot(snap: ExportSnapshot, versions: Mapping[str, Any] | None 
 
 
 __all__ = ["AgentFacts", "GpuReport", "NodeReport", "assemble_report", "build_report", "collect_once", "default_kmsg",
-           "open_backend", "report_of_snapshot"]
+           "make_backend", "open_backend", "report_of_snapshot"]

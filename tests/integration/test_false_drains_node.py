@@ -25,10 +25,15 @@ BIN = Path(sys.executable).parent
 GPUHEALTH = str(BIN / "gpuhealth")
 NODE = "gpu-node-09"
 
-# A bare-metal node's recording (the environment the scenario says), its driver gone from t=0 or from t=3 s.
+# A pod on a node's recording (the environment the scenario says) whose driver never answers: the view, not
+# the GPUs. The same node on bare metal: there a module that never loaded is the fault. Gone from t=3 s: was up.
 NEVER_UP = {"recording": "nvml_h200x2.json", "events": [{"at": 0, "type": "driver_unloaded"}],
-            "system": {"environment": {"virtualization": "none", "container": False}}}
-LOST_LATER = {**NEVER_UP, "events": [{"at": 3, "type": "driver_unloaded"}]}
+            "system": {"environment": {"virtualization": "none", "container": True}}}
+BARE_METAL = {"virtualization": "none", "container": False}
+# (its two GPUs on the bus bound to no driver: the module never loaded)
+NEVER_UP_BARE_METAL = {**NEVER_UP, "system": {"environment": BARE_METAL, "other_pci_gpus": [
+    {"bdf": "0000:00:06.0", "driver": None}, {"bdf": "0000:00:07.0", "driver": None}]}}
+LOST_LATER = {**NEVER_UP_BARE_METAL, "events": [{"at": 3, "type": "driver_unloaded"}]}
 
 
 def _nvml(doc: dict[str, Any]) -> dict[str, Any]:
@@ -52,6 +57,18 @@ def test_one_shot_status_whose_driver_never_loads_could_not_check(tmp_path: Path
     assert finding["message"].startswith("could not check the GPUs")
     npd = _status("--nvml-snapshot", str(scenario), "--exit-codes", "npd")
     assert npd.returncode == 2  # node-problem-detector's "unknown", not "problem"
+
+
+def test_one_shot_status_on_bare_metal_whose_driver_never_loads_is_unfit(tmp_path: Path) -> None:
+    # GPUs on this host's own bus and no driver: no GPU job can run here (GPUHEALTH_ON_ERROR must not decide)
+    scenario = tmp_path / "never_up_bare_metal.yaml"
+    scenario.write_text(yaml.safe_dump(NEVER_UP_BARE_METAL))
+    out = _status("--nvml-snapshot", str(scenario), "--json", "--exit-codes", "slurm")
+    assert out.returncode == 1 and "Traceback" not in out.stderr, (out.returncode, out.stderr)
+    doc = json.loads(out.stdout)
+    assert doc["node"]["health"] == "unhealthy"  # not fit (unknown would leave it to GPUHEALTH_ON_ERROR)
+    finding = _nvml(doc)
+    assert (finding["severity"], finding["action"]) == ("critical", "reboot"), finding
 
 
 def test_one_shot_status_on_this_machine_without_a_driver_could_not_check() -> None:

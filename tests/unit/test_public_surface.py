@@ -28,7 +28,7 @@ PUBLIC: dict[str, set[str]] = {
     "gpuhealth.config": {"AgentConfig", "CollectorsConfig", "Config", "ConfigError", "CoordinatorConfig",
                          "DiagConfig", "load_config", "split_address"},
     "gpuhealth.node": {"AgentFacts", "GpuReport", "NodeReport", "assemble_report", "build_report", "collect_once",
-                       "default_kmsg", "open_backend", "report_of_snapshot"},
+                       "default_kmsg", "make_backend", "open_backend", "report_of_snapshot"},
     "gpuhealth.collectors.base": {"CollectContext", "CollectError", "Collector", "GpuIdentity", "History", "Lane",
                                   "Observations"},
     "gpuhealth.collectors.registry": {"COLLECTOR_MODULES", "UnknownCollector", "all_collectors"},

@@ -21,11 +21,12 @@ transition does to the backend.
 
 While NVML is not answering the agent serves ``nvml.unavailable``, in one of two forms
 (``unavailable_finding``): **critical, reboot** when the driver is the likely fault — NVML was up with
-GPUs and went away, or it never starts on bare metal whose GPUs are on the PCI bus with the kernel module
-loaded (``/proc/driver/nvidia``) and NVML answers a driver error (``driver_fault_at_start``); otherwise
-**warning, no action: could not check** — a pod without the NVIDIA runtime (no library), no permission on
-``/dev/nvidia*``, a view where the driver never came up. That says nothing about the GPUs, so it must not
-take the node out; the node's health is ``unknown`` (docs/environments.md).
+GPUs and went away, or it never starts where this host owns the GPUs on its PCI bus (bare metal or a VM guest,
+GPUs bound to ``nvidia`` or to no driver) and NVML answers a driver error — the module not loaded, a
+library/module version mismatch (``driver_fault_at_start``): such a node cannot run a GPU job. Otherwise
+**warning, no action: could not check** — a container's view (a pod without the NVIDIA runtime), no library,
+no permission on ``/dev/nvidia*``. That says nothing about the GPUs, so it must not take the node out; the
+node's health is ``unknown`` (docs/environments.md).
 
 Events not in ``TRANSITIONS`` are ignored (a second collector that sees the same gone driver). The
 supervisor owns the backend's ``init``/``shutdown``; what the agent makes of each transition (its
@@ -56,9 +57,9 @@ NVML_UNAVAILABLE = "nvml.unavailable"
 # nvml.h's NVML_ERROR_LIB_RM_VERSION_MISMATCH: the library is newer than the loaded kernel module (a driver
 # upgraded without a reboot). Not in backends.errors: nothing else acts on it.
 LIB_RM_VERSION_MISMATCH = 18
-# Start-up errors that blame the driver itself, not the agent's view of it: with the kernel module loaded on
-# bare metal and GPUs on the bus, a reboot is what brings these back. LIBRARY_NOT_FOUND, NO_PERMISSION,
-# UNKNOWN and the rest are the view (no runtime, no device nodes, an unprivileged agent) or unsure.
+# Start-up errors that blame the driver itself, not the agent's view of it: on a host that owns its GPUs, a
+# module that did not load or does not match the library keeps every GPU job off the node. LIBRARY_NOT_FOUND,
+# NO_PERMISSION, UNKNOWN and the rest are the view (no runtime, no device nodes, an unprivileged agent) or unsure.
 DRIVER_FAULT_AT_START_CODES = frozenset({errors.DRIVER_NOT_LOADED, LIB_RM_VERSION_MISMATCH, errors.IRQ_ISSUE,
                                          errors.GPU_IS_LOST, errors.RESET_REQUIRED})
 
@@ -122,12 +123,13 @@ class NvmlChange:
 class StartView:
     """What the host shows while NVML will not start: could a broken driver be the cause?"""
 
-    bare_metal: bool = False
-    driver_loaded: bool = False  # the driver's /proc/driver/nvidia is there: the kernel module is loaded
-    gpus_on_bus: int = 0  # NVIDIA GPU functions on the PCI bus
+    owns_gpus: bool = False  # bare metal or a VM guest: the GPUs on this PCI bus are this host's, not a container's
+    #                          view of another's
+    driver_loaded: bool = False  # the driver's /proc/driver/nvidia is there: the kernel module is loaded (evidence)
+    gpus_on_bus: int = 0  # NVIDIA GPU functions on the PCI bus bound to nvidia or to no driver (not vfio-pci's)
 
     def to_dict(self) -> dict[str, object]:
-        return {"bare_metal": self.bare_metal, "driver_loaded": self.driver_loaded, "gpus_on_bus": self.gpus_on_bus}
+        return {"owns_gpus": self.owns_gpus, "driver_loaded": self.driver_loaded, "gpus_on_bus": self.gpus_on_bus}
 
 
 def start_view(backend: NvmlBackend | None, root: str = "/", *, sysfs: Any = None) -> StartView:
@@ -139,8 +141,9 @@ def start_view(backend: NvmlBackend | None, root: str = "/", *, sysfs: Any = Non
     try:
         env = environment_for(backend, root)
         sysfs = sysfs if sysfs is not None else sysfs_for(backend, root)
-        return StartView(bare_metal=env.kind == "bare metal", driver_loaded=sysfs.nvidia_driver_gpus() is not None,
-                         gpus_on_bus=len(sysfs.nvidia_pci_devices()))
+        ours = [d for d in sysfs.nvidia_pci_devices() if getattr(d, "driver", None) in (None, "nvidia")]
+        return StartView(owns_gpus=env.kind in ("bare metal", "VM guest"),
+                         driver_loaded=sysfs.nvidia_driver_gpus() is not None, gpus_on_bus=len(ours))
     except (OSError, ValueError, NvmlError):
         log.debug("cannot read the host's view of the driver", exc_info=True)
         return StartView()
@@ -156,11 +159,11 @@ def failure_code(exc: BaseException) -> int | None:
 
 
 def driver_fault_at_start(code: int | None, view: StartView) -> bool:
-    """NVML never started: is the driver the likely fault (reboot) rather than this view of it? Only on bare
-    metal with the kernel module loaded and GPUs on the bus, for an error that blames the driver. When unsure,
+    """NVML never started: is the driver the likely fault (reboot) rather than this view of it? Only where this
+    host owns GPUs on its bus (bare metal, a VM guest; never a container, whose bus is the host's), for an error
+    that blames the driver: there a module that did not load is the fault, and no GPU job can run. When unsure,
     no: a false reboot drains a healthy node."""
-    return (code in DRIVER_FAULT_AT_START_CODES and view.bare_metal and view.driver_loaded
-            and view.gpus_on_bus > 0)
+    return code in DRIVER_FAULT_AT_START_CODES and view.owns_gpus and view.gpus_on_bus > 0
 
 
 def unavailable_finding(node_name: str, change: NvmlChange, source: str = "agent",

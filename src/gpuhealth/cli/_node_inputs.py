@@ -6,16 +6,17 @@ from __future__ import annotations
 from gpuhealth.backends.base import NvmlBackend
 from gpuhealth.backends.errors import BackendUnavailable, NvmlError, RecordingError
 from gpuhealth.config import Config, ConfigError, load_config
-from gpuhealth.node import open_backend
+from gpuhealth.node import make_backend
 
 
 class NodeInputError(Exception):
     """The node cannot be checked at all (exit code: the profile's "unknown"). ``driver``: because the
     NVIDIA driver / NVML is not there or not answering (not a bad file or flag)."""
 
-    def __init__(self, message: str, *, driver: bool = False) -> None:
+    def __init__(self, message: str, *, driver: bool = False, backend: NvmlBackend | None = None) -> None:
         super().__init__(message)
         self.driver = driver
+        self.backend = backend  # the backend that would not start (a replay still says what host it records)
 
 
 def open_node(config_path: str | None, snapshot: str | None, kmsg_path: str | None,
@@ -28,11 +29,15 @@ def open_node(config_path: str | None, snapshot: str | None, kmsg_path: str | No
     except ConfigError as exc:
         raise NodeInputError(str(exc)) from exc
     try:
-        return config, open_backend(config.agent.nvml_snapshot)
+        backend = make_backend(config.agent.nvml_snapshot)
     except RecordingError as exc:
         raise NodeInputError(f"bad recording: {exc}") from exc
+    try:
+        backend.init()
     except BackendUnavailable as exc:
         raise NodeInputError(f"{exc} — cannot check GPUs here (try --nvml-snapshot FILE for a recording)",
-                             driver=True) from exc
+                             driver=True, backend=backend) from exc
     except NvmlError as exc:
-        raise NodeInputError(f"NVML failed to start: {exc.message} (code {exc.code})", driver=True) from exc
+        raise NodeInputError(f"NVML failed to start: {exc.message} (code {exc.code})", driver=True,
+                             backend=backend) from exc
+    return config, backend

@@ -76,7 +76,7 @@ def command(level: str, snapshot: str | None, kmsg_path: str | None, expected_gp
         config, backend = open_node(config_path, snapshot, kmsg_path, expected_gpus)
     except NodeInputError as exc:
         _fail(str(exc), profile, as_json=as_json, level=level, driver=exc.__cause__ if exc.driver else None,
-              root=_sysfs_root(config_path))
+              backend=exc.backend, root=_sysfs_root(config_path))
         return
     err = Console(stderr=True, highlight=False)
     show_progress = not as_json and err.is_terminal

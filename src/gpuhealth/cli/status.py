@@ -110,7 +110,7 @@ def command(snapshot: str | None, kmsg_path: str | None, expected_gpus: int | No
         config, backend = open_node(config_path, snapshot, kmsg_path, expected_gpus)
     except NodeInputError as exc:
         _fail(str(exc), profile, as_json=as_json, driver=exc.__cause__ if exc.driver else None,
-              config_path=config_path, agent_error=agent_error)
+              backend=exc.backend, config_path=config_path, agent_error=agent_error)
         return
     try:
         report = collect_once(backend, config)

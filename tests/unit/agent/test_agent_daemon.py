@@ -310,19 +310,20 @@ class _DriverView:
         return [object()] * self.gpus_on_bus
 
 
-@pytest.mark.parametrize(("driver_loaded", "health", "action"), [(False, "unknown", "none"),
-                                                                  (True, "unhealthy", "reboot")])
+@pytest.mark.parametrize(("container", "health", "action"), [(True, "unknown", "none"),
+                                                              (False, "unhealthy", "reboot")])
 def test_nvml_that_never_starts_takes_the_node_out_only_when_the_driver_is_at_fault(
-        agents: list[Agent], clock: Any, driver_loaded: bool, health: str, action: str) -> None:
-    """Bare metal, 8 GPUs on the bus, NVML answers DRIVER_NOT_LOADED from the start: with the kernel module
-    loaded (/proc/driver/nvidia) the driver is broken — reboot; without it this view has no driver — could not
-    check, and the node's health is unknown (a warning alone would call unchecked GPUs fit)."""
+        agents: list[Agent], clock: Any, container: bool, health: str, action: str) -> None:
+    """8 GPUs on the bus, no /proc/driver/nvidia, NVML answers DRIVER_NOT_LOADED from the start: on bare metal
+    the module did not load — no GPU job can run here, reboot; in a container the bus is the host's and this
+    view has no driver — could not check, and the node's health is unknown (a warning alone would call
+    unchecked GPUs fit)."""
     backend = FakeNvml.from_scenario({"recording": "nvml_h200x2.json",
                                       "events": [{"at": 0, "type": "driver_unloaded"}],
-                                      "system": {"environment": {"virtualization": "none", "container": False}}},
+                                      "system": {"environment": {"virtualization": "none", "container": container}}},
                                      clock=clock)
     agent = _start(agents, Agent(fast_config(), backend, collectors=[TempCollector()], extensions=[], notifier=QUIET,
-                                 sysfs=_DriverView(driver_loaded, 8)))
+                                 sysfs=_DriverView(False, 8)))
     wait_for(lambda: agent.node_report()["findings"], what="nvml.unavailable")
     report = agent.node_report()
     [finding] = report["findings"]

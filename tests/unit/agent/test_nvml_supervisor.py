@@ -17,6 +17,7 @@ from gpuhealth.agent.nvml_supervisor import (
     NvmlState,
     NvmlSupervisor,
     StartView,
+    driver_fault_at_start,
     start_view,
     unavailable_finding,
 )
@@ -118,7 +119,7 @@ def test_a_driver_that_was_up_and_went_away_is_critical_reboot(clock: Any) -> No
         assert (finding.severity, finding.action) == (Severity.CRITICAL, Action.REBOOT)
 
 
-BARE_METAL_DRIVER_LOADED = StartView(bare_metal=True, driver_loaded=True, gpus_on_bus=8)
+BARE_METAL_DRIVER_LOADED = StartView(owns_gpus=True, driver_loaded=True, gpus_on_bus=8)
 
 
 class FailingInit:
@@ -155,7 +156,7 @@ def _unavailable(code: int) -> BackendUnavailable:
 
 
 @pytest.mark.parametrize(("error", "view", "fault"), [
-    # bare metal, the kernel module loaded, GPUs on the bus, an error that blames the driver: reboot
+    # a host that owns the GPUs on its bus, an error that blames the driver: reboot (no GPU job can run)
     (_unavailable(errors.DRIVER_NOT_LOADED), BARE_METAL_DRIVER_LOADED, True),
     (NvmlError(LIB_RM_VERSION_MISMATCH, "Driver/library version mismatch"), BARE_METAL_DRIVER_LOADED, True),
     # the agent's view, not the driver: could not check
@@ -163,9 +164,11 @@ def _unavailable(code: int) -> BackendUnavailable:
     (NvmlError(errors.NO_PERMISSION, "Insufficient Permissions"), BARE_METAL_DRIVER_LOADED, False),
     (NvmlError(errors.UNKNOWN, "Unknown Error"), BARE_METAL_DRIVER_LOADED, False),  # unsure
     (BackendUnavailable("nvidia-ml-py is not installed"), BARE_METAL_DRIVER_LOADED, False),
-    (_unavailable(errors.DRIVER_NOT_LOADED), StartView(bare_metal=False, driver_loaded=True, gpus_on_bus=8), False),
-    (_unavailable(errors.DRIVER_NOT_LOADED), StartView(bare_metal=True, driver_loaded=False, gpus_on_bus=8), False),
-    (_unavailable(errors.DRIVER_NOT_LOADED), StartView(bare_metal=True, driver_loaded=True, gpus_on_bus=0), False),
+    # the module did not load at all (no /proc/driver/nvidia) on bare metal or in a VM guest: the fault itself
+    (_unavailable(errors.DRIVER_NOT_LOADED), StartView(owns_gpus=True, driver_loaded=False, gpus_on_bus=8), True),
+    # a container's view of the host's bus (a pod without the NVIDIA runtime): could not check
+    (_unavailable(errors.DRIVER_NOT_LOADED), StartView(owns_gpus=False, driver_loaded=True, gpus_on_bus=8), False),
+    (_unavailable(errors.DRIVER_NOT_LOADED), StartView(owns_gpus=True, driver_loaded=True, gpus_on_bus=0), False),
 ])
 def test_nvml_that_never_starts_blames_the_driver_only_where_it_must(error: Exception, view: StartView,
                                                                      fault: bool) -> None:
@@ -197,8 +200,36 @@ def test_start_view_reads_the_environment_the_driver_directory_and_the_bus() -> 
             return [object()] * self.gpus
 
     view = start_view(Backend(), sysfs=Sysfs({}, 8))  # type: ignore[arg-type]
-    assert view == StartView(bare_metal=True, driver_loaded=True, gpus_on_bus=8)
+    assert view == StartView(owns_gpus=True, driver_loaded=True, gpus_on_bus=8)
     assert start_view(Backend(), sysfs=Sysfs(None, 2)) == StartView(True, False, 2)  # type: ignore[arg-type]
+
+
+def test_start_view_counts_only_the_gpus_this_host_could_drive() -> None:
+    """GPUs bound to vfio-pci (passed on to VMs) are not this host's to drive; a container's bus is the host's."""
+    from types import SimpleNamespace
+
+    class Backend:
+        simulated = True
+
+        def __init__(self, env: dict[str, Any]) -> None:
+            self.env = env
+
+        def system(self, key: str) -> Any:
+            return self.env
+
+    class Sysfs:
+        def nvidia_driver_gpus(self) -> None:
+            return None  # the module did not load
+
+        def nvidia_pci_devices(self) -> list[object]:
+            return [SimpleNamespace(driver=d) for d in ("vfio-pci", "vfio-pci", None, "nvidia")]
+
+    vm = start_view(Backend({"virtualization": "vm", "container": False}), sysfs=Sysfs())  # type: ignore[arg-type]
+    assert vm == StartView(owns_gpus=True, driver_loaded=False, gpus_on_bus=2)
+    pod = start_view(Backend({"virtualization": "none", "container": True}), sysfs=Sysfs())  # type: ignore[arg-type]
+    assert not pod.owns_gpus
+    assert driver_fault_at_start(errors.DRIVER_NOT_LOADED, vm)
+    assert not driver_fault_at_start(errors.DRIVER_NOT_LOADED, pod)
 
 
 def test_a_lost_gpu_gets_fresh_handles_now_and_then(clock: Any) -> None:
