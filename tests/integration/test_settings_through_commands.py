@@ -346,7 +346,9 @@ def run_agent(s: Setup, cleanup: Cleanup) -> None:
     assert any('link="' in ln for ln in metrics.splitlines() if ln.startswith("gpuhealth_gpu_nvlink_")), \
         "agent.nvlink_per_link: no per-link NVLink series"
     assert Path(s.value("agent.socket_path")).exists()  # agent.socket_path
-    assert metric_value(metrics, "gpuhealth_gpu_health", gpu="0", slurm_job_id="4711") is not None  # slurm_job_dir
+    # agent.slurm_job_dir: the job map is read on a scrape and kept for its TTL (one read may precede the GPU list)
+    until(lambda: metric_value(agent.get("/metrics"), "gpuhealth_gpu_health", gpu="0", slurm_job_id="4711")
+          is not None, 30, "GPU 0's series labelled with the Slurm job in agent.slurm_job_dir")
     assert metric_value(metrics, "gpuhealth_collector_interval_seconds", collector="xid") == 2.5
     assert metric_value(metrics, "gpuhealth_collector_interval_seconds", collector="pcie") == 45.0
     assert metric_value(metrics, "gpuhealth_collector_interval_seconds", collector="numa") is None  # disabled
