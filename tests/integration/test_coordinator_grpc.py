@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import subprocess
+import time
 import urllib.request
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
@@ -265,7 +266,7 @@ async def _fleet_votes(server: CoordinatorServer) -> None:
         await agent.connect()
         digest = "c0ffee" if i != 1 else "badbad"  # n1's GPU computes a different result
         await agent.send(pb.AgentMessage(record=pb.Record(seq=1, sdc=pb.SdcDigests(digests=[
-            pb.SdcDigest(gpu_uuid=f"GPU-n{i}-0", key=key, digest=digest, at=1.0)]))).SerializeToString())
+            pb.SdcDigest(gpu_uuid=f"GPU-n{i}-0", key=key, digest=digest, at=time.time())]))).SerializeToString())
         await agent.wait_acked(1)
         agents.append(agent)
     # A GPU finding on n2 makes it unhealthy in the fleet view.

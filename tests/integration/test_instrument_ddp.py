@@ -27,7 +27,7 @@ HERE = Path(__file__).resolve()
 WORLD = 4
 STEPS = 14
 SLOW_RANK = 3
-EXTRA_S = 0.06  # the straggler's forward is this much slower every step
+EXTRA_S = 0.1  # the straggler's forward is this much slower every step
 
 
 def _worker(cfg: dict[str, Any]) -> None:
@@ -102,9 +102,11 @@ def test_ddp_hook_times_the_gradient_wait_and_names_the_straggler(tmp_path: Path
     late = [r for r in records if r.step >= 2]
     wait = {rank: sorted(r.comm_wait_s or 0.0 for r in late if r.rank == rank)[len(late) // WORLD // 2]
             for rank in range(WORLD)}
-    # The fast ranks wait for the straggler's last bucket; the straggler barely waits.
-    assert all(wait[r] > 0.6 * EXTRA_S for r in range(WORLD) if r != SLOW_RANK), wait
-    assert wait[SLOW_RANK] < 0.3 * EXTRA_S, wait
+    # The fast ranks wait for the straggler's last bucket; the straggler waits about EXTRA_S less. Judged
+    # as that difference: 4 ranks on 2 loaded cores add scheduling delay to every rank's wait alike.
+    fast = [wait[r] for r in range(WORLD) if r != SLOW_RANK]
+    assert min(fast) > 0.6 * EXTRA_S, wait
+    assert min(fast) - wait[SLOW_RANK] > 0.5 * EXTRA_S, wait
     findings = detect_stragglers(records)
     assert [(f.code, f.evidence["rank"]) for f in findings] == [("rank.straggler", SLOW_RANK)]
     # Averaging is DDP's: every rank ends with the same parameters, equal to default DDP's.

@@ -280,11 +280,11 @@ class CoordinatorServer:
             port = server.add_insecure_port(self.listen)
         if port == 0:
             raise OSError(f"cannot listen on {self.listen}")
+        await self.coord.start()  # its startup retention runs before the first record is served
         await server.start()
         await self._health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
         await self._health.set("", health_pb2.HealthCheckResponse.SERVING)
         self._server = server
-        await self.coord.start()
         metrics_port = None
         if self.metrics_listen:
             host, mport = split_address(self.metrics_listen) or ("", 0)

@@ -146,6 +146,7 @@ class Coordinator:
         self._request_ids = itertools.count(1)
         self._tasks: set[asyncio.Task[Any]] = set()
         self._tick_task: asyncio.Task[None] | None = None
+        self._last_prune = 0.0
         self.investigating: set[str] = set()
         # job → (the node whose agent reported it hung from NCCL RAS, since when (monotonic) that node's
         # current findings no longer say so; None while they do)
@@ -216,6 +217,10 @@ class Coordinator:
                     self.reported_hangs[stuck.job_id] = (node, None)
 
     async def start(self) -> None:
+        # Retention runs once before anything is received, then hourly: a record that arrives after the
+        # start is never pruned by a first tick that happened to run late.
+        self._last_prune = self.clock()
+        self.prune(self._last_prune)
         self._tick_task = asyncio.create_task(self._tick_loop(), name="coordinator-tick")
 
     async def stop(self) -> None:
@@ -623,14 +628,13 @@ class Coordinator:
     # -- detection tick --------------------------------------------------------------------------
 
     async def _tick_loop(self) -> None:
-        last_prune = 0.0
         while True:
             await asyncio.sleep(self.settings.tick_s)
             try:
                 self.tick()
-                if self.clock() - last_prune > 3600:
-                    last_prune = self.clock()
-                    self.prune(last_prune)
+                if self.clock() - self._last_prune > 3600:
+                    self._last_prune = self.clock()
+                    self.prune(self._last_prune)
             except Exception:  # the tick must survive anything a job's data does to it
                 log.exception("detection tick failed")
 

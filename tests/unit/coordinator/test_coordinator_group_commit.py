@@ -74,3 +74,28 @@ def test_retention_removes_old_evidence_folders(tmp_path: Path) -> None:
     os.utime(new, (10 * 86_400.0, 10 * 86_400.0))
     assert coord.prune(10 * 86_400.0) == 1
     assert not old.exists() and new.exists()
+
+
+def test_retention_runs_at_start_not_on_a_late_first_tick(tmp_path: Path) -> None:
+    """Old rows go when the coordinator starts; a record received after the start stays until the
+    hourly pass, however late the first tick runs on a loaded machine (it raced a CI run)."""
+    day = 86_400.0
+    store = Store(tmp_path / "c.db")
+    store.add_sdc_digest("n0", "GPU-old", "k", "d", at=1.0)
+    store.commit()
+    clock = [40 * day]
+
+    async def main() -> None:
+        coord = Coordinator(store, CoordinatorConfig(retention_days=30, tick_s=0.01), clock=lambda: clock[0])
+        await coord.start()
+        assert coord.store.sdc_digests() == []  # pruned before anything was served
+        coord.store.add_sdc_digest("n1", "GPU-new", "k", "d", at=2.0)  # an agent's clock far behind
+        coord.store.commit()
+        await asyncio.sleep(0.1)  # several ticks
+        assert [r[1] for r in coord.store.sdc_digests()] == ["GPU-new"]
+        clock[0] += 3601  # the hourly pass
+        await asyncio.sleep(0.1)
+        assert coord.store.sdc_digests() == []
+        await coord.stop()
+
+    asyncio.run(main())
