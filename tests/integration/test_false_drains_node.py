@@ -230,3 +230,75 @@ def test_an_ib_port_an_administrator_disabled_is_info_one_that_fell_is_critical(
         assert (fell["severity"], fell["action"]) == ("critical", "drain"), fell
     finally:
         agent.stop()
+
+
+def test_shipped_alerts_page_for_the_lost_driver_and_warn_for_the_pod_that_cannot_check(tmp_path: Path) -> None:
+    """A real Prometheus with the shipped rules scrapes both agents: the bare-metal driver that went away is
+    GpuhealthNvmlDown (critical), the pod without an NVIDIA runtime is GpuhealthCannotCheckGpus (a warning
+    about the deployment) and never the critical page; neither adds an alert per failing collector. The
+    rules have a ``for:``, so they are pending here."""
+    import re
+    import shutil
+    import urllib.parse
+
+    from agent_process import http_get
+
+    prometheus = shutil.which("prometheus") or "/usr/bin/prometheus"
+    pod_dir, metal_dir = tmp_path / "pod", tmp_path / "metal"
+    pod_dir.mkdir()
+    metal_dir.mkdir()
+    pods, metals = _agent(pod_dir, NEVER_UP), _agent(metal_dir, LOST_LATER)
+    pod, metal = next(pods), next(metals)
+    prom: subprocess.Popen[bytes] | None = None
+    try:
+        _wait_for_nvml_finding(metal, "critical")
+        root = tmp_path / "prom"
+        root.mkdir()
+        shutil.copy(REPO / "deploy" / "prometheus" / "alerts.yaml", root / "alerts.yaml")
+        (root / "prometheus.yml").write_text(yaml.safe_dump({
+            "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+            "rule_files": ["alerts.yaml"],
+            "scrape_configs": [{"job_name": "gpuhealth-agent", "static_configs": [
+                {"targets": [f"127.0.0.1:{pod.port}"], "labels": {"instance": "pod-node"}},
+                {"targets": [f"127.0.0.1:{metal.port}"], "labels": {"instance": "metal-node"}}]}]}))
+        log = root / "prometheus.log"
+        with log.open("wb") as out:
+            prom = subprocess.Popen([prometheus, f"--config.file={root / 'prometheus.yml'}",
+                                     f"--storage.tsdb.path={root / 'tsdb'}", "--web.listen-address=127.0.0.1:0"],
+                                    stdout=out, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 60
+        port = None
+        while port is None:
+            assert prom.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            m = re.search(r'msg="Listening on" address=127\.0\.0\.1:(\d+)', log.read_text(errors="replace"))
+            port = int(m.group(1)) if m else None
+            time.sleep(0.2)
+
+        def alerts() -> dict[str, set[str]]:
+            url = f"http://127.0.0.1:{port}/api/v1/query?" + urllib.parse.urlencode({"query": "ALERTS"})
+            out: dict[str, set[str]] = {}
+            for a in json.loads(http_get(url)[1])["data"]["result"]:
+                out.setdefault(a["metric"]["alertname"], set()).add(a["metric"].get("instance", ""))
+            return out
+
+        want = {"GpuhealthNvmlDown": {"metal-node"}, "GpuhealthCannotCheckGpus": {"pod-node"}}
+        seen: dict[str, set[str]] = {}
+        deadline = time.monotonic() + 60
+        while {k: seen.get(k) for k in want} != want:
+            assert time.monotonic() < deadline, (seen, log.read_text()[-2000:])
+            time.sleep(0.5)
+            try:
+                seen = alerts()
+            except (OSError, ValueError, KeyError):
+                continue
+        time.sleep(3)  # a few more evaluations: the pod never joins the critical page
+        final = alerts()
+        assert {k: final.get(k) for k in want} == want
+        # The collectors that fail while NVML is down are that one cause, not an alert each.
+        assert "GpuhealthCollectorFailing" not in final and "GpuhealthStaleData" not in final, final
+    finally:
+        if prom is not None:
+            prom.terminate()
+            prom.wait(timeout=20)
+        for gen in (pods, metals):
+            gen.close()
