@@ -441,28 +441,24 @@ def run_rank_from_env(plan: RankPlan, *, backend: str | None = None, init_method
 
 
 def detect_topology(world: int, multinode: bool, cuda: bool) -> str:
-    """nvlink when GPU 0 has an active NVLink, pcie otherwise; cpu for Gloo; multinode across hosts."""
+    """cpu for Gloo, multinode across hosts, else what NVML says of the GPUs' NVLinks
+    (``diag.topology``: ``nvlink`` only for NVLink 4.0 through NVSwitches, the built-in curves' wiring)."""
     if not cuda:
         return "cpu"
     if multinode:
         return "multinode"
-    try:
-        import pynvml
+    from gpuhealth.backends.nvml_real import RealNvml
+    from gpuhealth.diag.topology import detect
 
-        pynvml.nvmlInit()
-        try:
-            handle = pynvml.nvmlDeviceGetHandleByIndex(0)
-            for link in range(18):
-                try:
-                    if pynvml.nvmlDeviceGetNvLinkState(handle, link) == pynvml.NVML_FEATURE_ENABLED:
-                        return "nvlink"
-                except pynvml.NVMLError:
-                    continue
-        finally:
-            pynvml.nvmlShutdown()
-    except Exception:
+    backend = RealNvml()
+    try:
+        backend.init()
+    except Exception:  # no NVML here (the ranks ran on CUDA all the same): nothing to judge by
         return "unknown"
-    return "pcie"
+    try:
+        return detect(backend, world).name
+    finally:
+        backend.shutdown()
 
 
 def plan_to_args(plan: RankPlan) -> list[str]:

@@ -1,0 +1,108 @@
+"""Which bus-bandwidth reference a node's GPUs may be judged against, from what NVML says of their
+NVLinks (any ``NvmlBackend``: the live driver, or a recording in tests).
+
+The built-in busbw curves were measured through NVSwitch on NVLink 4.0 (H100/H200 SXM, 18 links of
+each GPU to the switches). Judging anything else against them drains healthy nodes: 8 × H100 NVL
+(bridged pairs, the rest over PCIe) reads a tenth of that curve, an A100 NVSwitch board two thirds.
+So ``nvlink`` is claimed only when every GPU's active links go to NVSwitches (remote device type)
+at NVLink 4.0; other layouts get their own name, which has no built-in curve (``busbw.unjudged``,
+info) unless the operator's thresholds file gives one:
+
+- ``nvlink``: every GPU's active links go to NVSwitches, NVLink 4.0. Where the driver does not say
+  the remote device type, 18 active 4.0 links on every GPU (the SXM5 board wiring) stands in for it.
+- ``nvswitch-nvlink<major>``: through NVSwitches at another NVLink version (``nvswitch-nvlink3`` on
+  A100, ``nvswitch-nvlink5`` on Blackwell).
+- ``nvlink-direct``: links to other GPUs, no switch (bridges, a 4-GPU board's mesh).
+- ``nvlink-partial``: some GPUs have active links and some none.
+- ``pcie``: no GPU has an active link. ``unknown``: NVML could not say.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from gpuhealth.backends.base import NVLINK_MAX_LINKS, NvmlBackend
+from gpuhealth.backends.errors import NvmlError
+
+NVLINK_STATE_ACTIVE = 1
+REMOTE_GPU, REMOTE_SWITCH = 0, 2  # NVML_NVLINK_DEVICE_TYPE_GPU / _SWITCH (IBMNPU = 1)
+# nvmlDeviceGetNvLinkVersion's enum → NVLink major version (NVML_NVLINK_VERSION_1_0 = 1 … 5_0 = 7).
+NVLINK_MAJOR = {1: 1, 2: 2, 3: 2, 4: 3, 5: 3, 6: 4, 7: 5}
+REFERENCE_MAJOR = 4  # the version the built-in curves were measured on
+SXM_LINKS = 18
+
+
+@dataclass(slots=True)
+class GpuLinks:
+    index: int
+    active: int = 0
+    versions: set[int] = field(default_factory=set)  # NVLink majors of the active links
+    remotes: set[int | None] = field(default_factory=set)  # remote device types (None: not said)
+
+
+@dataclass(frozen=True, slots=True)
+class Topology:
+    name: str
+    why: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "why": self.why}
+
+
+def _read(backend: NvmlBackend, index: int, link: int, key: str) -> Any:
+    try:
+        return backend.nvlink(index, link, key)
+    except NvmlError:
+        return None
+
+
+def gpu_links(backend: NvmlBackend, index: int) -> GpuLinks:
+    out = GpuLinks(index)
+    for link in range(NVLINK_MAX_LINKS):
+        if _read(backend, index, link, "state") != NVLINK_STATE_ACTIVE:
+            continue
+        out.active += 1
+        version = _read(backend, index, link, "version")
+        out.versions.add(NVLINK_MAJOR.get(version, 0) if isinstance(version, int) else 0)
+        remote = _read(backend, index, link, "remote_type")
+        out.remotes.add(remote if isinstance(remote, int) else None)
+    return out
+
+
+def classify(gpus: Sequence[GpuLinks]) -> Topology:
+    """The topology name of these GPUs' NVLinks (see the module docstring)."""
+    if not gpus:
+        return Topology("unknown", "no GPU to look at")
+    linked = [g for g in gpus if g.active]
+    if not linked:
+        return Topology("pcie", "no GPU has an active NVLink")
+    if len(linked) < len(gpus):
+        bare = ", ".join(str(g.index) for g in gpus if not g.active)
+        return Topology("nvlink-partial", f"GPU(s) {bare} have no active NVLink while others do")
+    remotes = set().union(*(g.remotes for g in gpus))
+    versions = set().union(*(g.versions for g in gpus))
+    if REMOTE_GPU in remotes or any(r not in (REMOTE_SWITCH, None) for r in remotes):
+        return Topology("nvlink-direct", "NVLinks go to other GPUs, not to NVSwitches")
+    if len(versions) != 1 or 0 in versions:
+        return Topology("unknown", f"NVLink versions {sorted(versions)} (0: not said)")
+    (major,) = versions
+    if None in remotes:  # the driver does not say what is at the far end
+        if major == REFERENCE_MAJOR and all(g.active == SXM_LINKS for g in gpus):
+            return Topology("nvlink", f"{SXM_LINKS} active NVLink {major}.0 links on every GPU (SXM board; "
+                                      "remote device type not said)")
+        return Topology("unknown", "the remote device type of the NVLinks is not said, and the link count is "
+                                   "not an SXM board's")
+    if major != REFERENCE_MAJOR:
+        return Topology(f"nvswitch-nvlink{major}", f"NVLink {major}.0 through NVSwitches")
+    return Topology("nvlink", f"NVLink {major}.0 through NVSwitches on every GPU")
+
+
+def detect(backend: NvmlBackend, world: int) -> Topology:
+    """Classify the first ``world`` GPUs NVML lists (the ranks of a local run, one GPU each)."""
+    try:
+        count = backend.device_count()
+    except NvmlError as exc:
+        return Topology("unknown", f"NVML: {exc}")
+    return classify([gpu_links(backend, i) for i in range(min(world, count))])
