@@ -134,3 +134,60 @@ def test_the_manager_stopped_on_a_bare_metal_host_that_sees_everything_still_dra
     assert [f["code"] for f in findings if f["code"].startswith("fabric.manager")] == ["fabric.manager_down"]
     rc, doc, _ = _status(SCENARIOS / "fabric_manager_stopped_bare_metal.yaml")  # the audit's repro G, committed
     assert (rc, doc["node"]["action"]) == (2, "drain")
+
+
+# ------------------------------------------------------------------------ gpuhealth record of a restricted view
+
+def _host_with_eight_gpus(root: Path, *, others_driver: str | None, in_driver_list: bool) -> Path:
+    """A host whose bus holds 8 GPUs: the recording's 2 (00:06.0, 00:07.0) and 6 more, bound to ``others_driver``;
+    the view's /proc/driver/nvidia/gpus lists the 6 (minors 2–7) when ``in_driver_list``; their /dev nodes are
+    absent from this view (enroot, CDI: only the given GPUs' nodes)."""
+    drivers = root / "sys" / "bus" / "pci" / "drivers"
+    for name in ("nvidia", "vfio-pci"):
+        (drivers / name).mkdir(parents=True, exist_ok=True)
+    bus = [f"0000:00:{n:02x}.0" for n in (6, 7)] + [f"0000:{0x10 * n:02x}:00.0" for n in range(1, 7)]
+    for i, bdf in enumerate(bus):
+        d = root / "sys" / "bus" / "pci" / "devices" / bdf
+        d.mkdir(parents=True)
+        (d / "vendor").write_text("0x10de\n")
+        (d / "class").write_text("0x030200\n")
+        driver = "nvidia" if i < 2 else others_driver
+        if driver:
+            os.symlink(drivers / driver, d / "driver")
+        if i < 2 or in_driver_list:
+            info = root / "proc" / "driver" / "nvidia" / "gpus" / bdf
+            info.mkdir(parents=True)
+            (info / "information").write_text(f"Model: NVIDIA H200\nDevice Minor: {i}\n")
+    (root / "dev").mkdir()
+    for minor in (0, 1):
+        (root / "dev" / f"nvidia{minor}").write_text("")
+    return root
+
+
+def _record_view(root: Path, out: Path) -> tuple[Path, list[dict[str, Any]]]:
+    host = Recorder(RecordedDriver(FakeNvml.bundled("nvml_h200x2.json")), reps=1, sysfs_root=str(root)).record()
+    recording = json.loads(bundled_recording_path("nvml_h200x2.json").read_text())
+    recording.update({k: host[k] for k in ("other_pci_gpus",) if k in host})
+    out.write_text(json.dumps(recording))
+    return out, host.get("other_pci_gpus", {}).get("value", [])
+
+
+def test_a_recording_of_a_restricted_view_replays_with_its_other_gpus_outside_it(tmp_path: Path) -> None:
+    """``gpuhealth record`` inside a Slurm job or enroot container given 2 of 8 GPUs keeps the other 6 as what they
+    were there (the driver's, no /dev node here): the replay says outside the view, never 6 GPUs missing."""
+    root = _host_with_eight_gpus(tmp_path / "view", others_driver="nvidia", in_driver_list=True)
+    recording, others = _record_view(root, tmp_path / "view.json")
+    assert [(o["driver"], o["minor"], o["device_node"]) for o in others] == [
+        ("nvidia", m, "absent") for m in range(2, 8)]
+    rc, doc, findings = _status(recording)
+    _assert_in_service(rc, doc, findings)
+    assert not [f for f in findings if f["code"] == "gpu.missing"]
+
+
+def test_a_recording_of_gpus_the_driver_lost_still_replays_as_missing(tmp_path: Path) -> None:
+    # The same 6 on the bus bound to no driver and in no driver list: the driver failed to probe them.
+    root = _host_with_eight_gpus(tmp_path / "lost", others_driver=None, in_driver_list=False)
+    recording, others = _record_view(root, tmp_path / "lost.json")
+    assert [o["driver"] for o in others] == [None] * 6 and all("minor" not in o for o in others)
+    rc, _, findings = _status(recording)
+    assert rc == 2 and [f["severity"] for f in findings if f["code"] == "gpu.missing"] == ["critical"], findings

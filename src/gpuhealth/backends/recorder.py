@@ -86,9 +86,39 @@ class Recorder:
             for i in range(n):
                 res["devices"].append(self.device(N.nvmlDeviceGetHandleByIndex(i)))
             res["topology"] = self.topology(n)
+            others = self.other_pci_gpus(res["devices"])
+            if others:  # a restricted view (container, Slurm job, vfio) replays as one, not as GPUs missing
+                res["other_pci_gpus"] = {"value": others}
         finally:
             N.nvmlShutdown()
         return res
+
+    def other_pci_gpus(self, devices: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """NVIDIA GPUs on this host's PCI bus that NVML did not list, with what this view knows of each
+        (the driver it is bound to, its minor in the driver's list, its /dev node): the replay's
+        ``system.other_pci_gpus``, so presence tells the same GPUs apart as it did here."""
+        from gpuhealth.backends.sysfs import RealSysfs, normalise_bdf
+
+        listed = set()
+        for d in devices:
+            info = (d.get("PciInfo") or {}).get("value")
+            if isinstance(info, dict) and isinstance(info.get("busId"), str):
+                listed.add(normalise_bdf(info["busId"]))
+        sysfs = RealSysfs(self.sysfs_root)
+        driver_gpus = sysfs.nvidia_driver_gpus() or {}
+        out: list[dict[str, Any]] = []
+        for dev in sysfs.nvidia_pci_devices():
+            bdf = normalise_bdf(dev.bdf)
+            if bdf in listed:
+                continue
+            entry: dict[str, Any] = {"bdf": bdf, "driver": dev.driver}
+            minor = driver_gpus.get(bdf)
+            if minor is not None:
+                node = ("absent" if not sysfs.device_node_exists(minor) else
+                        "refused" if sysfs.device_node_refused(minor) else "present")
+                entry.update(minor=minor, device_node=node)
+            out.append(entry)
+        return out
 
     def device(self, h: Any) -> dict[str, Any]:
         N = self.N
