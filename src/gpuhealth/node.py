@@ -199,6 +199,8 @@ def collect_once(
     now = time.time()
     gpus = enumerate_gpus(backend)
     extras: dict[str, Any] = {"one_shot": True}
+    if not backend.simulated:  # the agent's XID ledger, read-only: which GPUs were reset since their XIDs
+        extras["state_dir"] = config.agent.state_dir
     if config.collectors.thresholds_file:
         extras["thresholds"] = load_thresholds(config.collectors.thresholds_file)
     ctx = CollectContext(

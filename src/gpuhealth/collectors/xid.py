@@ -15,8 +15,9 @@ entries in the observations; ``evaluate`` turns that snapshot into findings with
 - The agent keeps the ledger in ``<agent.state_dir>/xid-ledger.json`` (``ctx.extras["state_dir"]``):
   a restarted agent still knows an XID it saw before (NVML does not re-deliver events) and which
   GPUs were reset since (re-reading the kernel log after a restart must not bring back XIDs a reset
-  already cleared). A reboot (a new ``boot_id``) counts as a reset of every GPU. Occurrences are
-  counted once per source even when the kernel log is read again (``seen_until``).
+  already cleared). ``gpuhealth status`` reads it too, read-only, for the same reason. A reboot (a new
+  ``boot_id``) counts as a reset of every GPU. Occurrences are counted once per source even when the
+  kernel log is read again (``seen_until``).
 - An XID whose PCI address is none of this view's GPUs, where this view does not hold every GPU on the
   bus (GPUs outside it — another container's, a Slurm job's device cgroup, vfio — or the address is a
   bus GPU NVML does not list), is ``xid.outside_view`` (info) naming the address: the host's kernel log
@@ -381,6 +382,7 @@ class XidCollector:
         self._gone: set[str] = set()
         self._seen_uuids: set[str] = set()
         self._state_path: Path | None = None
+        self._read_only = False  # one-shot: the agent's ledger is read, never written
         self._saved_changes = -1
         self._saved_extra: Any = None
         self._kmsg_cursor: int | None = None  # newest /dev/kmsg record counted, this boot
@@ -433,22 +435,23 @@ class XidCollector:
     # ------------------------------------------------------------------ persistence (agent only)
     def _load_once(self, ctx: CollectContext, obs: Observations) -> None:
         state_dir = ctx.extras.get("state_dir")
-        if self._state_path is not None or not state_dir or ctx.extras.get("one_shot"):
+        if self._state_path is not None or not state_dir:
             return
+        # ``gpuhealth status`` (one-shot: the Slurm check while the agent is down) reads the agent's ledger and
+        # never writes it: the whole kernel log it re-reads must not bring back an XID a GPU reset cleared.
+        self._read_only = bool(ctx.extras.get("one_shot"))
         self._state_path = Path(state_dir) / LEDGER_FILE
         try:
             doc = json.loads(self._state_path.read_text())
         except FileNotFoundError:
             return
         except (OSError, ValueError) as exc:
-            obs.errors.append(CollectError(None, "xid_ledger", None, f"cannot read {self._state_path}: {exc}"))
-            self._set_aside()
+            self._unreadable(obs, f"cannot read {self._state_path}: {exc}")
             return
         try:
             same_boot = self.ledger.load_state(doc, _boot_id(), boot_time())
         except ValueError as exc:
-            obs.errors.append(CollectError(None, "xid_ledger", None, f"{self._state_path}: {exc}; set aside"))
-            self._set_aside()
+            self._unreadable(obs, f"{self._state_path}: {exc}; set aside")
             return
         if same_boot:  # the kernel log and the volatile ECC counters continue from where we were
             cursor = doc.get("kmsg_seq")
@@ -458,6 +461,13 @@ class XidCollector:
                 self._prev_counters = {str(u): {str(k): int(v) for k, v in dict(c).items() if isinstance(v, int)}
                                        for u, c in baseline.items() if isinstance(c, dict)}
 
+    def _unreadable(self, obs: Observations, why: str) -> None:
+        if self._read_only:  # the agent's file, not this check's: the kernel log alone is judged, as with none
+            obs.node["ledger"] = f"not used: {why}"
+            return
+        obs.errors.append(CollectError(None, "xid_ledger", None, why))
+        self._set_aside()
+
     def _set_aside(self) -> None:
         """Keep an unreadable ledger for a human instead of overwriting it."""
         assert self._state_path is not None
@@ -466,7 +476,8 @@ class XidCollector:
 
     def _save_if_changed(self, obs: Observations) -> None:
         extra = (self._kmsg_cursor, self._prev_counters)
-        if self._state_path is None or (self.ledger.changes == self._saved_changes and extra == self._saved_extra):
+        if self._state_path is None or self._read_only or (
+                self.ledger.changes == self._saved_changes and extra == self._saved_extra):
             return
         try:
             self._state_path.parent.mkdir(parents=True, exist_ok=True)

@@ -399,3 +399,53 @@ def test_the_bus_is_read_only_while_an_unmatched_xid_is_active(tmp_path: Path, c
     for _ in range(3):
         assert [f.code for f in h2.run().findings] == ["xid.outside_view"]
     assert len(walks) == 1  # cached for VIEW_RESCAN_S
+
+
+def test_one_shot_status_reads_the_agents_ledger_and_never_writes_it(tmp_path: Path, clock) -> None:  # type: ignore[no-untyped-def]
+    """The Slurm check runs ``gpuhealth status`` while the agent is down: it re-reads the whole kernel log, and an
+    XID 48 that a GPU reset cleared (the agent saw the reset) must not drain the node again."""
+    state = tmp_path / "state"
+    usec = int(time.clock_gettime(time.CLOCK_BOOTTIME) * 1e6)
+    line = f"6,100,{usec},-;NVRM: Xid (PCI:0000:00:06): 48, pid=1, name=python3, DBE"
+    agent = Harness(tmp_path, clock, kmsg=[line])
+    assert [f.code for f in agent.run(state_dir=str(state), agent=True).findings] == ["xid.48"]
+    clock.advance(5)
+    agent.collector.note_reset(agent.gpus[0].uuid, time.time() + 1)
+    assert agent.run(state_dir=str(state), agent=True).findings == []
+    saved = (state / "xid-ledger.json").read_bytes()
+    status = Harness(tmp_path, clock, collector=XidCollector(event_thread=False), kmsg=[line])
+    assert status.run(state_dir=str(state), one_shot=True).findings == []
+    without = Harness(tmp_path, clock, collector=XidCollector(event_thread=False), kmsg=[line])
+    assert [f.code for f in without.run(one_shot=True).findings] == ["xid.48"]  # no ledger: the log alone
+    assert (state / "xid-ledger.json").read_bytes() == saved
+    # A ledger it cannot parse stays where it is for the agent to set aside; the log alone is judged.
+    (state / "xid-ledger.json").write_text("{not json")
+    broken = Harness(tmp_path, clock, collector=XidCollector(event_thread=False), kmsg=[line])
+    assert [f.code for f in broken.run(state_dir=str(state), one_shot=True).findings] == ["xid.48"]
+    assert (state / "xid-ledger.json").read_text() == "{not json" and len(list(state.iterdir())) == 1
+
+
+def test_one_shot_status_of_a_live_node_is_given_the_agents_state_dir(tmp_path: Path) -> None:
+    from gpuhealth.config import AgentConfig
+    from gpuhealth.node import collect_once
+
+    seen: list[dict[str, object]] = []
+
+    class Spy(XidCollector):
+        def collect(self, ctx: CollectContext):  # type: ignore[no-untyped-def]
+            seen.append(dict(ctx.extras))
+            return super().collect(ctx)
+
+    class LiveLooking(FakeNvml):  # the hardware boundary as a live driver shows it
+        simulated = False  # type: ignore[assignment]
+
+    backend = LiveLooking.from_scenario({"recording": "nvml_h200x2.json"})
+    backend.init()
+    config = Config(agent=AgentConfig(state_dir=str(tmp_path / "st")))
+    collect_once(backend, config, kmsg=KmsgLines([]), collectors=[Spy(event_thread=False)])
+    assert seen[0]["state_dir"] == str(tmp_path / "st") and seen[0]["one_shot"] is True
+    seen.clear()
+    replay = FakeNvml.bundled()
+    replay.init()
+    collect_once(replay, config, kmsg=KmsgLines([]), collectors=[Spy(event_thread=False)])
+    assert "state_dir" not in seen[0]  # a replay has no agent's history here
