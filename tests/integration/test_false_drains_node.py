@@ -167,24 +167,40 @@ def test_agent_whose_driver_was_up_and_went_away_says_reboot_and_drains(
         assert state["state"] == "IDLE+DRAIN" and "nvml.unavailable" in state["reason"], (state, check.stderr)
 
 
+# The chassis power brake (0x80 with the HW slowdown bit 0x8) as a BMC capping power asserts it: BLIP_S on, as
+# long off, again and again. The scenario clock starts with the agent, whose start-up on a loaded machine can
+# outlast any one window; repeating blips give a whole one (seen coming and going) soon after /health answers,
+# however long that took. Each is far shorter than the 30 s a held bit needs to count as sustained (a drain).
+BLIP_S = 6
+BRAKE, NO_BRAKE = 0x88, 0x1
+_BRAKE_KEYS = ("CurrentClocksEventReasons", "CurrentClocksThrottleReasons")
+
+
+def _blips(until_s: int) -> list[dict[str, Any]]:
+    return [{"at": at, "type": "set", "gpu": 0, "key": key, "value": BRAKE if (at // BLIP_S) % 2 else NO_BRAKE}
+            for at in range(BLIP_S, until_s, BLIP_S) for key in _BRAKE_KEYS]
+
+
 def test_a_power_brake_blip_through_the_agent_never_drains(tmp_path: Path, env: dict[str, str]) -> None:
-    # the chassis power brake (0x80 with the HW slowdown bit 0x8) for 6 s, as a BMC capping power asserts it
-    blip = {"recording": "nvml_h200x2.json",
-            "overrides": {"0": {"CurrentClocksEventReasons": 0x88, "CurrentClocksThrottleReasons": 0x88}},
-            "events": [{"at": 6, "type": "set", "gpu": 0, "key": key, "value": 0x1}
-                       for key in ("CurrentClocksEventReasons", "CurrentClocksThrottleReasons")]}
+    blip = {"recording": "nvml_h200x2.json", "overrides": {"0": dict.fromkeys(_BRAKE_KEYS, NO_BRAKE)},
+            "events": _blips(600)}
     for agent in _agent(tmp_path, blip):
+        deadline = time.monotonic() + 60
+        while agent.get("/ready")[0] != 200:  # a first sweep: from now on no brake finding means no brake
+            assert time.monotonic() < deadline, agent.log()[-3000:]
+            time.sleep(0.1)
         seen: list[dict[str, Any]] = []
-        deadline = time.monotonic() + 30
-        while True:
+        phases: list[str] = []  # what the polls saw, each change once: a whole blip is off, on, off
+        while phases[-3:] != ["off", "on", "off"]:
             brakes = [f for g in agent.health()["gpus"] for f in g["findings"]
                       if f["code"] == "throttle.hw_power_brake"]
             seen += brakes
-            if seen and not brakes:
-                break  # the brake came and went
-            assert time.monotonic() < deadline, (seen, agent.log()[-3000:])
+            phase = "on" if brakes else "off"
+            if phase != (phases[-1] if phases else None):
+                phases.append(phase)
+            assert time.monotonic() < deadline, (phases, seen, agent.log()[-3000:])
             time.sleep(0.2)
-        assert {(f["severity"], f["action"]) for f in seen} == {("warning", "monitor")}
+        assert {(f["severity"], f["action"]) for f in seen} == {("warning", "monitor")}, seen
         check = _healthcheck(env, agent.url)
         assert json.loads(Path(env["STUB_STATE"]).read_text()) == {"state": "IDLE"}, check.stderr
 
