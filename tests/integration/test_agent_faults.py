@@ -3,12 +3,14 @@ is unloaded and comes back; it keeps serving, reports each failure, recovers wit
 Also: systemd notify + watchdog over a real socket, SIGHUP reload, JSON logs, graceful SIGTERM,
 and no torch in the agent process.
 
-Scenario ``agent_flaky.yaml`` (clock starts with the agent): GPU 1 lost at 3 s, back at 9 s; driver
-unloaded from 12 s to 16 s.
+Scenario ``agent_flaky.yaml`` (clock starts with the agent): GPU 1 lost at 3 s, back at 15 s; driver
+unloaded from 18 s to 28 s. The test polls, so the windows cost it no time; they are wide so that a slow
+start-up (the first window) or a stalled test thread (the second) on a loaded machine does not miss one.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import signal
@@ -29,6 +31,7 @@ OPENMETRICS = "application/openmetrics-text;version=1.0.0,text/plain;version=0.0
 
 
 def _wait(fn: Any, timeout: float, what: str, agent: AgentProcess) -> Any:
+    """The first true value ``fn`` returns: assert on it, not on a later read that may have moved on."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         out = fn()
@@ -38,8 +41,7 @@ def _wait(fn: Any, timeout: float, what: str, agent: AgentProcess) -> Any:
     raise AssertionError(f"timed out waiting for {what}; agent log:\n{agent.log()[-4000:]}")
 
 
-def _codes(agent: AgentProcess) -> set[str]:
-    report = agent.health()
+def _codes(report: dict[str, Any]) -> set[str]:
     return {f["code"] for f in report["findings"]} | {f["code"] for g in report["gpus"] for f in g["findings"]}
 
 
@@ -80,23 +82,22 @@ def test_agent_survives_lost_gpu_and_driver_reload_and_shuts_down_cleanly(tmp_pa
 
         assert agent.health()["node"]["simulated"] is True
         # --- GPU 1 falls off the bus (3 s): reported, GPU 0 still read, scrape keeps working
-        _wait(lambda: "gpu.lost" in _codes(agent), 15, "gpu.lost", agent)
-        report = agent.health()
+        report = _wait(lambda: r if "gpu.lost" in _codes(r := agent.health()) else None, 30, "gpu.lost", agent)
         assert [g["health"] for g in report["gpus"]] == ["healthy", "unhealthy"]
         text = agent.metrics()
         assert _metric(text, r'gpuhealth_gpu_temperature_celsius\{gpu="0",[^}]*sensor="gpu"\}') is not None
         assert _metric(text, r"gpuhealth_nvml_up") == 1.0
-        # --- it answers again (9 s)
-        _wait(lambda: "gpu.lost" not in _codes(agent), 15, "gpu.lost to clear", agent)
-        # --- driver unloaded (12 s): NVML down, GPU health unknown, still serving
-        _wait(lambda: _metric(agent.metrics(), "gpuhealth_nvml_up") == 0.0, 15, "NVML down", agent)
-        report = agent.health()
+        # --- it answers again (15 s)
+        _wait(lambda: "gpu.lost" not in _codes(agent.health()), 30, "gpu.lost to clear", agent)
+        # --- driver unloaded (18 s): NVML down, GPU health unknown, still serving
+        _wait(lambda: _metric(agent.metrics(), "gpuhealth_nvml_up") == 0.0, 30, "NVML down", agent)
+        report = _wait(lambda: r if "nvml.unavailable" in _codes(r := agent.health()) else None, 30,
+                       "nvml.unavailable", agent)
         assert {g["health"] for g in report["gpus"]} == {"unknown"}
-        assert "nvml.unavailable" in {f["code"] for f in report["findings"]}
         assert agent.get("/ready")[0] == 200  # the process is fine; the driver is not
-        # --- driver back (16 s): re-initialised in the same process
-        _wait(lambda: _metric(agent.metrics(), "gpuhealth_nvml_up") == 1.0, 20, "NVML re-initialised", agent)
-        _wait(lambda: agent.health()["node"]["health"] == "healthy", 10, "healthy again", agent)
+        # --- driver back (28 s): re-initialised in the same process
+        _wait(lambda: _metric(agent.metrics(), "gpuhealth_nvml_up") == 1.0, 30, "NVML re-initialised", agent)
+        _wait(lambda: agent.health()["node"]["health"] == "healthy", 30, "healthy again", agent)
         text = agent.metrics()
         assert (_metric(text, "gpuhealth_nvml_reinits_total") or 0) >= 1
         assert _metric(text, r'gpuhealth_collector_success\{collector="telemetry"\}') == 1.0
@@ -120,10 +121,16 @@ def test_agent_survives_lost_gpu_and_driver_reload_and_shuts_down_cleanly(tmp_pa
         rc = agent.stop()
     assert rc == 0, agent.log()[-3000:]
     assert not agent.imported_torch()
-    # systemd heard STOPPING=1; logs were JSON lines, each marked simulated
-    time.sleep(0.5)
+    # systemd heard STOPPING=1; logs were JSON lines, each marked simulated. The agent has exited: whatever it
+    # sent is in the socket's queue; read the rest once the drainer is gone (it may not have got to it).
     done.set()
-    drainer.join(2)
+    drainer.join(10)
+    assert not drainer.is_alive()
+    notify.setblocking(False)
+    with contextlib.suppress(BlockingIOError):
+        while True:
+            heard.append(notify.recv(4096).decode())
+    notify.close()
     assert heard[-1] == "STOPPING=1", heard[-5:]
     assert any(m.startswith("STATUS=SIMULATED, 2 GPUs: 1 healthy, 1 unhealthy") for m in heard)
     assert "RELOADING=1" in heard
