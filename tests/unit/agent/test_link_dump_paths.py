@@ -100,12 +100,18 @@ def test_a_connection_cannot_answer_another_ranks_request(tmp_path: Path) -> Non
     hub.start(None)
     stop = threading.Event()
     seen: dict[str, Any] = {}
+    asked = threading.Event()
 
-    def silent(_dir: Path) -> Path:  # the real rank takes its time
-        time.sleep(1.0)
+    def after_the_intruder(_dir: Path) -> Path:
+        # The request is pending (it reached the rank): the intruder answers it first, and the real rank
+        # only once the hub has turned a forged reply away — in that order whatever the machine's load.
+        asked.set()
+        deadline = time.monotonic() + 30
+        while hub.stats()["foreign_replies"] < 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
         return _dir / "rank0.json"
 
-    t = threading.Thread(target=_fake_rank, args=(tmp_path / "agent.sock", silent, stop), daemon=True)
+    t = threading.Thread(target=_fake_rank, args=(tmp_path / "agent.sock", after_the_intruder, stop), daemon=True)
     t.start()
     deadline = time.monotonic() + 5
     while not hub.ranks() and time.monotonic() < deadline:
@@ -114,14 +120,14 @@ def test_a_connection_cannot_answer_another_ranks_request(tmp_path: Path) -> Non
         intruder.connect(str(tmp_path / "agent.sock"))
 
         def answer_for_it() -> None:
-            time.sleep(0.3)
+            asked.wait(30)
             for n in range(1, 50):  # guess the request id
                 rid = f"{os.getpid()}-{n}"
                 intruder.sendall(protocol.encode(protocol.reply_ok(rid, path="/etc/passwd")))
                 intruder.sendall(protocol.encode(protocol.reply_ok(str(n), path="/etc/passwd")))
 
         threading.Thread(target=answer_for_it, daemon=True).start()
-        seen.update(hub.request_dump("victimjob", None, str(tmp_path), timeout_s=3.0))
+        seen.update(hub.request_dump("victimjob", None, str(tmp_path), timeout_s=60.0))
     stop.set()
     hub.stop()
     assert isinstance(seen[0], str) and seen[0].endswith("rank0.json")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import queue
 import socket
 import stat
 import tempfile
@@ -367,24 +368,30 @@ def test_an_inline_dump_over_the_limit_is_refused_without_buffering_it(sock_path
 
 def test_another_connection_cannot_slip_chunks_into_a_ranks_dump(hub: RankHub, sock_path: Path) -> None:
     real = json.dumps({"entries": [1, 2, 3]}).encode()
+    asked: queue.Queue[str] = queue.Queue()
 
-    def slow(msg: dict[str, Any]) -> Any:
-        time.sleep(1.0)  # the intruder (at 0.2 s) gets in first, even on a loaded machine
+    def after_the_intruder(msg: dict[str, Any]) -> Any:
+        # The request is pending (it reached the rank): the intruder answers it first, and the real rank
+        # only once the hub has turned a forged chunk away — in that order whatever the machine's load.
+        if msg["type"] == "dump_fr":
+            asked.put(protocol.request_id_of(msg))
+            deadline = time.monotonic() + 30
+            while hub.stats()["foreign_replies"] < 1 and time.monotonic() < deadline:
+                time.sleep(0.01)
         return _inline(real)(msg)
 
-    rank = ScriptedRank(sock_path, slow)
+    rank = ScriptedRank(sock_path, after_the_intruder)
     rank.send(protocol.hello(ident(0)))
     until(lambda: len(hub.ranks()) == 1)
     intruder = ScriptedRank(sock_path)
 
     def inject() -> None:
-        time.sleep(0.2)
-        for n in range(1, 50):
-            for m in protocol.dump_chunks(f"{os.getpid()}-{n}", b'{"forged": true}'):
-                intruder.send(m)
+        rid = asked.get(timeout=30)  # the request's real id: a perfect guess
+        for m in protocol.dump_chunks(rid, b'{"forged": true}'):
+            intruder.send(m)
 
     threading.Thread(target=inject, daemon=True).start()
-    assert hub.request_dump("j1", None, timeout_s=3) == {0: real}
+    assert hub.request_dump("j1", None, timeout_s=60) == {0: real}
     assert hub.stats()["foreign_replies"] >= 1
     rank.close()
     intruder.close()
