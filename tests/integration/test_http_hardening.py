@@ -83,8 +83,11 @@ def test_slowloris_costs_no_threads_and_scrapes_still_answer(agent: AgentProcess
             attackers.append(s)
         peak = base
         answered = 0
-        deadline = time.monotonic() + 6.0
-        while time.monotonic() < deadline:
+        # Five scrapes, each answered within its 5 s timeout, however long the loaded machine takes to make them
+        # (a fixed 6 s loop counted a slow test as a scrape that did not answer).
+        deadline = time.monotonic() + 30.0
+        while answered < 5:
+            assert time.monotonic() < deadline, f"{answered} scrapes in 30 s"
             for s in attackers[:200]:  # keep trickling header bytes
                 try:
                     s.send(b"X-a: b\r\n")
@@ -95,7 +98,6 @@ def test_slowloris_costs_no_threads_and_scrapes_still_answer(agent: AgentProcess
             answered += 1
             peak = max(peak, _threads(agent.proc.pid))
             time.sleep(0.3)
-        assert answered >= 5
         # 1,019 threads before; now the loop and a fixed pool of workers, whatever connects.
         assert peak <= base + 6, (base, peak)
     finally:
@@ -295,14 +297,14 @@ def test_half_open_requests_cost_the_coordinator_no_threads(
                 continue
             attackers.append(s)
         peak, answered = base, 0
-        deadline = time.monotonic() + 5.0
-        while time.monotonic() < deadline:
+        deadline = time.monotonic() + 30.0  # five scrapes, each within its timeout, however slow the machine
+        while answered < 5:
+            assert time.monotonic() < deadline, f"{answered} scrapes in 30 s"
             code, _, body = _get(port, "/metrics", timeout=5.0)
             assert code == 200 and b"gpuhealth_coordinator_connected_agents" in body
             answered += 1
             peak = max(peak, _threads(proc.pid))
             time.sleep(0.3)
-        assert answered >= 5
         assert peak <= base + 3, (base, peak)
         assert len(attackers) >= 1000
     finally:
