@@ -70,6 +70,21 @@ def _addr(srv: CoordinatorServer) -> str:
     return f"127.0.0.1:{srv.endpoints.grpc_port}"
 
 
+def _holders(agents: list[SimAgent]) -> list[str]:
+    return sorted(a.node for a in agents if a.holds_turn())
+
+
+async def _settled(cond: Callable[[], bool], what: str, timeout_s: float = 20.0) -> None:
+    """Wait until ``cond`` holds — turns travel over each agent's own stream, in no set time on a loaded
+    machine — then check it still holds a moment later (no extra turn was on its way)."""
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.05)
+    await asyncio.sleep(0.3)
+    assert cond(), f"{what}: no longer so 0.3 s later"
+
+
 async def _agents(addr: str, names: list[str], gpus: int) -> list[SimAgent]:
     agents = [SimAgent(addr, n, gpus=gpus) for n in names]
     for a in agents:
@@ -156,9 +171,8 @@ async def _turns(srv: CoordinatorServer) -> None:
     agents = await _agents(_addr(srv), names, gpus=2)
     for a in agents:  # every connected node hears a turn: now, or its slot later
         await a.wait_turn(lambda t: True)
-    await asyncio.sleep(0.3)
-    holders = sorted(a.node for a in agents if a.holds_turn())
-    assert len(holders) == 2, holders  # 25 % of 8
+    await _settled(lambda: len(_holders(agents)) == 2, "2 holders (25 % of 8)")
+    holders = _holders(agents)
     waiting = [a for a in agents if not a.holds_turn()]
     assert all(a.turn is not None and a.turn.not_before > time.time() for a in waiting)
     first = next(a for a in agents if a.node == holders[0])
@@ -167,9 +181,13 @@ async def _turns(srv: CoordinatorServer) -> None:
                                          for i, u in enumerate(first.gpu_uuids())]))
     await first.wait_acked(1)
     await first.wait_turn(lambda t: t.not_before > 0)  # told to wait for its next turn
-    await asyncio.sleep(0.3)
-    now_holders = sorted(a.node for a in agents if a.holds_turn())
-    assert len(now_holders) == 2 and holders[0] not in now_holders and holders[1] in now_holders
+
+    def handed_on() -> bool:
+        now = _holders(agents)
+        return len(now) == 2 and holders[0] not in now and holders[1] in now
+
+    await _settled(handed_on, f"{holders[0]}'s turn to go to the next node")
+    now_holders = _holders(agents)
     # A holder that reconnects hears its turn again, with what is left of it.
     second = next(a for a in agents if a.node == holders[1])
     await second.close()
@@ -320,9 +338,7 @@ async def _before_kill(addr: str, metrics_port: int) -> None:
     agents = await _agents(addr, ["a", "b", "c", "d"], gpus=4)
     for a in agents:
         await a.wait_turn(lambda t: True)
-    await asyncio.sleep(0.3)
-    holders = sorted(a.node for a in agents if a.holds_turn())
-    assert holders == ["a", "b"]  # 50 % of 4, never screened, by name
+    await _settled(lambda: _holders(agents) == ["a", "b"], "a and b to hold the turns")  # 50 % of 4, by name
     now = time.time()
     c = agents[2]
     await c.send(screens_message(1, [screen_result(u, index=i, finished_at=now - 10)
@@ -344,8 +360,7 @@ async def _after_restart(addr: str, metrics_port: int) -> None:
     agents = await _agents(addr, ["a", "b", "c", "d"], gpus=4)
     for a in agents:
         await a.wait_turn(lambda t: True)
-    await asyncio.sleep(0.3)
-    assert sorted(a.node for a in agents if a.holds_turn()) == ["a", "b"]
+    await _settled(lambda: _holders(agents) == ["a", "b"], "a and b to hold their turns again")
     b = agents[1]
     assert b.turn is not None and 800 < b.turn.valid_for_s < 900  # what is left of it, not a new one
     for a in agents:
