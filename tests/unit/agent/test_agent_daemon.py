@@ -78,9 +78,12 @@ def test_hung_collector_times_out_without_stalling_the_agent_and_recovers(agents
              what="the hung run to time out")
     runs_then = temp.runs
     wait_for(lambda: temp.runs >= runs_then + 5, what="other collectors to keep running while one hangs")
+    # The scrape never waits on the hung call: that one returns only when released (below) or after 30 s. The
+    # bound is far from both and far above a scrape on a loaded machine (GIL shared with the collectors).
     t0 = time.perf_counter()
     status, _ = _get(agent, "/metrics")
-    assert status == 200 and time.perf_counter() - t0 < 1.0  # the scrape never waits on the hung call
+    took = time.perf_counter() - t0
+    assert status == 200 and took < 5.0, took
     st = next(c for c in agent.snapshot().collectors if c.name == "hang")
     assert st.success is False and "timed out" in st.last_error
     assert hang.calls == 1  # never started again while the stuck call had not returned
