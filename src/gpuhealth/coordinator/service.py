@@ -220,7 +220,10 @@ class Coordinator:
         # Retention runs once before anything is received, then hourly: a record that arrives after the
         # start is never pruned by a first tick that happened to run late.
         self._last_prune = self.clock()
-        self.prune(self._last_prune)
+        try:
+            self.prune(self._last_prune)
+        except Exception:  # as in the tick: retention failing must not keep the coordinator from serving
+            log.exception("retention at start failed; tried again in an hour")
         self._tick_task = asyncio.create_task(self._tick_loop(), name="coordinator-tick")
 
     async def stop(self) -> None:

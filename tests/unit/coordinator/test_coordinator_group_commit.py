@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
+import pytest
 from simagent import step_batch_message
 
 from gpuhealth.config import CoordinatorConfig
@@ -99,3 +100,22 @@ def test_retention_runs_at_start_not_on_a_late_first_tick(tmp_path: Path) -> Non
         await coord.stop()
 
     asyncio.run(main())
+
+
+def test_retention_that_fails_at_start_does_not_keep_the_coordinator_from_serving(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    coord = Coordinator(Store(tmp_path / "c.db"), CoordinatorConfig(tick_s=0.01))
+
+    def broken(now: float) -> int:
+        raise OSError("evidence folder unreadable")
+
+    coord.prune = broken  # type: ignore[method-assign]
+
+    async def main() -> None:
+        await coord.start()
+        resp = coord.register(pb.RegisterRequest(node_name="n1", incarnation="i1"))
+        _feed(coord, coord.sessions[resp.session_id], 1)  # it serves
+        await coord.stop()
+
+    asyncio.run(main())
+    assert "retention at start failed" in caplog.text
