@@ -81,6 +81,9 @@ class XidEntry:
     detail: str = ""
     active: bool = True
     cleared_by_reset_at: float | None = None
+    # A reset inferred across a gap (counters found lower than when last seen) happened at some time up to
+    # this one: a recurrence logged in the gap is active again, not known to have survived the reset.
+    reset_uncertain_until: float | None = None
     repeats_after_reset: int = 0
     # Counted occurrences per source not yet matched by the other channel's copy (NVML event vs
     # kernel log): each occurrence pairs once, so the N-th XID is not counted twice either.
@@ -174,7 +177,9 @@ class XidLedger:
         if not entry.active and entry.cleared_by_reset_at is not None:
             if event.timestamp <= entry.cleared_by_reset_at:
                 return entry  # a late copy of an occurrence from before the reset
-            entry.repeats_after_reset += 1  # the reset did not cure it
+            uncertain = entry.reset_uncertain_until
+            if uncertain is None or event.timestamp > uncertain:
+                entry.repeats_after_reset += 1  # the reset did not cure it
         if not entry.active:
             entry.first_seen = event.timestamp
         entry.active = True
@@ -188,14 +193,16 @@ class XidLedger:
         entry.detail = event.detail or entry.detail
         return entry
 
-    def note_reset(self, gpu_key: str, at: float) -> None:
-        """The GPU was reset at ``at``: its XIDs seen before then are resolved (but remembered)."""
+    def note_reset(self, gpu_key: str, at: float, uncertain_until: float | None = None) -> None:
+        """The GPU was reset at ``at`` (or at some time from ``at`` up to ``uncertain_until``): its XIDs seen
+        before ``at`` are resolved (but remembered)."""
         self.resets[gpu_key] = at
         self.changes += 1
         for entry in self._entries.values():
             if entry.gpu_key == gpu_key and entry.active and entry.last_seen <= at:
                 entry.active = False
                 entry.cleared_by_reset_at = at
+                entry.reset_uncertain_until = uncertain_until
 
     def note_reboot(self, at: float) -> None:
         """The node booted (at ``at``, by this boot's clock): every GPU was reset. Unconditional — the
@@ -379,6 +386,7 @@ class XidCollector:
         self._pump_lock = threading.Lock()
         self._lock = threading.Lock()
         self._prev_counters: dict[str, dict[str, int]] = {}
+        self._counters_seen_at: float | None = None  # when _prev_counters were last read (or saved, if loaded)
         self._gone: set[str] = set()
         self._seen_uuids: set[str] = set()
         self._state_path: Path | None = None
@@ -443,6 +451,7 @@ class XidCollector:
         self._state_path = Path(state_dir) / LEDGER_FILE
         try:
             doc = json.loads(self._state_path.read_text())
+            saved_at = self._state_path.stat().st_mtime  # written whole by a rename: the time of its counters
         except FileNotFoundError:
             return
         except (OSError, ValueError) as exc:
@@ -460,6 +469,7 @@ class XidCollector:
             if isinstance(baseline, dict):
                 self._prev_counters = {str(u): {str(k): int(v) for k, v in dict(c).items() if isinstance(v, int)}
                                        for u, c in baseline.items() if isinstance(c, dict)}
+                self._counters_seen_at = saved_at
 
     def _unreadable(self, obs: Observations, why: str) -> None:
         if self._read_only:  # the agent's file, not this check's: the kernel log alone is judged, as with none
@@ -606,13 +616,15 @@ class XidCollector:
             obs.unsupported.add((None, "kmsg"))
             return []
         obs.node["kmsg"] = getattr(ctx.kmsg, "description", "kmsg")
-        if self._kmsg_cursor is not None:  # records counted before an agent restart, this boot
+        # SXids live only in this process (a switch has no reset to remember): every record of this boot
+        # read, the first read after a restart or a one-shot's included, rebuilds them.
+        self._new_sxids = sxid_events(records, now=ctx.now)
+        if self._kmsg_cursor is not None:  # XIDs the ledger counted before an agent restart, this boot
             records = [r for r in records if r.seq is None or r.seq > self._kmsg_cursor]
         seqs = [r.seq for r in records if r.seq is not None]
         if seqs:
             self._kmsg_cursor = max(seqs + ([self._kmsg_cursor] if self._kmsg_cursor is not None else []))
         bus_ids = [(g.index, g.pci_bus_id) for g in ctx.gpus]
-        self._new_sxids = sxid_events(records, now=ctx.now)
         return xid_events(records, bus_ids, now=ctx.now)
 
     def _note_sxids(self, now: float) -> list[dict[str, Any]]:
@@ -653,11 +665,14 @@ class XidCollector:
                 obs.gpu(g.index)["gone"] = True
                 continue
             present.add(g.uuid)
-            reset = g.uuid in self._gone  # answered "lost" or left the enumeration, and is back
             prev = self._prev_counters.get(g.uuid, {})
             if any(values.get(k, 0) < prev[k] for k in prev if k in values):
-                reset = True
-            if reset:
+                # Reset some time after the counters were last read (across an agent restart or a one-shot:
+                # maybe long ago): what the log says since then is not known to predate the reset.
+                since = self._counters_seen_at if self._counters_seen_at is not None else ctx.now
+                self.ledger.note_reset(g.uuid, min(since, ctx.now), uncertain_until=ctx.now)
+                obs.gpu(g.index)["reset_seen"] = True
+            elif g.uuid in self._gone:  # answered "lost" or left the enumeration, and is back
                 self.ledger.note_reset(g.uuid, ctx.now)
                 obs.gpu(g.index)["reset_seen"] = True
             self._gone.discard(g.uuid)
@@ -666,6 +681,7 @@ class XidCollector:
         # A GPU that left the enumeration and comes back later was re-initialised: count as reset.
         self._gone |= self._seen_uuids - present - {g.uuid for g in ctx.gpus}
         self._seen_uuids |= present
+        self._counters_seen_at = ctx.now
 
 
 def _event_dict(ev: XidEvent) -> dict[str, Any]:

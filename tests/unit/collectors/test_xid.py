@@ -449,3 +449,39 @@ def test_one_shot_status_of_a_live_node_is_given_the_agents_state_dir(tmp_path: 
     replay.init()
     collect_once(replay, config, kmsg=KmsgLines([]), collectors=[Spy(event_thread=False)])
     assert "state_dir" not in seen[0]  # a replay has no agent's history here
+
+
+def test_one_shot_reads_sxids_the_agent_saw_before_its_last_save(tmp_path: Path, clock) -> None:  # type: ignore[no-untyped-def]
+    """SXids live in the agent's memory, not its ledger: a one-shot that skips the records the ledger counted
+    must still read the fatal SXid from them (the Slurm check while the agent is down)."""
+    state = tmp_path / "state"
+    usec = int(time.clock_gettime(time.CLOCK_BOOTTIME) * 1e6)
+    lines = [f"6,201,{usec},-;nvidia-nvswitch0: SXid (PCI:0000:07:00.0): 20034, Fatal, Link 30 LTSSM Fault Up"]
+    agent = Harness(tmp_path, clock, kmsg=lines)
+    assert [f.code for f in agent.run(state_dir=str(state), agent=True).findings] == ["nvswitch.sxid"]
+    status = Harness(tmp_path, clock, collector=XidCollector(event_thread=False), kmsg=lines)
+    assert [f.code for f in status.run(state_dir=str(state), one_shot=True).findings] == ["nvswitch.sxid"]
+
+
+def test_a_reset_found_across_a_gap_does_not_hide_the_xid_that_came_back(tmp_path: Path, clock) -> None:  # type: ignore[no-untyped-def]
+    """The agent saw XID 48 and saved its ledger 5 min ago; then GPU 0 was reset (its volatile ECC count fell)
+    and the DBE came back 1 min ago. The reset happened some time after the save: the recurrence stands (not
+    called 'from before the reset'), and it is not escalated either (nobody knows it followed the reset)."""
+    import os
+
+    state = tmp_path / "state"
+    key = "TotalEccErrors_UNCORRECTED_VOLATILE"
+    booted = int(time.clock_gettime(time.CLOCK_BOOTTIME) * 1e6)
+    old = f"6,100,{booted - 600_000_000},-;NVRM: Xid (PCI:0000:00:06): 48, pid=1, name=python3, DBE"
+    agent = Harness(tmp_path, clock, kmsg=[old], overrides={0: {key: 3}})
+    assert [f.code for f in agent.run(state_dir=str(state), agent=True).findings] == ["xid.48"]
+    saved = time.time() - 300
+    os.utime(state / "xid-ledger.json", (saved, saved))
+    new = f"6,101,{booted - 60_000_000},-;NVRM: Xid (PCI:0000:00:06): 48, pid=1, name=python3, DBE"
+    status = Harness(tmp_path, clock, collector=XidCollector(event_thread=False), kmsg=[old, new],
+                     overrides={0: {key: 1}})
+    [f] = status.run(state_dir=str(state), one_shot=True).findings
+    assert (f.code, f.severity, f.evidence["repeats_after_reset"]) == ("xid.48", Severity.CRITICAL, 0)
+    # Without a recurrence the same reset clears it.
+    quiet = Harness(tmp_path, clock, collector=XidCollector(event_thread=False), kmsg=[old], overrides={0: {key: 1}})
+    assert quiet.run(state_dir=str(state), one_shot=True).findings == []
