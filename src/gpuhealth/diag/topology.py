@@ -8,8 +8,9 @@ So ``nvlink`` is claimed only when every GPU's active links go to NVSwitches (re
 at NVLink 4.0; other layouts get their own name, which has no built-in curve (``busbw.unjudged``,
 info) unless the operator's thresholds file gives one:
 
-- ``nvlink``: every GPU's active links go to NVSwitches, NVLink 4.0. Where the driver does not say
-  the remote device type, 18 active 4.0 links on every GPU (the SXM5 board wiring) stands in for it.
+- ``nvlink``: every GPU has the SXM5 board's 18 links and its active ones go to NVSwitches, NVLink 4.0
+  (H800's 8 links read under half the curve: not this). Where the driver does not say the remote device
+  type, 18 active 4.0 links on every GPU stand in for it.
 - ``nvswitch-nvlink<major>``: through NVSwitches at another NVLink version (``nvswitch-nvlink3`` on
   A100, ``nvswitch-nvlink5`` on Blackwell).
 - ``nvlink-direct``: links to other GPUs, no switch (bridges, a 4-GPU board's mesh).
@@ -27,7 +28,7 @@ from gpuhealth.backends.base import NVLINK_MAX_LINKS, NvmlBackend
 from gpuhealth.backends.errors import NvmlError
 
 NVLINK_STATE_ACTIVE = 1
-REMOTE_GPU, REMOTE_SWITCH = 0, 2  # NVML_NVLINK_DEVICE_TYPE_GPU / _SWITCH (IBMNPU = 1)
+REMOTE_GPU, REMOTE_NPU, REMOTE_SWITCH = 0, 1, 2  # NVML_NVLINK_DEVICE_TYPE_*; 0xFF (UNKNOWN) is "not said"
 # nvmlDeviceGetNvLinkVersion's enum → NVLink major version (NVML_NVLINK_VERSION_1_0 = 1 … 5_0 = 7).
 NVLINK_MAJOR = {1: 1, 2: 2, 3: 2, 4: 3, 5: 3, 6: 4, 7: 5}
 REFERENCE_MAJOR = 4  # the version the built-in curves were measured on
@@ -37,6 +38,7 @@ SXM_LINKS = 18
 @dataclass(slots=True)
 class GpuLinks:
     index: int
+    links: int = 0  # links NVML reports a state for, active or not: the GPU's own link count
     active: int = 0
     versions: set[int] = field(default_factory=set)  # NVLink majors of the active links
     remotes: set[int | None] = field(default_factory=set)  # remote device types (None: not said)
@@ -61,13 +63,17 @@ def _read(backend: NvmlBackend, index: int, link: int, key: str) -> Any:
 def gpu_links(backend: NvmlBackend, index: int) -> GpuLinks:
     out = GpuLinks(index)
     for link in range(NVLINK_MAX_LINKS):
-        if _read(backend, index, link, "state") != NVLINK_STATE_ACTIVE:
+        state = _read(backend, index, link, "state")
+        if isinstance(state, int) and not isinstance(state, bool):
+            out.links += 1  # a link this GPU does not have answers an error (not supported, invalid argument)
+        if state != NVLINK_STATE_ACTIVE:
             continue
         out.active += 1
         version = _read(backend, index, link, "version")
         out.versions.add(NVLINK_MAJOR.get(version, 0) if isinstance(version, int) else 0)
         remote = _read(backend, index, link, "remote_type")
-        out.remotes.add(remote if isinstance(remote, int) else None)
+        known = isinstance(remote, int) and remote in (REMOTE_GPU, REMOTE_NPU, REMOTE_SWITCH)
+        out.remotes.add(remote if known else None)
     return out
 
 
@@ -96,7 +102,12 @@ def classify(gpus: Sequence[GpuLinks]) -> Topology:
                                    "not an SXM board's")
     if major != REFERENCE_MAJOR:
         return Topology(f"nvswitch-nvlink{major}", f"NVLink {major}.0 through NVSwitches")
-    return Topology("nvlink", f"NVLink {major}.0 through NVSwitches on every GPU")
+    if any(g.links != SXM_LINKS for g in gpus):
+        counts = sorted({g.links for g in gpus})
+        return Topology(f"nvswitch-nvlink{major}-links{'-'.join(map(str, counts))}",
+                        f"NVLink {major}.0 through NVSwitches with {counts} links per GPU, not the SXM5 board's "
+                        f"{SXM_LINKS}")
+    return Topology("nvlink", f"NVLink {major}.0 through NVSwitches on every GPU ({SXM_LINKS} links)")
 
 
 def detect(backend: NvmlBackend, world: int) -> Topology:

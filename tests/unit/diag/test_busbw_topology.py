@@ -78,3 +78,21 @@ def test_classify_says_why() -> None:
 def test_gloo_and_multinode_runs_are_named_without_nvml() -> None:
     assert busbw.detect_topology(2, False, cuda=False) == "cpu"
     assert busbw.detect_topology(2, True, cuda=True) == "multinode"
+
+
+def test_a_switch_board_with_fewer_links_per_gpu_is_not_judged_as_sxm5() -> None:
+    """H800: 8 NVLink 4.0 links to NVSwitches — under half the H100/H200 curve by design."""
+    absent = {"error": "Not Supported", "code": 3}
+    eight = {link: {"state": absent, "version": absent, "remote_type": absent} for link in range(8, 18)}
+    topo = detect(_node({0: eight, 1: eight}), world=2)
+    assert topo.name == "nvswitch-nvlink4-links8", topo
+
+
+def test_one_link_down_on_an_sxm5_gpu_is_still_judged() -> None:
+    # A real fault (17 of 18 links up): still the curves' topology, so its lower bandwidth is judged.
+    assert detect(_node({0: {5: {"state": 0}}}), world=2).name == "nvlink"
+
+
+def test_a_remote_type_nvml_calls_unknown_is_not_a_gpu() -> None:
+    unknown = _node({0: _all_links(remote_type=0xFF), 1: _all_links(remote_type=0xFF)})
+    assert detect(unknown, world=2).name == "nvlink"  # 18 active 4.0 links: the SXM5 board
