@@ -202,3 +202,16 @@ def test_rendered_rules_have_absolute_runbook_urls_under_a_chosen_base(tmp_path:
     assert result.returncode == 0, result.stdout + result.stderr
     with pytest.raises(ValueError, match="absolute http"):
         mod.render(RULES.read_text(), "wiki/gpuhealth")
+
+
+def test_collector_alerts_exempt_exactly_the_nvml_collectors_while_nvml_is_down() -> None:
+    """CollectorFailing and StaleData keep quiet about NVML collectors while NVML is down (one cause, its own
+    alert); the collectors that do not use NVML are named in the rules and must stay the code's list."""
+    from gpuhealth.collectors.registry import all_collectors
+
+    independent = sorted(c.name for c in all_collectors() if not getattr(c, "needs_nvml", True))
+    assert independent  # host, infiniband
+    by_name = {a["alert"]: a["expr"] for a in alerts()}
+    for name in ("GpuhealthCollectorFailing", "GpuhealthStaleData"):
+        [listed] = re.findall(r'collector!~"([^"]+)"', by_name[name])
+        assert sorted(listed.split("|")) == independent, name
