@@ -191,3 +191,13 @@ def test_a_recording_of_gpus_the_driver_lost_still_replays_as_missing(tmp_path: 
     assert [o["driver"] for o in others] == [None] * 6 and all("minor" not in o for o in others)
     rc, _, findings = _status(recording)
     assert rc == 2 and [f["severity"] for f in findings if f["code"] == "gpu.missing"] == ["critical"], findings
+
+
+def test_a_recordings_other_gpus_are_checked_when_it_loads(tmp_path: Path) -> None:
+    recording = json.loads(bundled_recording_path("nvml_h200x2.json").read_text())
+    recording["other_pci_gpus"] = {"value": [{"bdf": f"0000:{n % 256:02x}:{n // 256:02x}.0"} for n in range(5000)]}
+    path = tmp_path / "huge.json"
+    path.write_text(json.dumps(recording))
+    out = run_cli("status", "--nvml-snapshot", str(path), "--json")
+    assert out.returncode == 3 and "other_pci_gpus: expected a list of at most 256" in out.stderr
+    assert "Traceback" not in out.stderr and len(out.stderr.strip().splitlines()) == 1

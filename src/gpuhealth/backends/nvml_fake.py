@@ -455,6 +455,11 @@ class FakeNvml:
         for key in ("driver", "nvml_version", "cuda_driver", "count"):
             if key in rec:
                 _check_entry(rec[key], f"{source}: {key}")
+        others = rec.get("other_pci_gpus")  # what ``gpuhealth record`` saw on the bus besides NVML's GPUs
+        if others is not None:
+            if not isinstance(others, Mapping) or "value" not in others:
+                raise RecordingError(f"{source}: other_pci_gpus: expected {{'value': [...]}}")
+            _check_other_pci_gpus(others["value"], f"{source}: other_pci_gpus")
         for i, d in enumerate(devices):
             if not isinstance(d, Mapping):
                 raise RecordingError(f"{source}: devices[{i}] must be an object")
