@@ -456,7 +456,7 @@ def detect_topology(world: int, multinode: bool, cuda: bool) -> str:
     except Exception:  # no NVML here (the ranks ran on CUDA all the same): nothing to judge by
         return "unknown"
     try:
-        return detect(backend, world).name
+        return detect(backend, world, os.environ.get("CUDA_VISIBLE_DEVICES")).name
     finally:
         backend.shutdown()
 

@@ -20,6 +20,7 @@ info) unless the operator's thresholds file gives one:
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -110,10 +111,36 @@ def classify(gpus: Sequence[GpuLinks]) -> Topology:
     return Topology("nvlink", f"NVLink {major}.0 through NVSwitches on every GPU ({SXM_LINKS} links)")
 
 
-def detect(backend: NvmlBackend, world: int) -> Topology:
-    """Classify the first ``world`` GPUs NVML lists (the ranks of a local run, one GPU each)."""
+def ranks_gpus(backend: NvmlBackend, count: int, world: int, visible: str | None) -> list[int] | None:
+    """NVML indices of the GPUs the ranks of a local run use, one each: the first ``world`` of
+    ``CUDA_VISIBLE_DEVICES`` (NVML indices — the diag runner sets them with CUDA_DEVICE_ORDER=PCI_BUS_ID —
+    or UUIDs), else of all GPUs. None when an entry names no GPU here."""
+    if not visible:
+        return list(range(min(world, count)))
+    uuids: dict[str, int] = {}
+    out: list[int] = []
+    for part in [p.strip() for p in visible.split(",") if p.strip()][:world]:
+        if part.isdigit() and int(part) < count:
+            out.append(int(part))
+            continue
+        if not uuids:
+            for i in range(count):
+                with contextlib.suppress(NvmlError):
+                    uuids[str(backend.query(i, "UUID"))] = i
+        found = next((i for u, i in uuids.items() if part.startswith("GPU-") and u.startswith(part)), None)
+        if found is None:
+            return None
+        out.append(found)
+    return out
+
+
+def detect(backend: NvmlBackend, world: int, visible: str | None = None) -> Topology:
+    """Classify the GPUs of a local run of ``world`` ranks (``ranks_gpus``)."""
     try:
         count = backend.device_count()
     except NvmlError as exc:
         return Topology("unknown", f"NVML: {exc}")
-    return classify([gpu_links(backend, i) for i in range(min(world, count))])
+    indices = ranks_gpus(backend, count, world, visible)
+    if indices is None:
+        return Topology("unknown", f"CUDA_VISIBLE_DEVICES={visible!r} names a GPU NVML does not list")
+    return classify([gpu_links(backend, i) for i in indices])

@@ -96,3 +96,13 @@ def test_one_link_down_on_an_sxm5_gpu_is_still_judged() -> None:
 def test_a_remote_type_nvml_calls_unknown_is_not_a_gpu() -> None:
     unknown = _node({0: _all_links(remote_type=0xFF), 1: _all_links(remote_type=0xFF)})
     assert detect(unknown, world=2).name == "nvlink"  # 18 active 4.0 links: the SXM5 board
+
+
+def test_the_ranks_gpus_are_the_visible_ones() -> None:
+    """The diag runner hands a busbw run CUDA_VISIBLE_DEVICES as NVML indices: the topology is theirs."""
+    node = _node({0: _all_links(state=0)})  # GPU 0 has no NVLink, GPU 1 is on the switches
+    assert detect(node, world=1, visible="1").name == "nvlink"
+    assert detect(node, world=1, visible="0").name == "pcie"
+    uuid = str(node.query(1, "UUID"))
+    assert detect(node, world=1, visible=uuid).name == "nvlink"
+    assert detect(node, world=1, visible="GPU-not-here").name == "unknown"
