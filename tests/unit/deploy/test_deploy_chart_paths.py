@@ -8,36 +8,16 @@ from __future__ import annotations
 
 import posixpath
 import re
-import tempfile
-from collections.abc import Iterator
+import sys
 from pathlib import Path
 from typing import Any
 
 import helm_python as helm
 import pytest
-import yaml
 
-from gpuhealth.config import load_config
-
-REPO = Path(__file__).resolve().parents[3]
-CHART = REPO / "deploy" / "helm" / "gpuhealth"
-NS = "gpu-mon"
-
-
-@pytest.fixture(scope="module")
-def chart() -> Iterator[Any]:
-    with helm.Chart.load(CHART) as c:
-        yield c
-
-
-def rendered(chart: Any, values: dict[str, Any]) -> list[dict[str, Any]]:
-    out = chart.render(values, name="gh", namespace=NS, is_install=True)
-    return [d for text in out.values() for d in yaml.safe_load_all(text) if d]
-
-
-def one(docs: list[dict[str, Any]], kind: str, name: str) -> dict[str, Any]:
-    [d] = [d for d in docs if d["kind"] == kind and d["metadata"]["name"] == name]
-    return d
+sys.path.insert(0, str(Path(__file__).parent))
+from chart_docs import CHART, NS, one, rendered
+from chart_docs import config as loaded
 
 
 def mounted(docs: list[dict[str, Any]], kind: str, name: str, path: str) -> bool:
@@ -45,13 +25,6 @@ def mounted(docs: list[dict[str, Any]], kind: str, name: str, path: str) -> bool
     container = one(docs, kind, name)["spec"]["template"]["spec"]["containers"][0]
     return any(path == m["mountPath"] or path.startswith(m["mountPath"].rstrip("/") + "/")
                for m in container["volumeMounts"])
-
-
-def loaded(docs: list[dict[str, Any]], configmap: str, key: str) -> Any:
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / key
-        path.write_text(one(docs, "ConfigMap", configmap)["data"][key])
-        return load_config(path, env={})
 
 
 AGENT = ("DaemonSet", "gpuhealth-agent")

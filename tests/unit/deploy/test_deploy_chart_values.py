@@ -13,8 +13,6 @@ import json
 import posixpath
 import re
 import sys
-import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -22,28 +20,16 @@ from urllib.parse import urlsplit
 import helm_python as helm
 import jsonschema
 import pytest
-import yaml
 
-from gpuhealth.config import Config, load_config, split_address
+from gpuhealth.config import Config, split_address
 
 sys.path.insert(0, str(Path(__file__).parent))
+from chart_docs import NS, config, rendered
 from test_deploy_kubernetes import K8S_VERSIONS, render, validate
 from test_deploy_npd import NPD_CUSTOM_PLUGIN_SCHEMA
 
 REPO = Path(__file__).resolve().parents[3]
 CHART = REPO / "deploy" / "helm" / "gpuhealth"
-NS = "gpu-mon"
-
-
-@pytest.fixture(scope="module")
-def chart() -> Iterator[Any]:
-    with helm.Chart.load(CHART) as c:
-        yield c
-
-
-def rendered(chart: Any, values: dict[str, Any] | None = None) -> list[dict[str, Any]]:
-    out = chart.render(values or {}, name="gh", namespace=NS, is_install=True)
-    return [d for text in out.values() for d in yaml.safe_load_all(text) if d]
 
 
 def one(docs: list[dict[str, Any]], kind: str, name: str) -> dict[str, Any]:
@@ -54,13 +40,6 @@ def one(docs: list[dict[str, Any]], kind: str, name: str) -> dict[str, Any]:
 def pod(docs: list[dict[str, Any]], kind: str, name: str) -> dict[str, Any]:
     spec: dict[str, Any] = one(docs, kind, name)["spec"]["template"]["spec"]
     return spec
-
-
-def config(docs: list[dict[str, Any]], name: str, key: str) -> Config:
-    with tempfile.TemporaryDirectory() as d:
-        path = Path(d) / key
-        path.write_text(one(docs, "ConfigMap", name)["data"][key])
-        return load_config(path, env={})
 
 
 def agent_config(docs: list[dict[str, Any]]) -> Config:

@@ -6,7 +6,6 @@ with the values operators change; helm lint clean; the values schema refuses bad
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +16,7 @@ import yaml
 from gpuhealth.config import load_config
 
 sys.path.insert(0, str(Path(__file__).parent))
+from chart_docs import one, rendered
 from test_deploy_kubernetes import K8S_VERSIONS, render, validate
 
 REPO = Path(__file__).resolve().parents[3]
@@ -24,20 +24,6 @@ CHART = REPO / "deploy" / "helm" / "gpuhealth"
 RULES = REPO / "deploy" / "prometheus" / "alerts.yaml"
 
 
-@pytest.fixture(scope="module")
-def chart() -> Iterator[Any]:
-    with helm.Chart.load(CHART) as c:
-        yield c
-
-
-def rendered(chart: Any, values: dict[str, Any] | None = None, namespace: str = "gpu-mon") -> list[dict[str, Any]]:
-    out = chart.render(values or {}, name="gh", namespace=namespace, is_install=True)
-    return [d for text in out.values() for d in yaml.safe_load_all(text) if d]
-
-
-def one(docs: list[dict[str, Any]], kind: str, name: str) -> dict[str, Any]:
-    [d] = [d for d in docs if d["kind"] == kind and d["metadata"]["name"] == name]
-    return d
 
 
 def test_helm_lint_is_clean() -> None:

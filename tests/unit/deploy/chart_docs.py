@@ -1,0 +1,35 @@
+"""Rendering the Helm chart into documents and finding one (shared by the chart tests)."""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from gpuhealth.config import Config, load_config
+
+REPO = Path(__file__).resolve().parents[3]
+CHART = REPO / "deploy" / "helm" / "gpuhealth"
+NS = "gpu-mon"
+
+
+def rendered(chart: Any, values: dict[str, Any] | None = None, namespace: str = NS) -> list[dict[str, Any]]:
+    out = chart.render(values or {}, name="gh", namespace=namespace, is_install=True)
+    return [d for text in out.values() for d in yaml.safe_load_all(text) if d]
+
+
+def one(docs: list[dict[str, Any]], kind: str, name: str) -> dict[str, Any]:
+    [d] = [d for d in docs if d["kind"] == kind and d["metadata"]["name"] == name]
+    return d
+
+
+def config(docs: list[dict[str, Any]], configmap: str, key: str) -> Config:
+    """The config a rendered ConfigMap holds, loaded by gpuhealth's own loader (its name may carry the hash
+    suffix kustomize's configMapGenerator adds)."""
+    [cm] = [d for d in docs if d["kind"] == "ConfigMap" and d["metadata"]["name"].startswith(configmap)]
+    with tempfile.TemporaryDirectory() as d:
+        path = Path(d) / key
+        path.write_text(cm["data"][key])
+        return load_config(path, env={})
