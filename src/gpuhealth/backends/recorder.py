@@ -27,6 +27,7 @@ from gpuhealth.backends.gpm import read_gpm
 from gpuhealth.backends.mig import read_mig_devices
 from gpuhealth.backends.nvml_keys import ARGUMENT_KEYS, SIMPLE_KEYS, SLOW_KEYS, nvml_const, resolve_arguments
 from gpuhealth.backends.nvml_real import plain
+from gpuhealth.backends.sysfs import RealSysfs, normalise_bdf
 
 FORMAT = "NVML recording v1"
 
@@ -97,8 +98,6 @@ class Recorder:
         """NVIDIA GPUs on this host's PCI bus that NVML did not list, with what this view knows of each
         (the driver it is bound to, its minor in the driver's list, its /dev node): the replay's
         ``system.other_pci_gpus``, so presence tells the same GPUs apart as it did here."""
-        from gpuhealth.backends.sysfs import RealSysfs, normalise_bdf
-
         listed = set()
         for d in devices:
             info = (d.get("PciInfo") or {}).get("value")
