@@ -12,6 +12,7 @@ import json
 import logging
 import sys
 import time
+import unicodedata
 from typing import Any, TextIO
 
 LOGGER_NAME = "gpuhealth"
@@ -20,6 +21,32 @@ LOGGER_NAME = "gpuhealth"
 _STANDARD_ATTRS = frozenset(
     vars(logging.LogRecord("x", logging.INFO, "x", 0, "", None, None)).keys() | {"message", "asctime"}
 )
+
+
+# Characters a log reader may take as the end of a line or a terminal may act on: C0 and C1 controls (NEL,
+# CSI 0x9b), DEL, Unicode line and paragraph separators, and format characters (bidi overrides that reorder
+# what a person reads). Logged values come from tenants (job ids, rank names, dump summaries), so the text
+# formatter escapes every one of them: no value can start a forged line or rewrite what precedes it.
+_UNSAFE_CATEGORIES = frozenset({"Cc", "Zl", "Zp", "Cf"})
+
+
+def _is_unsafe(ch: str) -> bool:
+    return unicodedata.category(ch) in _UNSAFE_CATEGORIES
+
+
+def escape_for_log(text: str) -> str:
+    """``text`` on one line with every unsafe character written as a Python escape (``\\n``, ``\\x9b``,
+    ``\\u2028``)."""
+    if text.isprintable():
+        return text  # the common case, fast: printable text has no C0/C1, Zl, Zp or Cf characters
+    out = []
+    for ch in text:
+        if _is_unsafe(ch):
+            code = ord(ch)
+            out.append(f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}" if code < 0x10000 else f"\\U{code:08x}")
+        else:
+            out.append(ch)
+    return "".join(out)
 
 
 def _extras(record: logging.LogRecord) -> dict[str, Any]:
@@ -55,12 +82,14 @@ class TextFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         stamp = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created))
         prefix = "[SIMULATED] " if self.simulated else ""
-        extra = " ".join(f"{k}={v}" for k, v in _extras(record).items())
-        line = f"{stamp}Z {record.levelname.lower():7s} {prefix}{record.getMessage()}"
+        extra = " ".join(f"{escape_for_log(str(k))}={escape_for_log(str(v))}" for k, v in _extras(record).items())
+        line = f"{stamp}Z {record.levelname.lower():7s} {prefix}{escape_for_log(record.getMessage())}"
         if extra:
             line += f" ({extra})"
         if record.exc_info:
-            line += "\n" + self.formatException(record.exc_info)
+            # A traceback keeps its lines (people read it), each escaped and indented: no line of it can
+            # start where a record starts (a timestamp in the first column).
+            line += "".join("\n    " + escape_for_log(tb) for tb in self.formatException(record.exc_info).splitlines())
         return line
 
 
@@ -83,4 +112,4 @@ def setup_logging(
     return handler
 
 
-__all__ = ["LOGGER_NAME", "JsonLinesFormatter", "TextFormatter", "setup_logging"]
+__all__ = ["LOGGER_NAME", "JsonLinesFormatter", "TextFormatter", "escape_for_log", "setup_logging"]

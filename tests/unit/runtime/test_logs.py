@@ -38,3 +38,29 @@ def test_text_lines_are_marked_simulated_and_setup_is_idempotent() -> None:
         assert "[SIMULATED] NVML went away" in line and "gpu=3" in line
     finally:
         logging.getLogger("gpuhealth").removeHandler(handler)
+
+
+def test_text_lines_escape_every_separator_and_control() -> None:
+    """A logged value cannot end the line or drive the terminal: C0/C1 controls, DEL, U+2028/2029, bidi
+    overrides are escaped; printable text (accents, CJK) is left as it is."""
+    from gpuhealth.runtime.logs import escape_for_log
+
+    hostile = "a\nb\rc\x85d\x9be\x7ff\u2028g\u2029h\u202ei\x00j"
+    assert escape_for_log(hostile) == "a\\x0ab\\x0dc\\x85d\\x9be\\x7ff\\u2028g\\u2029h\\u202ei\\x00j"
+    assert escape_for_log("nœud-é 节点 ok") == "nœud-é 节点 ok"
+    stream = io.StringIO()
+    handler = setup_logging(stream=stream)
+    try:
+        log = logging.getLogger("gpuhealth.coordinator")
+        log.warning("job %s: stalled", "j\u2028FORGED", extra={"rank": "r\x85FORGED"})
+        try:
+            raise ValueError("boom\u2028FORGED")
+        except ValueError:
+            log.exception("failed for %s", "x")
+        lines = stream.getvalue().splitlines()  # splits on U+2028 and NEL too
+        assert not any(line.startswith("FORGED") for line in lines)
+        assert "j\\u2028FORGED" in lines[0] and "rank=r\\x85FORGED" in lines[0]
+        assert all(line[:1].isdigit() or line.startswith("    ") for line in lines), lines
+        assert any("boom\\u2028FORGED" in line for line in lines)
+    finally:
+        logging.getLogger("gpuhealth").removeHandler(handler)
