@@ -303,6 +303,12 @@ def test_mutual_tls_through_the_command(tmp_path: Path) -> None:
         n2 = grpc.ssl_channel_credentials(Path(ca).read_bytes(), Path(pki["n2"][1]).read_bytes(),
                                           Path(pki["n2"][0]).read_bytes())
         assert asyncio.run(_register(address, "n1", credentials=n2)) is grpc.StatusCode.PERMISSION_DENIED
+        # Roles are disjoint (issue 30 item 11): the operator's certificate names "alice"; it acts on nodes
+        # and reads, but never reports as a node — not as "alice" (its own name), nor as any other.
+        op = grpc.ssl_channel_credentials(Path(ca).read_bytes(), Path(pki["op"][1]).read_bytes(),
+                                          Path(pki["op"][0]).read_bytes())
+        for node in ("alice", "n1"):
+            assert asyncio.run(_register(address, node, credentials=op)) is grpc.StatusCode.PERMISSION_DENIED, node
         _stream_survives(agent, address, "n1", args=as_op)
     finally:
         if agent is not None:

@@ -10,8 +10,8 @@ A caller is authenticated by one credential, and a node credential names its nod
 - the **shared agent token** (compatibility, ``coordinator.shared_token``): every agent holds the
   same one, so it cannot say which node is which — any holder can report as any node (warned);
 - the **operator token**, or a certificate named in ``operator_names``: may act on nodes
-  (LiveTriage makes ranks dump and runs py-spy, RunDiagnostic runs GPU work) and read; it does not
-  report as a node.
+  (LiveTriage makes ranks dump and runs py-spy, RunDiagnostic runs GPU work) and read; it never
+  reports as a node, whatever is presented with it (the roles are disjoint).
 
 Without any of them the coordinator runs **open**: it then listens on loopback only, unless
 ``coordinator.allow_unauthenticated`` says otherwise (``from_config`` refuses the rest), and even then
@@ -138,6 +138,10 @@ class AuthPolicy:
         cert = _certificate(auth_context) if self.mtls else None
         if presented is not None and _same(presented, self.operator_token):
             return Caller("operator", "operator:" + fingerprint(presented), operator=True)
+        if cert is not None and self.operator_names & peer_names(auth_context):
+            # Roles are disjoint: an operator's certificate is an operator whatever else is presented with
+            # it; it never reports as a node (not even one named like the certificate).
+            return Caller("operator", "operator-" + cert, operator=True)
         if self.bearer_required:
             caller = await self._bearer_caller(presented) if presented is not None else None
             if caller is None:
