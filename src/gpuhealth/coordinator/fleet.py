@@ -115,31 +115,73 @@ def _minority(values: Mapping[str, str], key: str, entity: Any) -> list[Finding]
     return out
 
 
+SDC_MIN_OTHER_NODES = 2  # a verdict across nodes needs at least two other nodes that agree
+
+
+def _strict_majority(values: Iterable[str]) -> tuple[str, int, int] | None:
+    """(value, its count, total) when one value has more than half of ``values``; else None."""
+    counts = Counter(values)
+    total = sum(counts.values())
+    if not counts:
+        return None
+    value, n = counts.most_common(1)[0]
+    return (value, n, total) if n * 2 > total else None
+
+
 def sdc_votes(votes: Iterable[SdcVote]) -> list[Finding]:
-    """GPUs whose digest disagrees with the majority of GPUs that computed the same key.
-    Needs a strict majority of at least ``SDC_MIN_VOTERS`` voters; otherwise nothing is claimed."""
+    """GPUs whose digest disagrees with a majority of those that computed the same key.
+
+    One credential must not be able to drain another node's GPU, so a node's own votes weigh only on
+    its own devices: a GPU is a mismatch when its node's other devices outvote it (at least
+    ``SDC_MIN_VOTERS`` voters, a strict majority: the node is the authority on its own GPUs), or across
+    nodes, where every node has ONE vote — its devices' majority digest, or none when they split — and
+    the fleet's strict majority of at least ``SDC_MIN_VOTERS`` nodes includes at least
+    ``SDC_MIN_OTHER_NODES`` nodes other than the GPU's. Pseudo devices (a CPU run: ``cpu0``) and GPUs a
+    node made up therefore never outvote a GPU elsewhere: however many a node reports, they are one vote."""
     by_key: dict[str, list[SdcVote]] = defaultdict(list)
     for v in votes:
         by_key[v.key].append(v)
     out: list[Finding] = []
     for key, vs in sorted(by_key.items()):
-        if len(vs) < SDC_MIN_VOTERS:
-            continue
-        counts = Counter(v.digest for v in vs)
-        majority, n = counts.most_common(1)[0]
-        if n * 2 <= len(vs):
-            continue
+        by_node: dict[str, list[SdcVote]] = defaultdict(list)
         for v in vs:
-            if v.digest == majority:
+            by_node[v.node].append(v)
+        node_digest = {node: m[0] for node, nv in by_node.items() if (m := _strict_majority(x.digest for x in nv))}
+        fleet = _strict_majority(node_digest.values())
+        for v in vs:
+            local = _strict_majority(x.digest for x in by_node[v.node])
+            agree_nodes = sorted(n for n, d in node_digest.items() if fleet and d == fleet[0] and n != v.node)
+            if local is not None and local[2] >= SDC_MIN_VOTERS and local[0] != v.digest:
+                majority, n, voters, scope = local[0], local[1], local[2], "of its node's devices"
+            elif (fleet is not None and fleet[2] >= SDC_MIN_VOTERS and fleet[0] != v.digest
+                  and len(agree_nodes) >= SDC_MIN_OTHER_NODES):
+                majority, n, voters, scope = fleet[0], fleet[1], fleet[2], "nodes"
+            else:
                 continue
             out.append(Finding(
                 code="sdc.mismatch", severity=Severity.CRITICAL, entity=Entity.gpu(v.gpu_uuid),
-                message=f"node {v.node}: result digest differs from {n} of {len(vs)} GPUs with the same key",
+                message=f"node {v.node}: result digest differs from {n} of {voters} {scope} with the same key",
                 action=Action.DRAIN,
                 evidence={"node": v.node, "key": key, "digest": v.digest, "majority_digest": majority,
-                          "voters": len(vs), "agree": n},
+                          "voters": voters, "agree": n, "scope": "node" if scope != "nodes" else "fleet",
+                          "agreeing_nodes": agree_nodes[:16]},
                 source="coordinator.fleet"))
     return out
+
+
+def uuid_conflicts(claims: Mapping[str, Iterable[str]]) -> list[Finding]:
+    """GPU UUIDs that more than one node registered (``claims``: node → its UUIDs). A UUID is unique to one
+    GPU, so two claims mean a node is wrong or lying; neither claim may vote for that GPU."""
+    owners: dict[str, set[str]] = defaultdict(set)
+    for node, uuids in claims.items():
+        for uuid in uuids:
+            owners[uuid].add(node)
+    return [Finding(
+        code="gpu.uuid_conflict", severity=Severity.WARNING, entity=Entity.gpu(uuid),
+        message=f"GPU {uuid} is registered by {len(nodes)} nodes ({', '.join(sorted(nodes)[:8])}): its SDC digests "
+                "are not counted until one node's claim goes",
+        action=Action.MONITOR, evidence={"nodes": sorted(nodes)[:16]}, source="coordinator.fleet")
+        for uuid, nodes in sorted(owners.items()) if len(nodes) > 1]
 
 
 def sdc_votes_from_findings(node: NodeView) -> list[SdcVote]:

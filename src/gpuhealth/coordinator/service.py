@@ -38,6 +38,7 @@ from gpuhealth.coordinator.fleet import (
     sdc_votes,
     sdc_votes_from_findings,
     unhealthy_gpus,
+    uuid_conflicts,
     version_drift,
 )
 from gpuhealth.coordinator.jobs import HangCheck, JobState, JobTable, OnlineStragglerDetector
@@ -963,9 +964,14 @@ class Coordinator:
         votes = [SdcVote(gpu, node, key, digest) for node, gpu, key, digest, _ in self.store.sdc_digests()]
         for n in nodes:
             votes += sdc_votes_from_findings(n)
-        # A node votes only for GPUs it registered: otherwise one node could outvote (and get drained)
-        # healthy GPUs elsewhere by reporting digests under their UUIDs. One vote per node, GPU and key.
-        unique = {(v.node, v.gpu_uuid, v.key): v for v in votes if self._owns(v.node, v.gpu_uuid)}
+        # A node votes only for GPUs it registered, under UUIDs no other node claims: otherwise one node
+        # could outvote (and get drained) healthy GPUs elsewhere by reporting digests under their UUIDs.
+        # One vote per node, GPU and key; sdc_votes then gives each node one vote across nodes.
+        conflicts = uuid_conflicts({n.name: [str(g.get("uuid", "")) for g in n.gpus if g.get("uuid")]
+                                    for n in nodes})
+        disputed = {f.entity.id for f in conflicts}
+        unique = {(v.node, v.gpu_uuid, v.key): v for v in votes
+                  if self._owns(v.node, v.gpu_uuid) and v.gpu_uuid not in disputed}
         return {
             "nodes": [{
                 "name": n.name, "connected": n.connected, "health": n.health, "last_seen": n.last_seen,
@@ -973,6 +979,7 @@ class Coordinator:
             } for n in sorted(nodes, key=lambda n: n.name)],
             "version_drift": [f.to_dict() for f in version_drift(nodes)],
             "sdc": [f.to_dict() for f in sdc_votes(unique.values())],
+            "identity": [f.to_dict() for f in conflicts],
             "sdc_digests": {"votes": len(unique), "keys": len({v.key for v in unique.values()})},
             "unhealthy_gpus": unhealthy_gpus(nodes),
             "screening": self.screening_doc(),
