@@ -18,7 +18,6 @@ import logging
 import os
 import re
 import shutil
-import stat
 import subprocess
 import sys
 import tempfile
@@ -33,6 +32,7 @@ from gpuhealth.agent.ranks import DumpBudgetExceeded
 from gpuhealth.config import Config
 from gpuhealth.model import RankIdentity
 from gpuhealth.proto import gpuhealth_v1_pb2 as pb
+from gpuhealth.runtime.dropbox import DropBox
 
 log = logging.getLogger("gpuhealth.agent.coordinator")
 
@@ -105,10 +105,26 @@ class RequestExecutor:
         # Ranks send their dump inline over the socket. The folder is only for hooks older than that,
         # which write a file there instead; ranks run as the job's user: they may create files here but
         # not list or remove others' (sticky).
-        base = self.settings.work_dir or tempfile.gettempdir()
-        out_dir = Path(base) / "gpuhealth-fr" / f"{_safe(req.job_id)}-{req.request_id}-{os.getpid()}"
-        out_dir.mkdir(parents=True, exist_ok=True)
-        out_dir.chmod(0o1733)
+        # The folder is where tenants can write (beside the rank socket): made and used only through
+        # descriptors, under a name nobody can guess (runtime/dropbox.py); never a link followed as root.
+        base = self.settings.work_dir or os.path.join(tempfile.gettempdir(), f"gpuhealth-fr-{os.geteuid()}")
+        # Without it (a tenant planted a link there, say) the dumps still travel inline; only a hook that
+        # predates inline dumps then has nowhere to write, and says so.
+        try:
+            box: DropBox | None = DropBox(base, prefix=f"{_safe(req.job_id)[:64]}-{req.request_id}-")
+        except OSError as exc:
+            log.warning("flight-recorder request %d: no folder for file dumps (inline dumps only): %s",
+                        req.request_id, exc)
+            box = None
+        try:
+            self._dump_into(req, emit, box)
+        finally:
+            if box is not None:
+                box.close()
+
+    def _dump_into(self, req: pb.AgentRequest, emit: Emit, box: DropBox | None) -> None:
+        assert self.ranks is not None
+        out_dir = str(box.path) if box is not None else None
         timeout = req.timeout_s or 20.0
         deadline = time.monotonic() + timeout
         busy: list[int] = []  # ranks refused for the agent's dump memory budget: asked again, one at a time
@@ -127,8 +143,10 @@ class RequestExecutor:
                     data, fmt = _looks_like_pickle(res), "fr_pickle"  # NCCL's own dump, through the rank's FIFO
                 elif isinstance(res, bytes):
                     data = _looks_like_json_object(res)
-                else:
-                    data = _read_json_file(Path(res), expected=out_dir / f"rank{rank}.json")
+                elif box is not None:
+                    data = _read_json_file(Path(res), box, f"rank{rank}.json")
+                else:  # it was not asked to write a file
+                    raise ValueError(f"the rank answered with a file ({res}) where an inline dump was asked for")
                 written = emit(pb.RequestResult(request_id=req.request_id, rank=rank, ok=True, payload=data,
                                                 format=fmt))
                 del data
@@ -141,7 +159,7 @@ class RequestExecutor:
                                       format="fr_json"))
 
         # Each dump is shipped as soon as it arrives and dropped: the agent holds one, not the job's.
-        for rank, res in self.ranks.iter_dumps(req.job_id, None if req.rank < 0 else req.rank, str(out_dir),
+        for rank, res in self.ranks.iter_dumps(req.job_id, None if req.rank < 0 else req.rank, out_dir,
                                                timeout_s=timeout):
             ship(rank, res, may_retry=True)
             del res
@@ -151,10 +169,9 @@ class RequestExecutor:
                 ship(rank, TimeoutError(f"rank {rank}: refused for the agent's dump memory budget and no time "
                                         "was left to ask again"), may_retry=False)
                 continue
-            for r, res in self.ranks.iter_dumps(req.job_id, rank, str(out_dir), timeout_s=left):
+            for r, res in self.ranks.iter_dumps(req.job_id, rank, out_dir, timeout_s=left):
                 ship(r, res, may_retry=False)
                 del res
-        shutil.rmtree(out_dir, ignore_errors=True)
 
     # ------------------------------------------------------------------ stacks
     def stacks(self, req: pb.AgentRequest, emit: Emit) -> None:
@@ -220,23 +237,13 @@ def _safe(text: str) -> str:
     return "".join(c if c.isalnum() or c in "._-" else "_" for c in text)[:80] or "_"
 
 
-def _read_json_file(path: Path, *, expected: Path) -> bytes:
-    """The dump a rank says it wrote — only if it is the file we asked for: any local process can speak
-    on the rank socket, and must not make the agent read (and ship) some other file it can reach."""
-    if os.path.realpath(path) != os.path.realpath(expected):
-        raise ValueError(f"the rank answered with {path}, not the dump file {expected} it was asked for")
-    fd = os.open(expected, os.O_RDONLY | os.O_NOFOLLOW)
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise ValueError(f"{expected}: not a regular file")
-        if st.st_size > MAX_DUMP_BYTES:
-            raise ValueError(f"{expected}: {st.st_size} bytes is over the {MAX_DUMP_BYTES} limit")
-        with os.fdopen(fd, "rb", closefd=False) as fh:
-            data = fh.read(MAX_DUMP_BYTES + 1)
-    finally:
-        os.close(fd)
-    return _looks_like_json_object(data)
+def _read_json_file(path: Path, box: DropBox, name: str) -> bytes:
+    """The dump a rank says it wrote — only if it is the file we asked for (``name`` in ``box``): any local
+    process can speak on the rank socket, and must not make the agent read (and ship) some other file it
+    can reach. Read through the box's descriptor: no link is followed."""
+    if path.name != name or os.path.realpath(path.parent) != os.path.realpath(box.path):
+        raise ValueError(f"the rank answered with {path}, not the dump file {box.path / name} it was asked for")
+    return _looks_like_json_object(box.read(name, MAX_DUMP_BYTES))
 
 
 def _looks_like_json_object(data: bytes) -> bytes:

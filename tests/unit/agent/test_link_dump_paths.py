@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import stat
 import threading
 import time
 from pathlib import Path
@@ -39,8 +40,15 @@ def _fake_rank(sock_path: Path, answer: Any, stop: threading.Event) -> None:
                 return
             for msg in buf.feed(chunk):
                 if msg.get("type") == protocol.DUMP_FR:
-                    path = answer(Path(msg["dir"]))
-                    s.sendall(protocol.encode(protocol.reply_ok(protocol.request_id_of(msg), path=str(path))))
+                    rid = protocol.request_id_of(msg)
+                    got = answer(Path(msg["dir"]) if msg.get("dir") else None)
+                    if isinstance(got, bytes):  # a current hook: the dump inline
+                        chunks = protocol.dump_chunks(rid, got, chunk_bytes=4096)
+                        for c in chunks:
+                            s.sendall(protocol.encode(c))
+                        s.sendall(protocol.encode(protocol.inline_dump_reply(rid, got, len(chunks))))
+                    else:  # a hook older than inline dumps: a file in the folder it was given
+                        s.sendall(protocol.encode(protocol.reply_ok(rid, path=str(got))))
 
 
 def _dump_through_link(tmp_path: Path, answer: Any) -> list[pb.RequestResult]:
@@ -198,3 +206,54 @@ def test_ranks_refused_for_the_memory_budget_are_asked_again_and_every_dump_ship
     assert {r.rank: r.payload for r in out} == dumps
     assert hub.stats()["dump_budget_refusals"] >= 1  # one was refused while both were in flight
     assert hub.stats()["dump_bytes_in_flight"] == 0
+
+
+def _real_dump(d: Path) -> Path:
+    (d / "rank0.json").write_text(json.dumps({"version": "2.10", "entries": []}))
+    return d / "rank0.json"
+
+
+def test_a_planted_link_never_turns_the_agents_folder_onto_a_host_folder(tmp_path: Path) -> None:
+    """Issue 30 item 3: the dump folder is made where tenants can write (beside the rank socket). A link
+    planted at the agent's folder (or, before, at the predictable per-request name) made root mkdir and
+    chmod 1733 a host folder. Now the folder is opened without following links and must be the agent's:
+    the request is refused, in words, and the host folder is untouched."""
+    victim = tmp_path / "etc"
+    victim.mkdir(mode=0o755)
+    os.chmod(victim, 0o755)
+    (tmp_path / "fr").symlink_to(victim)
+    asked: list[Path | None] = []
+
+    def inline(d: Path | None) -> bytes:
+        asked.append(d)
+        return json.dumps({"version": "2.10", "entries": []}).encode()
+
+    (result,) = _dump_through_link(tmp_path, inline)
+    assert stat.S_IMODE(victim.stat().st_mode) == 0o755 and list(victim.iterdir()) == []
+    # the dump still travels inline: a planted link cannot hide a hang's evidence
+    assert result.ok and asked == [None] and json.loads(result.payload)["version"] == "2.10"
+
+
+def test_a_folder_someone_else_made_is_refused(tmp_path: Path) -> None:
+    (tmp_path / "fr").mkdir()
+    os.chown(tmp_path / "fr", 65534, 65534)  # a tenant made it first
+    asked: list[Path | None] = []
+    (result,) = _dump_through_link(tmp_path, lambda d: asked.append(d) or b'{"version": "2.10"}')
+    assert result.ok and asked == [None] and list((tmp_path / "fr").iterdir()) == []
+
+
+def test_the_drop_box_has_an_unguessable_name_and_is_gone_afterwards(tmp_path: Path) -> None:
+    seen: list[Path] = []
+
+    def answer(d: Path) -> Path:
+        seen.append(d)
+        assert stat.S_IMODE(d.stat().st_mode) == 0o1733 and d.parent == tmp_path / "fr"
+        (d / "tenant-link").symlink_to(tmp_path)  # what a tenant leaves behind is removed, never followed
+        return _real_dump(d)
+
+    (ok,) = _dump_through_link(tmp_path, answer)
+    assert ok.ok and json.loads(ok.payload)["version"] == "2.10"
+    (folder,) = seen
+    assert folder.name.startswith("victimjob-7-") and len(folder.name) == len("victimjob-7-") + 16
+    assert not folder.exists() and (tmp_path / "secret.json").exists() is False and tmp_path.exists()
+    assert stat.S_IMODE((tmp_path / "fr").stat().st_mode) == 0o711
