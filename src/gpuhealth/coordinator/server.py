@@ -5,12 +5,19 @@ and stops all of it on the current event loop.
 Handlers receive raw bytes (no deserializer registered) so that a message that is not valid
 protobuf is answered with ``INVALID_ARGUMENT`` naming what was wrong, instead of a bare
 ``INTERNAL``.
+
+A caller's cost is bounded before the coordinator knows who it is: every unary method is served as
+a client-streaming one (the wire is the same), so the caller is authenticated from its metadata
+BEFORE gRPC reads the request body. An unauthenticated caller's body is never read (HTTP/2 flow
+control holds it at the sender); an authenticated one's is refused above the method's own limit
+(``UNARY_LIMITS``), and at most ``MAX_UNARY_BODIES`` bodies are read at once.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import json
 import logging
 import time
@@ -40,6 +47,15 @@ FLEET_METRICS_INTERVAL_S = 5.0  # the fleet findings on /metrics are at most thi
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Coordinator"].full_name
 M = TypeVar("M", bound=Message)
 
+# The largest body each unary method needs (a Register carries the node's GPUs and versions; the
+# queries a job id or a list of node names). The stream (Connect) keeps the channel's limit: dumps.
+UNARY_LIMITS = {
+    "Register": 1 << 20, "ListJobs": 64 << 10, "GetFleet": 64 << 10, "LiveTriage": 64 << 10,
+    "Triage": 64 << 10, "RunDiagnostic": 1 << 20,
+}
+MAX_UNARY_BODIES = 16  # unary request bodies read at once (each within its method's limit)
+_CALLER: contextvars.ContextVar[Caller | None] = contextvars.ContextVar("gpuhealth_caller", default=None)
+
 
 async def _parse(raw: bytes, cls: type[M], context: grpc.aio.ServicerContext) -> M:
     try:
@@ -55,6 +71,9 @@ class CoordinatorServicer:
         self.policy = policy
 
     async def _authorise(self, context: grpc.aio.ServicerContext) -> Caller:
+        known = _CALLER.get()  # authenticated already, before the body was read (``_body_after_auth``)
+        if known is not None:
+            return known
         try:
             caller = await self.policy.authenticate(context.invocation_metadata(), context.auth_context(),
                                                     context.peer())
@@ -229,17 +248,41 @@ class CoordinatorServicer:
             raise
         return json_reply(doc)
 
+    def _body_after_auth(self, method: str, handler: Callable[[bytes, grpc.aio.ServicerContext], Any]
+                         ) -> Callable[[AsyncIterator[bytes], grpc.aio.ServicerContext], Any]:
+        """A unary method served as client-streaming: authenticate from the metadata, and only then read
+        the one request message, within the method's limit."""
+        limit = UNARY_LIMITS[method]
+
+        async def serve(requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> Any:
+            token = _CALLER.set(await self._authorise(context))
+            try:
+                async with self._bodies:
+                    raw = None
+                    async for message in requests:
+                        raw = message
+                        break
+                if raw is None:
+                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{method}: no request message")
+                    raise AssertionError("unreachable: abort raises")
+                if len(raw) > limit:
+                    await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                        f"{method}: a request of {len(raw)} bytes is over this method's {limit}")
+                return await handler(raw, context)
+            finally:
+                _CALLER.reset(token)
+
+        return serve
+
     def generic_handler(self) -> grpc.GenericRpcHandler:
         ser: Callable[[Any], bytes] = lambda m: m.SerializeToString()  # noqa: E731
-        return grpc.method_handlers_generic_handler(SERVICE_NAME, {
-            "Register": grpc.unary_unary_rpc_method_handler(self.register, response_serializer=ser),
-            "Connect": grpc.stream_stream_rpc_method_handler(self.connect, response_serializer=ser),
-            "ListJobs": grpc.unary_unary_rpc_method_handler(self.list_jobs, response_serializer=ser),
-            "GetFleet": grpc.unary_unary_rpc_method_handler(self.get_fleet, response_serializer=ser),
-            "LiveTriage": grpc.unary_unary_rpc_method_handler(self.live_triage, response_serializer=ser),
-            "Triage": grpc.unary_unary_rpc_method_handler(self.triage, response_serializer=ser),
-            "RunDiagnostic": grpc.unary_unary_rpc_method_handler(self.run_diagnostic, response_serializer=ser),
-        })
+        self._bodies = asyncio.Semaphore(MAX_UNARY_BODIES)
+        unary = {"Register": self.register, "ListJobs": self.list_jobs, "GetFleet": self.get_fleet,
+                 "LiveTriage": self.live_triage, "Triage": self.triage, "RunDiagnostic": self.run_diagnostic}
+        handlers = {name: grpc.stream_unary_rpc_method_handler(self._body_after_auth(name, fn), response_serializer=ser)
+                    for name, fn in unary.items()}
+        handlers["Connect"] = grpc.stream_stream_rpc_method_handler(self.connect, response_serializer=ser)
+        return grpc.method_handlers_generic_handler(SERVICE_NAME, handlers)
 
 
 @dataclass(slots=True)
