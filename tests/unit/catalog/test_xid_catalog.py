@@ -3,6 +3,7 @@ from NVIDIA's resolution buckets by one documented mapping or a deliberate, pinn
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 
 import pytest
@@ -121,3 +122,15 @@ def test_a_malformed_row_is_one_clear_error(tmp_path: Path, row: str, why: str) 
     with pytest.raises(CatalogError, match=rf"xid\.csv: data row 1: .*{why}"):
         load_xid_catalog(bad)
 
+
+def test_the_xid_doc_is_generated_from_the_catalog() -> None:
+    spec = importlib.util.spec_from_file_location("gen_docs", REPO / "scripts" / "gen_docs.py")
+    assert spec is not None and spec.loader is not None
+    gen = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gen)
+    expected = gen.render_xid()
+    assert (REPO / "docs" / "xid.md").read_text() == expected, "docs/xid.md is out of date: run scripts/gen_docs.py"
+    for code, info in load_xid_catalog().items():
+        assert f"\n| {code} | `{info.mnemonic}` |" in expected
+    assert "](xid.md)" in (REPO / "docs" / "findings.md").read_text()
+    assert "](xid.md)" in (REPO / "docs" / "architecture.md").read_text()
