@@ -761,7 +761,8 @@ def _not_watched_finding(entry: Mapping[str, Any], info: XidInfo, ctx: CollectCo
         action=Action.NONE,
         evidence={"xid": info.code, "name": info.name, "pci": address, "count": entry["count"],
                   "first_seen": entry["first_seen"], "last_seen": entry["last_seen"], "sources": entry["sources"],
-                  "detail": entry["detail"], "why": entry["not_watched"], "catalog_action": str(info.action)},
+                  "detail": entry["detail"], "raw": entry.get("raw") or None, "why": entry["not_watched"],
+                  "catalog_action": str(info.action)},
         source="xid",
     )
 
