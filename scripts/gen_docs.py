@@ -1,10 +1,11 @@
-"""Write docs/findings.md and docs/metrics.md from the catalogs, so the docs say what the code does.
+"""Write docs/findings.md, docs/metrics.md and docs/xid.md from the catalogs, so the docs say what the code does.
 
     .venv/bin/python scripts/gen_docs.py           # rewrite both files
     .venv/bin/python scripts/gen_docs.py --check   # exit 1 (and say which) when a file is out of date
 
 Sources: ``src/gpuhealth/catalog/findings.csv`` (finding codes), ``src/gpuhealth/catalog/metrics.csv``
-(metric families) and ``src/gpuhealth/exporters/dcgm.py`` (``FIELDS``: the dcgm-exporter mapping).
+(metric families), ``src/gpuhealth/exporters/dcgm.py`` (``FIELDS``: the dcgm-exporter mapping) and
+``src/gpuhealth/catalog/xid.csv`` with ``xid_nvlink.csv`` (the XID catalog and NVLink decode table).
 The prose around the tables lives here. ``tests/unit/catalog/test_catalogs.py`` fails when a doc differs
 from what this script writes.
 """
@@ -18,6 +19,8 @@ from pathlib import Path
 
 from gpuhealth.catalog.findings import CodeInfo, finding_codes
 from gpuhealth.catalog.metrics import GPU_LABELS, FamilyInfo, metric_families
+from gpuhealth.catalog.xid import APPLICATION_SIDE, XidInfo, bucket_judgement, catalog_version, load_xid_catalog
+from gpuhealth.catalog.xid_nvlink import NvlinkRule, nvlink_rules
 from gpuhealth.exporters.dcgm import CLOCK_EVENT_BITS, CLOCK_REASON_FAMILIES, FIELDS, DcgmField
 
 REPO = Path(__file__).resolve().parents[1]
@@ -49,7 +52,8 @@ on `/metrics` carries them ([metrics.md](metrics.md)). Codes are never renamed; 
 - **emitted by**: the file under `src/gpuhealth/` that makes it.
 
 `xid.<n>` stands for every NVIDIA XID: each has its own severity, action and source in
-`src/gpuhealth/catalog/xid.csv`. A site changes them without touching the catalog: the `xid`
+`src/gpuhealth/catalog/xid.csv`, listed with NVIDIA's resolution buckets in [xid.md](xid.md).
+A site changes them without touching the catalog: the `xid`
 section of its thresholds file (`collectors.thresholds_file`) overrides severity, action and
 repeat_action per XID, and when a repeating XID escalates (`escalate_count` occurrences on one GPU
 within `escalate_window_s`; bundled: 3 within an hour for hardware XIDs), and sets the same for
@@ -259,7 +263,124 @@ def render_metrics(families: dict[str, FamilyInfo] | None = None) -> str:
     return "\n".join(parts)
 
 
-DOCS = {"docs/findings.md": render_findings, "docs/metrics.md": render_metrics}
+# ---------------------------------------------------------------------------------------- XIDs
+XID_INTRO = """# XID catalog
+
+Every code of NVIDIA's Xid catalog ({version}), with NVIDIA's mnemonic and resolution buckets and how
+gpuhealth judges it: the finding `xid.<code>` ([findings.md](findings.md)) gets the severity and action
+below. A site changes them per code in its thresholds file (`xid.codes`, see
+`src/gpuhealth/catalog/xid_policy.py`), without touching the catalog.
+
+Source of the facts: NVIDIA's "Analyzing Xid Errors with the Xid Catalog"
+(docs.nvidia.com/deploy/xid-errors/analyzing-xid-catalog.html) and its spreadsheet, the 2025-10-29 edition
+(as transcribed by GPUd's generator). The descriptions are ours. `resolution` is NVIDIA's immediate-action
+bucket, `investigatory` its investigatory-action bucket; NVIDIA marks most legacy codes "Unused" on Ampere
+and newer (their investigatory bucket reads N/A) and publishes no bucket for 162-172 (`unpublished`).
+
+- **A code not in this table** (a newer driver's) is still reported: a warning, action `monitor`
+  (`reset_gpu` if it comes back after a reset), its message and evidence (`raw`) carrying the kernel line
+  as logged, and `known: false` in the evidence.
+- **repeat**: the action when the same XID comes back on a GPU after that GPU was reset, or repeats
+  `escalate_count` times within `escalate_window_s` (bundled: 3 within an hour, hardware XIDs only).
+- **app**: `yes` when the application caused it and the GPU stays healthy (its finding expires after an hour).
+- **basis**: `buckets` where the judgement is derived from NVIDIA's buckets by the mapping below;
+  `gpuhealth` where the catalog row makes its own call (its source is named in `xid.csv`);
+  `gpuhealth ≠ buckets` where that call departs from the mapping (stricter for memory and engine faults,
+  `rma` as the repeat of memory errors, application XIDs after NVIDIA's k8s-device-plugin).
+
+## From NVIDIA's buckets to gpuhealth's judgement
+
+`bucket_judgement` in `src/gpuhealth/catalog/xid.py`; application-side investigatory buckets:
+{application}.
+
+{mapping}
+
+Buckets that need a per-code call (`WORKFLOW_*`, `XID_154`, `unpublished`) have no mapping: their rows
+in `xid.csv` name severity and action themselves.
+
+## NVLink XIDs 144-150
+
+One NVLink5 code covers errors from harmless to fatal; the kernel line says which:
+
+```
+NVRM: Xid (PCI:0018:01:00): 145, RLW_RXPIPE Nonfatal XC0 i0 Link 13 (0x0409a0c2 0x00000008 0x00000001 ...)
+```
+
+gpuhealth reads the unit (`RLW_RXPIPE`), the driver's Fatal/Nonfatal word, the link (`-1`: not one link)
+and the hex words — the first is the interrupt info, the second the error status — and looks up NVIDIA's
+decode row for that unit and error status (for `NETIR_LINK_EVT` also the link-down reason, bits 20-25 of
+the interrupt info). An error status with several bits set and no row of its own takes its worst
+documented bit. Then: `RESET_GPU` → critical, `reset_gpu`; `XID_154_EVAL` → warning, `monitor` (the XID 154
+that follows names the recovery and is judged on its own); `IGNORE` → info, `none` when the investigatory
+bucket is `IGNORE` too (never escalated), else warning, `monitor`. A line that is not in the table keeps
+the code's judgement below (critical, `reset_gpu`), as does an NVLink XID seen only through NVML (no text).
+The finding's evidence carries the decoded fields (`nvlink`: unit, link, words, NVIDIA's row) and the raw
+line; when one GPU reports the same code on several links, the worst line is the one kept.
+
+{nvlink}
+
+## Codes
+
+{codes}
+"""
+
+_MAPPING_CASES = (
+    ("RESET_GPU", "any"), ("RESTART_BM", "any"), ("RESTART_VM", "any"), ("CHECK_MECHANICALS", "any"),
+    ("RESTART_APP", "application-side"), ("RESTART_APP", "other"), ("IGNORE", "IGNORE"),
+    ("IGNORE", "application-side"), ("IGNORE", "other"), ("CONTACT_SUPPORT", "any"), ("UPDATE_SWFW", "any"),
+    ("CHECK_UVM", "any"),
+)
+
+
+def _mapping_rows() -> Iterable[list[str]]:
+    for immediate, later in _MAPPING_CASES:
+        example = {"application-side": "CHECK_APP/CUDA", "other": "CONTACT_SUPPORT", "any": "CONTACT_SUPPORT"}
+        judged = bucket_judgement(immediate, example.get(later, later))
+        assert judged is not None, immediate
+        yield [f"`{immediate}`", later, str(judged.severity), f"`{judged.action}`", f"`{judged.repeat_action}`",
+               "no" if judged.hardware else "yes"]
+
+
+def _basis(info: XidInfo) -> str:
+    if info.from_buckets:
+        return "buckets"
+    judged = bucket_judgement(info.resolution, info.investigatory)
+    if judged is not None and (judged.severity, judged.action, judged.repeat_action, judged.hardware) != (
+            info.severity, info.action, info.repeat_action, info.hardware):
+        return "gpuhealth ≠ buckets"
+    return "gpuhealth"
+
+
+def _xid_row(info: XidInfo) -> list[str]:
+    return [str(info.code), f"`{info.mnemonic}`", info.name, info.resolution, info.investigatory,
+            str(info.severity), f"`{info.action}`", f"`{info.repeat_action}`", "no" if info.hardware else "yes",
+            _basis(info)]
+
+
+def _nvlink_rows(rules: Sequence[NvlinkRule]) -> Iterable[list[str]]:
+    codes: dict[tuple[int, str], set[int]] = {}
+    for rule in rules:
+        codes.setdefault((rule.xid, rule.unit), set()).add(rule.intr_code)
+    for rule in rules:  # the link-down reason only where NVIDIA's rows for the unit differ by it
+        reason = str(rule.intr_code) if len(codes[(rule.xid, rule.unit)]) > 1 else ""
+        yield [str(rule.xid), f"`{rule.unit}`", f"`0x{rule.error_status:08x}`", reason, rule.nvidia_severity,
+               rule.resolution, rule.investigatory, rule.origin]
+
+
+def render_xid() -> str:
+    catalog = load_xid_catalog()
+    return "\n".join([GENERATED.format(source="xid.csv and xid_nvlink.csv"), "", XID_INTRO.format(
+        version=catalog_version(),
+        application=", ".join(f"`{b}`" for b in sorted(APPLICATION_SIDE)),
+        mapping=_table(["immediate", "investigatory", "severity", "action", "repeat", "app"], _mapping_rows()),
+        nvlink=_table(["xid", "unit", "error status", "link-down reason", "NVIDIA severity", "resolution",
+                       "investigatory", "origin"], _nvlink_rows(nvlink_rules())),
+        codes=_table(["code", "mnemonic", "description", "resolution", "investigatory", "severity", "action",
+                      "repeat", "app", "basis"], (_xid_row(i) for i in sorted(catalog.values(), key=lambda i: i.code))),
+    ).rstrip() + "\n"])
+
+
+DOCS = {"docs/findings.md": render_findings, "docs/metrics.md": render_metrics, "docs/xid.md": render_xid}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -42,6 +42,7 @@ class XidEvent:
     pci_bus_id: str = ""
     detail: str = ""
     seq: int | None = None  # the kernel log's record number (unique per boot); None for NVML events
+    raw: str = ""  # the kernel log line as logged (NVML events have none)
 
 
 FieldResult = Any | NvmlError  # the value, or the error NVML gave for that one field

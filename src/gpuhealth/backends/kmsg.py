@@ -176,6 +176,7 @@ def xid_events(
                 pci_bus_id=parsed.pci,
                 detail=detail,
                 seq=rec.seq,
+                raw=rec.text.strip(),
             )
         )
     return out

@@ -48,6 +48,7 @@ from gpuhealth.backends.errors import NvmlError
 from gpuhealth.backends.kmsg import KmsgUnavailable, SxidEvent, boot_time, sxid_events, xid_events
 from gpuhealth.catalog.thresholds import default_thresholds, thresholds_from
 from gpuhealth.catalog.xid import XidInfo, xid_info
+from gpuhealth.catalog.xid_nvlink import NVLINK_XIDS, decode_nvlink
 from gpuhealth.catalog.xid_policy import XidPolicy
 from gpuhealth.collectors.base import CollectContext, CollectError, History, Lane, Observations
 from gpuhealth.collectors.presence import PciView, pci_view
@@ -79,6 +80,7 @@ class XidEntry:
     sources: set[str] = field(default_factory=set)
     pci: str = ""
     detail: str = ""
+    raw: str = ""  # the kernel log line behind ``detail`` (empty when only NVML reported it)
     active: bool = True
     cleared_by_reset_at: float | None = None
     # A reset inferred across a gap (counters found lower than when last seen) happened at some time up to
@@ -138,9 +140,30 @@ class XidEntry:
         return {
             "gpu": self.gpu_key, "gpu_index": self.gpu_index, "xid": self.xid,
             "first_seen": self.first_seen, "last_seen": self.last_seen, "count": self.count,
-            "sources": sorted(self.sources), "pci": self.pci, "detail": self.detail,
+            "sources": sorted(self.sources), "pci": self.pci, "detail": self.detail, "raw": self.raw,
             "repeats_after_reset": self.repeats_after_reset, "recent": list(self.recent),
         }
+
+
+def _keep_text(entry: XidEntry, event: XidEvent) -> bool:
+    """Keep the newest message (True when the entry changed), except that an NVLink XID (144-150) keeps its
+    worst one: a fatal RLW error on one link is not undone by a harmless one on another."""
+    if not event.detail or (event.detail == entry.detail and (event.raw or entry.raw) == entry.raw):
+        return False
+    if entry.detail and entry.xid in NVLINK_XIDS and _nvlink_rank(event.detail, entry.xid) < _nvlink_rank(
+            entry.detail, entry.xid):
+        return False
+    entry.detail, entry.raw = event.detail, event.raw or entry.raw
+    return True
+
+
+def _nvlink_rank(detail: str, xid: int) -> tuple[int, int]:
+    decoded = decode_nvlink(xid, detail)
+    judged = decoded.judgement() if decoded is not None else None
+    if judged is None:  # undocumented: the catalog's judgement, as severe as the code gets
+        info = xid_info(xid)
+        return int(info.severity), int(info.action)
+    return int(judged[0]), int(judged[1])
 
 
 class XidLedger:
@@ -160,19 +183,20 @@ class XidLedger:
         if entry is None:
             entry = XidEntry(gpu_key=gpu_key, gpu_index=event.gpu_index, xid=event.xid,
                              first_seen=event.timestamp, last_seen=event.timestamp, sources={event.source},
-                             pci=event.pci_bus_id, detail=event.detail)
+                             pci=event.pci_bus_id, detail=event.detail, raw=event.raw)
             self._entries[key] = entry
             entry.remember(event.source, event.timestamp)
             entry.saw(event.source, event.timestamp)
             entry.occurred(event.timestamp)
             return entry
-        if entry.already_counted(event):
-            self.changes -= 1
+        if entry.already_counted(event):  # not counted again; its text may still be the one to keep
+            if not _keep_text(entry, event):
+                self.changes -= 1
             return entry
         entry.saw(event.source, event.timestamp)
         if entry.active and entry.pair(event.source, event.timestamp):
             entry.sources.add(event.source)  # the same XID seen through the other channel
-            entry.detail = entry.detail or event.detail
+            _keep_text(entry, event)
             return entry
         if not entry.active and entry.cleared_by_reset_at is not None:
             if event.timestamp <= entry.cleared_by_reset_at:
@@ -190,7 +214,7 @@ class XidLedger:
         entry.sources.add(event.source)
         entry.gpu_index = event.gpu_index if event.gpu_index is not None else entry.gpu_index
         entry.pci = event.pci_bus_id or entry.pci
-        entry.detail = event.detail or entry.detail
+        _keep_text(entry, event)
         return entry
 
     def note_reset(self, gpu_key: str, at: float, uncertain_until: float | None = None) -> None:
@@ -352,6 +376,13 @@ def judge(entry: Mapping[str, Any], info: XidInfo, policy: XidPolicy | None = No
     """Severity, action and why it escalated ("" when it did not), for one active ledger entry.
     ``info`` is the catalog entry with the policy's overrides already applied (``policy_info``)."""
     severity, action = info.severity, info.action
+    rule = (policy or default_thresholds().xid).rule(info.code)
+    decoded = decode_nvlink(info.code, str(entry.get("detail", "")))
+    judged = decoded.judgement() if decoded is not None else None
+    if judged is not None and rule.severity is None and rule.action is None:  # a site's own rule wins
+        severity, action = judged
+        if judged == (Severity.INFO, Action.NONE):  # NVIDIA: ignore it, nothing to investigate: no escalation
+            return severity, action, ""
     if info.code == 154:
         needed = recovery_action(str(entry.get("detail", "")))
         if needed is Action.NONE:
@@ -533,19 +564,26 @@ class XidCollector:
             if escalated == "count":
                 esc = policy.escalation(info.code, info.hardware)
                 escalated = f"{in_window(entry, esc.window_s)}× within {esc.window_s:g} s"
+            decoded = decode_nvlink(info.code, str(entry.get("detail", "")))
+            evidence = {
+                "xid": info.code, "name": info.name, "count": entry["count"],
+                "first_seen": entry["first_seen"], "last_seen": entry["last_seen"],
+                "sources": entry["sources"], "pci": entry["pci"], "detail": entry["detail"],
+                "raw": entry.get("raw") or None,
+                "hardware": info.hardware, "repeats_after_reset": entry["repeats_after_reset"],
+                "catalog_source": info.source, "escalated": escalated or None, "known": info.known,
+                "mnemonic": info.mnemonic or None, "nvidia_resolution": info.resolution or None,
+                "nvidia_investigatory": info.investigatory or None,
+            }
+            if decoded is not None:
+                evidence["nvlink"] = decoded.evidence()
             out.append(Finding(
                 code=f"xid.{info.code}",
                 severity=severity,
                 entity=_entity(entry, ctx),
-                message=_message(entry, info, escalated),
+                message=_message(entry, info, escalated, decoded.summary() if decoded is not None else ""),
                 action=action,
-                evidence={
-                    "xid": info.code, "name": info.name, "count": entry["count"],
-                    "first_seen": entry["first_seen"], "last_seen": entry["last_seen"],
-                    "sources": entry["sources"], "pci": entry["pci"], "detail": entry["detail"],
-                    "hardware": info.hardware, "repeats_after_reset": entry["repeats_after_reset"],
-                    "catalog_source": info.source, "escalated": escalated or None,
-                },
+                evidence=evidence,
                 source=self.name,
             ))
         out.extend(_sxid_findings(obs.node.get("sxids", []), policy, ctx))
@@ -723,7 +761,8 @@ def _not_watched_finding(entry: Mapping[str, Any], info: XidInfo, ctx: CollectCo
         action=Action.NONE,
         evidence={"xid": info.code, "name": info.name, "pci": address, "count": entry["count"],
                   "first_seen": entry["first_seen"], "last_seen": entry["last_seen"], "sources": entry["sources"],
-                  "detail": entry["detail"], "why": entry["not_watched"], "catalog_action": str(info.action)},
+                  "detail": entry["detail"], "raw": entry.get("raw") or None, "why": entry["not_watched"],
+                  "catalog_action": str(info.action)},
         source="xid",
     )
 
@@ -758,17 +797,21 @@ def _sxid_findings(sxids: Iterable[Mapping[str, Any]], policy: XidPolicy, ctx: C
     return out
 
 
-def _message(entry: Mapping[str, Any], info: XidInfo, escalated: str) -> str:
+def _message(entry: Mapping[str, Any], info: XidInfo, escalated: str, nvlink: str = "") -> str:
     where = f"GPU {entry['gpu_index']}" if entry.get("gpu_index") is not None else f"PCI {entry.get('pci') or '?'}"
     times = f" ({entry['count']}×)" if entry["count"] > 1 else ""
     text = f"XID {info.code} on {where}{times}: {info.name}"
     if not info.hardware:
         text += " — caused by the application, not the GPU"
+    if nvlink:
+        text += f"; {nvlink}"
     if escalated == "after_reset":
         text += f"; came back after a GPU reset ({entry['repeats_after_reset']}×): escalated"
     elif escalated:
         text += f"; {escalated}: escalated"
-    if entry.get("detail"):
+    if not info.known and entry.get("raw"):  # nothing to say about the code: the kernel's own words
+        text += f" [kernel: {entry['raw']}]"
+    elif entry.get("detail"):
         text += f" [{entry['detail']}]"
     return text
 

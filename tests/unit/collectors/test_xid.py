@@ -173,7 +173,8 @@ def test_catalog_covers_fatal_and_application_xids(tmp_path: Path) -> None:
     for code in (13, 31, 43, 45):
         assert not cat[code].hardware and cat[code].severity is Severity.INFO
     bad = tmp_path / "xid.csv"
-    bad.write_text("code,name,severity,action,repeat_action,hardware,source\n79,x,fatal,reboot,drain,yes,me\n")
+    bad.write_text("code,mnemonic,name,resolution,investigatory,severity,action,repeat_action,hardware,source\n"
+                   "79,M,x,RESTART_BM,CONTACT_SUPPORT,fatal,reboot,drain,yes,me\n")
     with pytest.raises(CatalogError, match=r"xid\.csv: data row 1"):
         load_xid_catalog(bad)
 

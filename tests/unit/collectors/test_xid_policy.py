@@ -131,6 +131,36 @@ def test_xids_144_to_150_are_nvlink_errors_in_the_catalog() -> None:
         assert info.known and "NVLink" in info.name and info.hardware and info.severity is Severity.CRITICAL
 
 
+def _nvlink(seq: int, usec: int, link: int, word: str, status: int) -> str:
+    return (f"6,{seq},{usec},-;NVRM: Xid (PCI:0000:00:07): 145, RLW_REMAP {word} XC0 i0 Link {link:02d} "
+            f"(0x00000004 0x{status:08x} 0x00000000 0x00000000 0x00000000 0x00000000)")
+
+
+def test_an_nvlink_xid_is_judged_by_its_decoded_line(tmp_path: Path, clock: Any) -> None:
+    usec = _boot_usec()
+    harmless = Harness(tmp_path, clock, kmsg=[_nvlink(100, usec, 3, "Nonfatal", 0x100)])
+    [f] = harmless.run().findings  # NVIDIA: IGNORE, investigate IGNORE
+    assert (f.code, f.severity, f.action) == ("xid.145", Severity.INFO, Action.NONE)
+    assert f.evidence["nvlink"]["link"] == 3 and f.evidence["nvlink"]["resolution"] == "IGNORE"
+    # many of them do not escalate either: NVIDIA says there is nothing to investigate
+    many = Harness(tmp_path, clock, kmsg=[_nvlink(100 + k, usec + k * 10**6, 3, "Nonfatal", 0x100) for k in range(4)])
+    [f] = many.run().findings
+    assert (f.severity, f.action, f.evidence["count"]) == (Severity.INFO, Action.NONE, 4)
+    # a fatal one on another link is not undone by a harmless one logged after it
+    lines = [_nvlink(101, usec, 5, "Fatal", 0x40), _nvlink(102, usec + 10**6, 3, "Nonfatal", 0x100)]
+    [f] = Harness(tmp_path, clock, kmsg=lines).run().findings  # (a third within the hour would escalate)
+    assert (f.severity, f.action) == (Severity.CRITICAL, Action.RESET_GPU)
+    assert f.evidence["nvlink"]["link"] == 5 and "Link 05" in f.evidence["raw"] and "link 5" in f.message
+    # an undocumented status keeps the code's judgement, with the raw words
+    [f] = Harness(tmp_path, clock, kmsg=[_nvlink(100, usec, 1, "Nonfatal", 0x1000)]).run().findings
+    assert (f.severity, f.action) == (Severity.CRITICAL, Action.RESET_GPU)
+    assert f.evidence["nvlink"]["documented"] is False and f.evidence["nvlink"]["error_status"] == "0x00001000"
+    # a site's own rule for the code wins over the decode
+    extras = _with(tmp_path, {"codes": {"145": {"severity": "warning", "action": "monitor"}}})
+    [f] = Harness(tmp_path, clock, kmsg=[_nvlink(100, usec, 5, "Fatal", 0x40)]).run(**extras).findings
+    assert (f.severity, f.action) == (Severity.WARNING, Action.MONITOR)
+
+
 # ------------------------------------------------------------------------------------ NVSwitch SXids
 
 SXIDS = ["6,200,{u},-;nvidia-nvswitch3: SXid (PCI:0000:05:00.0): 12028, Non-fatal, Link 32 egress non-posted "
