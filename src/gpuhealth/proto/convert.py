@@ -21,6 +21,11 @@ MAX_WORLD_SIZE = MAX_RANKS
 MAX_BATCH_RECORDS = 1 << 20
 MAX_FINDINGS = 10_000
 MAX_EVIDENCE_BYTES = 64 * 1024
+# What one node's findings may hold at the coordinator, whatever its credential sends: evidence JSON is
+# parsed only within this budget (parsed JSON takes up to ~30x its bytes), messages are cut. A record's
+# findings are a node's whole current set, so this is also all the coordinator keeps, and reloads, for it.
+MAX_NODE_EVIDENCE_BYTES = 256 * 1024
+MAX_MESSAGE_CHARS = 2048
 MAX_STEP_SECONDS = 7 * 86_400.0  # a "step" longer than a week is a bug, not data
 
 
@@ -46,7 +51,8 @@ def finding_to_pb(f: Finding) -> pb.Finding:
     )
 
 
-def finding_from_pb(m: pb.Finding) -> Finding:
+def finding_from_pb(m: pb.Finding, *, parse_evidence: bool = True) -> Finding:
+    """``parse_evidence`` False: the evidence is not parsed (over the node's budget) and says so."""
     try:
         severity = Severity.parse(m.severity)
         kind = EntityKind(m.entity_kind)
@@ -57,24 +63,38 @@ def finding_from_pb(m: pb.Finding) -> Finding:
     if len(m.evidence_json) > MAX_EVIDENCE_BYTES:
         raise WireError(f"finding {m.code!r}: evidence over {MAX_EVIDENCE_BYTES} bytes")
     evidence: Any = {}
-    if m.evidence_json:
+    if m.evidence_json and not parse_evidence:
+        evidence = {"evidence_dropped": f"over the node's {MAX_NODE_EVIDENCE_BYTES} byte evidence quota",
+                    "evidence_bytes": len(m.evidence_json)}
+    elif m.evidence_json:
         try:
             evidence = json.loads(m.evidence_json)
-        except ValueError as exc:
+        except (ValueError, RecursionError) as exc:
             raise WireError(f"finding {m.code!r}: evidence is not JSON: {exc}") from exc
         if not isinstance(evidence, dict):
             raise WireError(f"finding {m.code!r}: evidence must be a JSON object")
+    message = m.message if len(m.message) <= MAX_MESSAGE_CHARS else m.message[:MAX_MESSAGE_CHARS] + "…"
     return Finding(
         code=m.code, severity=severity,
-        entity=Entity(kind, m.entity_id, None if m.gpu_index < 0 else m.gpu_index),
-        message=m.message, action=action, evidence=evidence, source=m.source,
+        entity=Entity(kind, m.entity_id[:MAX_NAME_LEN], None if m.gpu_index < 0 else m.gpu_index),
+        message=message, action=action, evidence=evidence, source=m.source[:MAX_NAME_LEN],
     )
 
 
 def findings_from_pb(items: Sequence[pb.Finding]) -> list[Finding]:
+    """A node's findings within its quota: evidence is parsed, worst finding first, until the node's
+    evidence budget is spent; the rest keep code, severity, entity, message and action."""
     if len(items) > MAX_FINDINGS:
         raise WireError(f"findings: {len(items)} is over {MAX_FINDINGS}")
-    return [finding_from_pb(m) for m in items]
+    rank = {"critical": 0, "warning": 1, "info": 2}
+    order = sorted(range(len(items)), key=lambda i: (rank.get(items[i].severity, 3), len(items[i].evidence_json)))
+    budget = MAX_NODE_EVIDENCE_BYTES
+    parse = [False] * len(items)
+    for i in order:
+        size = len(items[i].evidence_json)
+        if size <= budget:
+            parse[i], budget = True, budget - size
+    return [finding_from_pb(m, parse_evidence=parse[i]) for i, m in enumerate(items)]
 
 
 # -- rank identities -----------------------------------------------------------------------------
