@@ -128,6 +128,44 @@ def _checked(load: Callable[[Any], None]) -> Callable[[Any], None]:
     return fetch
 
 
+# Keys (and set members) are hashed as they are inserted. Python's hash of an int is the int modulo
+# 2**61 - 1, so ints a multiple of that apart collide — and n colliding keys make one dict cost O(n**2):
+# a 1.3 MB pickle took 79 s. Tuples and frozensets hash their members' hashes, which an input that
+# controls those members can make collide too. A flight-recorder dump's keys are strings and small
+# numbers, so only str, bytes, bool, None, floats and ints below the modulus may be keys or members.
+_HASH_MODULUS = (1 << 61) - 1
+_SAFE_KEY_TYPES = (str, bytes, bool, float, type(None))
+
+
+def _check_keys(keys: Any) -> None:
+    for k in keys:
+        kind = type(k)
+        if kind is int:
+            if -_HASH_MODULUS < k < _HASH_MODULUS:
+                continue
+        elif kind in _SAFE_KEY_TYPES:
+            continue
+        what = "an integer this large" if kind is int else f"a {kind.__name__}"
+        raise SharedReferenceError(
+            f"refused: the pickle uses {what} as a dict key or set member (a flight-recorder dump keys by strings "
+            "and small numbers; such keys can be made to collide and cost time quadratic in their number)")
+
+
+def _keys_checked(load: Callable[[Any], None], where: str) -> Callable[[Any], None]:
+    """``load`` after checking the keys it is about to insert: ``setitem`` (the one below the top of the
+    stack), ``pairs`` (every other item since the MARK) or ``all`` (every item since the MARK)."""
+    def checked(self: Any) -> None:
+        stack = self.stack
+        if where == "setitem":
+            _check_keys(stack[-2:-1])
+        elif where == "pairs":
+            _check_keys(stack[0::2])
+        else:
+            _check_keys(stack)
+        load(self)
+    return checked
+
+
 def _load_mark(self: Any) -> None:
     if len(self.metastack) >= MAX_MARK_DEPTH:
         raise SharedReferenceError(f"refused: MARKs nested over {MAX_MARK_DEPTH} deep (not a flight-recorder dump)")
@@ -141,7 +179,10 @@ class _PlainUnpickler(pickle._Unpickler):
     for _op in (pickle.GET, pickle.BINGET, pickle.LONG_BINGET, pickle.DUP):
         dispatch[_op[0]] = _checked(dispatch[_op[0]])
     dispatch[pickle.MARK[0]] = _load_mark
-    del _op
+    for _op, _where in ((pickle.SETITEM, "setitem"), (pickle.SETITEMS, "pairs"), (pickle.DICT, "pairs"),
+                        (pickle.ADDITEMS, "all"), (pickle.FROZENSET, "all")):
+        dispatch[_op[0]] = _keys_checked(dispatch[_op[0]], _where)
+    del _op, _where
 
     def __init__(self, data: bytes | bytearray, budget: int) -> None:
         super().__init__(io.BytesIO(data))

@@ -12,9 +12,11 @@ import json
 import lzma
 import math
 import os
+import pickle
 import subprocess
 import sys
 import tarfile
+import time
 import zipfile
 from pathlib import Path
 from typing import Any
@@ -104,6 +106,28 @@ def _tuple_key_bomb(depth: int) -> bytes:
     for i in range(1, depth + 1):
         ops += b"h" + bytes([i]) + b"h" + bytes([i]) + b"\x86q" + bytes([i + 1]) + b"0"  # (t, t) (memo i+1)
     return ops + b"h" + bytes([depth + 1]) + b"K\x01s."  # d[t] = 1
+
+
+def test_keys_made_to_collide_in_the_hash_table_are_refused_at_once(tmp_path: Path) -> None:
+    """Issue 30 item 6: ints a multiple of 2**61 - 1 apart share a hash, so n such dict keys cost O(n**2) to
+    insert — a 1.27 MB pickle kept ``gpuhealth triage`` busy 79 s (and the coordinator's triage child its
+    whole 300 s). Keys and set members may be strings and small numbers only: refused in one line, at once,
+    through the command; the other ranks are judged."""
+    p = (1 << 61) - 1
+    colliding = {p * i: 1 for i in range(1, 4000)}
+    write_pickle(tmp_path, "rank0.pkl", {"version": "2.10", "entries": [_entry_with()], "pg_status": colliding})
+    (tmp_path / "rank1.pkl").write_bytes(pickle.dumps({"version": "2.10", "members": {p * i for i in range(1, 4000)}}))
+    tuples = {(i, -i): 1 for i in range(100)}  # tuple keys: their hashes can be made to collide too
+    write_pickle(tmp_path, "rank2.pkl", {"version": "2.10", "entries": [_entry_with()], "pg_status": tuples})
+    write_pickle(tmp_path, "rank3.pkl", {"version": "2.10", "entries": [_entry_with()], "pg_status": {"0": {7: 1}}})
+    start = time.monotonic()
+    code, report = triage_capped(tmp_path)
+    assert time.monotonic() - start < 60
+    assert code != 0  # three of four ranks could not be read: never a clean answer
+    problems = {Path(p["path"]).name: p["message"] for p in report["problems"] if p["severity"] == "error"}
+    for r in range(3):
+        assert "as a dict key or set member" in problems[f"rank{r}.pkl"], problems
+    assert "rank3.pkl" not in problems  # small int keys, as a real dump has, still load
 
 
 def test_pickles_that_inflate_through_reused_references_are_refused(tmp_path: Path) -> None:
