@@ -142,42 +142,52 @@ Prometheus keeps `job` for the scrape job.
 DCGM_INTRO = """## dcgm-exporter compatibility (`--dcgm-compat`)
 
 With `--dcgm-compat` (or `agent.dcgm_compat: true`) the same readings are exposed a second time
-under dcgm-exporter's names, units and labels, so the standard dcgm-exporter Grafana dashboard
-(grafana.com 12239) and alert rules written for it work unchanged. Names, units and types follow
-dcgm-exporter's `etc/default-counters.csv` (its defaults, plus the commented-out ECC, retired
-pages, violation and NVLink rows, which we fill in because they are what health alerting needs).
+under dcgm-exporter's names, units and labels, so dashboards (grafana.com 12239) and alert rules
+written for dcgm-exporter work unchanged. Which release's names, by `agent.dcgm_schema`
+(`GPUHEALTH_AGENT_DCGM_SCHEMA`, `gpuhealth agent --dcgm-schema`):
 
-Labels on every `DCGM_*` series, as dcgm-exporter writes them: `gpu`, `UUID`, `pci_bus_id`,
-`device` (`nvidia<minor>`), `modelName`, `Hostname` (the agent's `node_name`, default the host
-name; as released dcgm-exporter 4.5.x-4.8.x write it, which the dashboards and rules written for them select on;
-`agent.dcgm_hostname_label: hostname` gives the lower-case name of dcgm-exporter's unreleased main branch),
-`DCGM_FI_DRIVER_VERSION`, plus `pod`, `namespace`,
-`container` on Kubernetes. `DCGM_FI_DEV_XID_ERRORS` (the last XID's code, 0 when none) also carries
-`err_code` (the code) and `err_msg` (its name in the XID catalog), as dcgm-exporter's does; a count
-of XIDs by code is `gpuhealth_gpu_xid_errors_total{xid}`.
+{schemas}
 
-Two deliberate differences: dcgm-exporter declares some fields `counter` without a `_total`
-suffix; prometheus-client (and OpenMetrics) would force `_total` on a counter, so these are exposed
-**untyped** under the exact dcgm name (PromQL's `rate()`/`increase()` work the same). And
-`promtool check metrics` flags `modelName` (camelCase) and `DCGM_FI_DEV_PCIE_REPLAY_COUNTER`
-("name includes type") — both are dcgm-exporter's own names, kept so dashboards match; the
+The node label follows the release (4.5.0-4.8.2 write `Hostname`, 4.8.3 and later `hostname`);
+`agent.dcgm_hostname_label: Hostname` or `hostname` overrides. Every `DCGM_*` series also carries `gpu`, `UUID`,
+`pci_bus_id`, `device` (`nvidia<minor>`), `modelName`, plus `pod`, `namespace`, `container` on Kubernetes and
+`hpc_job` (the Slurm job holding the GPU, as dcgm-exporter's HPC job mapping names it; `slurm_job_id` on our own
+series). The XID series (`DCGM_FI_DEV_XID_ERRORS`, 4.10: `DCGM_FI_DEV_XID_ERROR`: the last XID's code, 0 when none)
+also carries `err_code` and `err_msg` (its name in the XID catalog), as dcgm-exporter's does; a count of XIDs by
+code is `gpuhealth_gpu_xid_errors_total{xid}`.
+
+Counters are typed `counter` under dcgm-exporter's exact names, without `_total`, as dcgm-exporter writes them
+(text format 0.0.4); an OpenMetrics scrape, where a counter must end in `_total`, gets them as `unknown`.
+`promtool check metrics` flags `modelName` (camelCase), the counters without `_total` and
+`DCGM_FI_DEV_PCIE_REPLAY_COUNTER` ("name includes type"): all dcgm-exporter's own, kept so dashboards match; the
 `gpuhealth_*` series are lint-clean.
+
+Where the names come from: 4.8 is dcgm-exporter's `etc/default-counters.csv` of 4.8.2
+(`tests/fixtures/dcgm_exporter/default-counters.csv`). The 4.10 names are derived (the dcgm-exporter history
+read had no 4.9/4.10 release) from DCGM 4.6's deprecation table, go-dcgm for DCGM 4.6.1 and, for the rest,
+the naming standard; each row says which in `tests/fixtures/dcgm_exporter/schema-4.10.csv`.
+`tests/integration/test_dcgm_schemas.py` compares each release's default counters with a running agent's
+scrape by name, type, unit and labels: all are served.
 """
 
-DCGM_AFTER = """The profiling fields (`DCGM_FI_PROF_*`: the dashboard's "Tensor Core Utilization" panel) come
-from NVML's GPU Performance Monitoring (`nvmlGpmMetricsGet`), without DCGM, on GPUs that have it
-(Hopper and later); a GPU without GPM has no such series rather than a zero. Averaged over the
-fast lane's interval (5 s), where DCGM averages over its own sampling period.
+DCGM_AFTER = """The profiling fields (`DCGM_FI_PROF_*`: the dashboard's "Tensor Core Utilization" panel, and the PCIe
+and NVLink rates) come from NVML's GPU Performance Monitoring (`nvmlGpmMetricsGet`), without DCGM, on GPUs that
+have it (Hopper and later); a GPU without GPM has no such series rather than a zero. Averaged over the fast
+lane's interval (5 s), where DCGM averages over its own sampling period. The 4.10 NVLink throughput
+(`DCGM_FI_DEV_NVLINK_THROUGHPUT_TOTAL`, bytes/s) is GPM's too; the 4.8 `DCGM_FI_DEV_NVLINK_BANDWIDTH_TOTAL`
+is NVML's cumulative NVLink data counters in KiB, summed as DCGM sums them.
+`DCGM_FI_DEV_VGPU_LICENSE_STATUS` is read as DCGM reads it for a GPU (`nvmlDeviceGetGridLicensableFeatures`):
+0 where the GPU has no vGPU licensing.
 Violation counters are in nanoseconds, as NVML counts them and as the current dcgm-exporter CSV
 says (older CSVs said microseconds; gpuhealth before 0.1.0 exported them 1000× too low).
-Not provided: `DCGM_FI_PROF_PCIE_TX/RX_BYTES` (per-second rates NVML answers only by sampling for
-20 ms a call), `DCGM_FI_PROF_PIPE_FP*_ACTIVE`, `DCGM_FI_DEV_VGPU_LICENSE_STATUS`, and dcgm-exporter's
-own `DCGM_EXP_*` series (its clock-event and XID windows, health and P2P status).
+Not provided (none is a default counter): `DCGM_FI_PROF_PIPE_FP64/FP32/FP16_ACTIVE`, and dcgm-exporter's
+own `DCGM_EXP_*` series (its clock-event and XID windows, health and P2P status: DCGM's, not NVML's).
 
 NVLink series: by default per GPU (`gpuhealth_gpu_nvlink_errors_total{counter}` summed over links,
 `gpuhealth_gpu_nvlink_links{which}`; a link that is down is named by its `nvlink.link_down` finding),
 which keeps an 8-GPU Hopper node at about half the series. Per-link series (`link` label, and
-`gpuhealth_gpu_nvlink_state`) are there on demand: `agent.nvlink_per_link: true` (or `gpuhealth agent --nvlink-per-link`; SIGHUP applies it), or for one scrape `/metrics?nvlink=link`.
+`gpuhealth_gpu_nvlink_state`) are there on demand: `agent.nvlink_per_link: true` (or
+`gpuhealth agent --nvlink-per-link`; SIGHUP applies it), or for one scrape `/metrics?nvlink=link`.
 The dcgm-exporter NVLink totals are the same either way.
 """
 
@@ -211,6 +221,18 @@ def _series(f: FamilyInfo) -> str:
 _SCALE_TEXT = {1e-6: "÷ 10⁶", 1e6: "× 10⁶", 1e3: "× 1000", 100.0: "× 100", 1 / float(1 << 20): "÷ 2²⁰"}
 
 
+DCGM_SCHEMAS = (
+    ("`4.10` (default)", "dcgm-exporter 4.9/4.10: DCGM's renamed fields in base units (Hz, J, bytes, 0-1 ratios), "
+     "`DCGM_FI_PROF_*_BYTES_PER_SECOND`, `DCGM_FI_DEV_FB_CAPACITY_BYTES`", "`hostname`",
+     "`DCGM_FI_SYSTEM_DRIVER_VERSION`"),
+    ("`4.8`", "dcgm-exporter 4.5-4.8: MHz, mJ, %, MiB; what dashboard 12239 as published queries", "`Hostname`",
+     "`DCGM_FI_DRIVER_VERSION`"),
+    ("`both`", "both at once, while dashboards and rules migrate (fields not renamed appear once)", "`hostname`",
+     "both"),
+)
+_SCHEMA_TEXT = {("4.8",): "4.8", ("4.10",): "4.10", ("4.8", "4.10"): "both"}
+
+
 def _dcgm_row(field: DcgmField, families: dict[str, FamilyInfo]) -> list[str]:
     ours = next((f.name for f in families.values() if f.base_name == field.source), f"gpuhealth_{field.source}")
     match = ",".join(f'{k}="{v}"' for k, v in field.match)
@@ -219,9 +241,11 @@ def _dcgm_row(field: DcgmField, families: dict[str, FamilyInfo]) -> list[str]:
         conversion.append(f"summed over {field.sum_over}s")
     if field.note:
         conversion.append(field.note)
+    if field.old_name:
+        conversion.append(f"4.8: `{field.old_name}`")
     keep = f"{{{','.join(field.keep_labels)}}}" if field.keep_labels else ""
-    return [f"`{field.name}{keep}`", field.type, field.unit, f"`{ours}{{{match}}}`" if match else f"`{ours}{keep}`",
-            "; ".join(conversion) or "—"]
+    return [f"`{field.name}{keep}`", _SCHEMA_TEXT[field.schemas], field.type, field.unit,
+            f"`{ours}{{{match}}}`" if match else f"`{ours}{keep}`", "; ".join(conversion) or "—"]
 
 
 def render_metrics(families: dict[str, FamilyInfo] | None = None) -> str:
@@ -231,8 +255,8 @@ def render_metrics(families: dict[str, FamilyInfo] | None = None) -> str:
         by_section.setdefault(f.section, []).append(f)
     bits = ", ".join(f"{name} 0x{bit:x}" for name, bit in CLOCK_EVENT_BITS.items())
     dcgm_rows = [_dcgm_row(field, fams) for field in FIELDS]
-    dcgm_rows.append([", ".join(f"`{n}`" for n in CLOCK_REASON_FAMILIES), "gauge", "bitmask",
-                      "`gpuhealth_gpu_throttle_reason_active{reason}`", f"NVML bits: {bits}"])
+    dcgm_rows.append([f"`{CLOCK_REASON_FAMILIES[0]}`, `{CLOCK_REASON_FAMILIES[1]}` (4.8 only)", "both", "gauge",
+                      "bitmask", "`gpuhealth_gpu_throttle_reason_active{reason}`", f"NVML bits: {bits}"])
     parts = [
         GENERATED.format(source="metrics.csv"), "", METRICS_INTRO,
         "## Health and findings\n",
@@ -255,8 +279,9 @@ def render_metrics(families: dict[str, FamilyInfo] | None = None) -> str:
         COORDINATOR_INTRO,
         _table(["Metric", "Type", "Labels", "Help"],
                ([f"`{f.name}`", f.type, _labels(f), f.help] for f in by_section.get("coordinator", []))), "",
-        DCGM_INTRO,
-        _table(["dcgm-exporter series", "dcgm type", "Unit", "From", "Conversion"], dcgm_rows), "",
+        DCGM_INTRO.replace("{schemas}", _table(["`dcgm_schema`", "names of", "node label", "driver label"],
+                                               DCGM_SCHEMAS)),
+        _table(["dcgm-exporter series", "Schema", "dcgm type", "Unit", "From", "Conversion"], dcgm_rows), "",
         DCGM_AFTER,
         ENDPOINTS,
     ]

@@ -43,9 +43,12 @@ class AgentConfig:
     json_logs: bool = False
     log_level: str = "info"
     dcgm_compat: bool = False
-    # The node label of the dcgm-exporter series: "Hostname" as dcgm-exporter 4.5.x-4.8.x write it (what released
-    # dashboards and alert rules select on), or "hostname" as its unreleased main branch does.
-    dcgm_hostname_label: str = "Hostname"
+    # Which dcgm-exporter names --dcgm-compat serves (exporters/dcgm.py): "4.10" (4.9 and later: DCGM's renamed
+    # fields, base units), "4.8" (4.5-4.8: what existing dashboards and alert rules select on) or "both" (migration).
+    dcgm_schema: str = "4.10"
+    # The node label of the dcgm-exporter series: "auto" names it as the schema's release does ("Hostname" in
+    # 4.5.0-4.8.2, "hostname" from 4.8.3 on), or "Hostname" / "hostname" as asked.
+    dcgm_hostname_label: str = "auto"
     # NVLink series per link (18 links x 4 families a GPU) instead of summed per GPU; /metrics?nvlink=link
     # gives one scrape the per-link view either way.
     nvlink_per_link: bool = False
@@ -242,7 +245,8 @@ _ADDRESSES: dict[str, str] = {
 }
 _METRICS_OFF = ("", "off", "none")
 # Text keys that take one of a few values.
-_CHOICES: dict[str, tuple[str, ...]] = {"agent.dcgm_hostname_label": ("Hostname", "hostname")}
+_CHOICES: dict[str, tuple[str, ...]] = {"agent.dcgm_hostname_label": ("auto", "Hostname", "hostname"),
+                                        "agent.dcgm_schema": ("4.10", "4.8", "both")}
 _MAX_TEXT = 4_096  # a path, an address, a name: never a document
 _MAX_LIST = 1_024
 _MAX_FILE_BYTES = 1 << 20  # a config file is a page of YAML
@@ -362,7 +366,9 @@ def _coerce(value: Any, hint: Any, where: str, name: str = "") -> Any:
     if name in _ADDRESSES and not (text == "" and "None" in str(hint)):
         return _address(text, _ADDRESSES[name], where)
     if name in _CHOICES and text not in _CHOICES[name]:
-        raise ConfigError(f"{where}: {text[:40]!r} is not one of {', '.join(_CHOICES[name])}")
+        # YAML reads an unquoted 4.10 as the number 4.1: say so rather than only that 4.1 is no choice
+        quote = " (quote it: YAML reads 4.10 as the number 4.1)" if isinstance(value, float) else ""
+        raise ConfigError(f"{where}: {text[:40]!r} is not one of {', '.join(_CHOICES[name])}{quote}")
     return text
 
 

@@ -107,7 +107,7 @@ def test_agent_survives_lost_gpu_and_driver_reload_and_shuts_down_cleanly(tmp_pa
         settings["agent"]["dcgm_compat"] = True
         cfg.write_text(yaml.safe_dump(settings))
         agent.signal(signal.SIGHUP)
-        _wait(lambda: "DCGM_FI_DEV_GPU_TEMP{" in agent.metrics(), 10, "dcgm series after SIGHUP", agent)
+        _wait(lambda: "DCGM_FI_DEV_GPU_TEMP_CELSIUS{" in agent.metrics(), 10, "dcgm series after SIGHUP", agent)
         # a broken config on SIGHUP is refused and the agent keeps running on the old one
         cfg.write_text("collectors: [not, a, mapping]\n")
         agent.signal(signal.SIGHUP)

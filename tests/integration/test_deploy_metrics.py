@@ -207,6 +207,7 @@ def stack() -> Iterator[Stack]:
                 "pod_resources_socket": str(root / "kubelet.sock"),
                 "slurm_job_dir": str(jobs),
                 "node_name": "node-a",
+                "dcgm_schema": "4.8",  # dashboard 12239 as published queries dcgm-exporter 4.5-4.8's names
                 "coordinator": f"127.0.0.1:{s.coord_port}",  # the link's own metrics, used by an alert
             }}))
             s.spawn([GPUHEALTH, "agent", "--config", str(root / "agent.yaml"), "--dcgm-compat", "--nvml-snapshot",

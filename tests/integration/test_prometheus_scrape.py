@@ -33,6 +33,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[AgentProce
     cfg = work / "agent.yaml"
     cfg.write_text(yaml.safe_dump({"collectors": {"fast_interval_s": 1.0, "slow_interval_s": 2.0},
                                    "agent": {"node_name": "gpu-node-7", "socket_path": str(work / "agent.sock"),
+                                             "dcgm_schema": "4.8",  # the names dashboard 12239 queries
                                              "pod_resources_socket": str(work / "no-kubelet.sock")}}))
     agent = AgentProcess(work, ["--config", str(cfg), "--scenario", str(SCENARIO), "--dcgm-compat"])
     (work / "prometheus.yml").write_text(yaml.safe_dump({

@@ -122,6 +122,7 @@ OBSERVED: dict[str, Observed] = {
     "agent.json_logs": Observed("agent", "agent", True),
     "agent.log_level": Observed("agent", "agent", "debug"),
     "agent.dcgm_compat": Observed("agent", "agent", True),
+    "agent.dcgm_schema": Observed("agent", "agent", "4.8"),
     "agent.dcgm_hostname_label": Observed("agent", "agent", "hostname"),
     "agent.nvlink_per_link": Observed("agent", "agent", True),
     "agent.nvml_snapshot": Observed("agent", "agent", str(SCENARIO)),
@@ -341,6 +342,7 @@ def run_agent(s: Setup, cleanup: Cleanup) -> None:
     assert any(r["level"] == "debug" for r in records), lines[:5]  # agent.log_level
     metrics = agent.get("/metrics")
     assert "DCGM_FI_DEV_GPU_TEMP{" in metrics  # agent.dcgm_compat
+    assert "DCGM_FI_DEV_GPU_TEMP_CELSIUS" not in metrics and "DCGM_FI_DRIVER_VERSION=" in metrics  # agent.dcgm_schema
     temp = next(ln for ln in metrics.splitlines() if ln.startswith("DCGM_FI_DEV_GPU_TEMP{"))
     assert 'hostname="settings-node"' in temp and "Hostname=" not in temp  # agent.dcgm_hostname_label
     assert any('link="' in ln for ln in metrics.splitlines() if ln.startswith("gpuhealth_gpu_nvlink_")), \

@@ -156,3 +156,16 @@ def test_the_alias_bomb_is_small_and_would_be_huge() -> None:
     for _ in range(8):  # 9 elements at every level down to the strings
         assert len(value) == 9
         value = value[0]
+
+
+def test_dcgm_schema_takes_a_release_from_file_or_variable_and_says_to_quote_4_10(tmp_path: Path) -> None:
+    path = tmp_path / "agent.yaml"
+    assert load_config(None).agent.dcgm_schema == "4.10"
+    path.write_text('agent:\n  dcgm_schema: "4.8"\n')
+    assert load_config(str(path)).agent.dcgm_schema == "4.8"
+    assert load_config(None, env={"GPUHEALTH_AGENT_DCGM_SCHEMA": "both"}).agent.dcgm_schema == "both"
+    path.write_text("agent:\n  dcgm_schema: 4.10\n")  # YAML: the number 4.1
+    with pytest.raises(ConfigError, match=r"'4\.1' is not one of 4\.10, 4\.8, both \(quote it"):
+        load_config(str(path))
+    with pytest.raises(ConfigError, match="GPUHEALTH_AGENT_DCGM_SCHEMA"):
+        load_config(None, env={"GPUHEALTH_AGENT_DCGM_SCHEMA": "4.9"})

@@ -194,7 +194,8 @@ class Agent:
 
             self.http = AgentHttpServer(self, self.config.agent.listen, dcgm_compat=self.config.agent.dcgm_compat,
                                         nvlink_per_link=self.config.agent.nvlink_per_link,
-                                        dcgm_hostname_label=self.config.agent.dcgm_hostname_label)
+                                        dcgm_hostname_label=self.config.agent.dcgm_hostname_label,
+                                        dcgm_schema=self.config.agent.dcgm_schema)
             self.http.start()
             log.info("serving /metrics, /health, /ready on %s", self.http.url)
         # Extensions start before the first sweep, so their listeners see every change from the start.
@@ -282,7 +283,8 @@ class Agent:
             log.warning("agent.listen changed to %s: takes effect after a restart", config.agent.listen)
         self.runner.timeout_s = config.collectors.timeout_s
         if self.http is not None:
-            self.http.set_dcgm_compat(config.agent.dcgm_compat, config.agent.dcgm_hostname_label)
+            self.http.set_dcgm_compat(config.agent.dcgm_compat, config.agent.dcgm_hostname_label,
+                                      config.agent.dcgm_schema)
             self.http.set_nvlink_per_link(config.agent.nvlink_per_link)
         self.cache.update_facts(node_name=config.node_name)
         self._prepare_context()

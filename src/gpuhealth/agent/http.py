@@ -434,10 +434,11 @@ class AgentHttpServer:
 
     def __init__(self, agent: AgentView, listen: str, *, dcgm_compat: bool = False, nvlink_per_link: bool = False,
                  workers: int = 4, max_connections: int = 256, header_timeout_s: float = 10.0,
-                 idle_timeout_s: float = 30.0, dcgm_hostname_label: str = "Hostname") -> None:
+                 idle_timeout_s: float = 30.0, dcgm_hostname_label: str = "auto",
+                 dcgm_schema: str = "4.10") -> None:
         self.agent = agent
         self.metrics = MetricsEndpoint(agent.snapshot, dcgm_compat=dcgm_compat, nvlink_per_link=nvlink_per_link,
-                                       dcgm_hostname_label=dcgm_hostname_label)
+                                       dcgm_hostname_label=dcgm_hostname_label, dcgm_schema=dcgm_schema)
         self.routes: dict[str, Route] = {}
         self._server = _HttpLoop(parse_listen(listen), self, workers=workers, max_connections=max_connections,
                                  header_timeout_s=header_timeout_s, idle_timeout_s=idle_timeout_s)
@@ -462,10 +463,12 @@ class AgentHttpServer:
             raise ValueError(f"{path} is a built-in endpoint")
         self.routes[path] = handler
 
-    def set_dcgm_compat(self, enabled: bool, hostname_label: str | None = None) -> None:
+    def set_dcgm_compat(self, enabled: bool, hostname_label: str | None = None, schema: str | None = None) -> None:
         self.metrics.dcgm_compat = enabled
         if hostname_label is not None:
             self.metrics.collector.dcgm_hostname_label = hostname_label
+        if schema is not None:
+            self.metrics.collector.dcgm_schema = schema
 
     def set_nvlink_per_link(self, enabled: bool) -> None:
         self.metrics.nvlink_per_link = enabled

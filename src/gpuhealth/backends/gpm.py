@@ -3,7 +3,7 @@ DCGM's profiling module reports as ``DCGM_FI_PROF_*``, read from NVML alone.
 
 GPM compares two samples of the GPU's counters. ``read_gpm`` keeps the previous sample per GPU in
 ``state`` and answers the metrics over the time since then (the first call of a GPU takes two
-samples ``FIRST_GAP_S`` apart). Values are NVML's units (percent; MiB/s for PCIe traffic), keyed by
+samples ``FIRST_GAP_S`` apart). Values are NVML's units (percent; MiB/s for PCIe and NVLink traffic), keyed by
 the metric's name without ``NVML_GPM_METRIC_`` (recording key ``GpmMetrics``).
 """
 
@@ -16,9 +16,10 @@ from typing import Any
 from gpuhealth.backends import errors
 from gpuhealth.backends.errors import NvmlError
 
-# Percentages, then PCIe traffic from (TX) and to (RX) the GPU in MiB/s (DCGM_FI_PROF_PCIE_*_BYTES).
+# Percentages, then PCIe and NVLink (all links) traffic from (TX) and to (RX) the GPU in MiB/s
+# (DCGM_FI_PROF_PCIE_*_BYTES, DCGM_FI_PROF_NVLINK_*_BYTES).
 METRICS = ("SM_UTIL", "SM_OCCUPANCY", "ANY_TENSOR_UTIL", "DRAM_BW_UTIL", "GRAPHICS_UTIL", "PCIE_TX_PER_SEC",
-           "PCIE_RX_PER_SEC")
+           "PCIE_RX_PER_SEC", "NVLINK_TOTAL_TX_PER_SEC", "NVLINK_TOTAL_RX_PER_SEC")
 FIRST_GAP_S = 0.1
 
 

@@ -33,6 +33,7 @@ SIMPLE_KEYS: tuple[str, ...] = (
     "RetiredPagesPendingStatus", "RemappedRows", "RowRemapperHistogram", "UnrepairableMemoryFlag_v1",
     "RepairStatus", "ComputeRunningProcesses", "GraphicsRunningProcesses", "SupportedEventTypes", "NumGpuCores",
     "GspFirmwareMode", "GspFirmwareVersion", "Pdi", "Attributes_v2", "BBXTimeData_v1", "HostVgpuMode",
+    "GridLicensableFeatures",
 )
 
 Argument = str | int  # a constant of the bindings by name, or a literal

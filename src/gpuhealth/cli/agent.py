@@ -13,10 +13,10 @@ from gpuhealth.config import AgentConfig, Config, ConfigError, load_config
 
 def _overrides(listen: str | None, dcgm_compat: bool | None, json_logs: bool | None, snapshot: str | None,
                node_name: str | None, log_level: str | None,
-               nvlink_per_link: bool | None = None) -> dict[str, dict[str, Any]]:
+               nvlink_per_link: bool | None = None, dcgm_schema: str | None = None) -> dict[str, dict[str, Any]]:
     return {"agent": {"listen": listen, "dcgm_compat": dcgm_compat, "json_logs": json_logs,
                       "nvml_snapshot": snapshot, "node_name": node_name, "log_level": log_level,
-                      "nvlink_per_link": nvlink_per_link}}
+                      "nvlink_per_link": nvlink_per_link, "dcgm_schema": dcgm_schema}}
 
 
 @click.command(name="agent")
@@ -27,6 +27,9 @@ def _overrides(listen: str | None, dcgm_compat: bool | None, json_logs: bool | N
               help="Replay an NVML recording or scenario instead of the live driver (SIMULATED).")
 @click.option("--dcgm-compat/--no-dcgm-compat", default=None,
               help="Also expose the readings under dcgm-exporter's metric names and labels.")
+@click.option("--dcgm-schema", type=click.Choice(["4.10", "4.8", "both"]), default=None,
+              help="Which dcgm-exporter release's names --dcgm-compat serves (default: agent.dcgm_schema, 4.10; "
+                   "4.8 for dashboards written for 4.5-4.8; both while they migrate).")
 @click.option("--nvlink-per-link/--nvlink-per-gpu", default=None,
               help="NVLink series for every link instead of summed per GPU (default: agent.nvlink_per_link, per "
                    "GPU; one scrape can ask /metrics?nvlink=link).")
@@ -35,10 +38,11 @@ def _overrides(listen: str | None, dcgm_compat: bool | None, json_logs: bool | N
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default=None,
               help="Least severe log records written (default: agent.log_level, info).")
 def command(config_file: str | None, listen: str | None, snapshot: str | None, dcgm_compat: bool | None,
-            nvlink_per_link: bool | None, json_logs: bool | None, node_name: str | None,
+            dcgm_schema: str | None, nvlink_per_link: bool | None, json_logs: bool | None, node_name: str | None,
             log_level: str | None) -> None:
     """Run the per-node agent: collectors on a schedule, /metrics (Prometheus), /health, /ready."""
-    overrides = _overrides(listen, dcgm_compat, json_logs, snapshot, node_name, log_level, nvlink_per_link)
+    overrides = _overrides(listen, dcgm_compat, json_logs, snapshot, node_name, log_level, nvlink_per_link,
+                           dcgm_schema)
 
     def load() -> Config:
         return load_config(config_file, overrides=overrides)

@@ -47,12 +47,15 @@ MEMORY_TEMP_FIELD = "NVML_FI_DEV_MEMORY_TEMP"  # ~7 µs
 ENERGY_FIELD = "NVML_FI_DEV_TOTAL_ENERGY_CONSUMPTION"  # ~3 ms on H200: refreshed every ENERGY_REFRESH_S
 ENERGY_REFRESH_S = 60.0  # not in step with throttle's 30 s refresh: the costly reads rarely coincide
 # GPM metrics read (recording key ``GpmMetrics``): percentages, exported as ratios in ``samples``,
-# and PCIe traffic in MiB/s, exported in bytes per second.
+# and PCIe and NVLink traffic in MiB/s, exported in bytes per second.
 GPM_METRICS = ("SM_UTIL", "SM_OCCUPANCY", "ANY_TENSOR_UTIL", "DRAM_BW_UTIL", "GRAPHICS_UTIL")
 GPM_PCIE = {"PCIE_TX_PER_SEC": "tx", "PCIE_RX_PER_SEC": "rx"}
+GPM_NVLINK = {"NVLINK_TOTAL_TX_PER_SEC": "tx", "NVLINK_TOTAL_RX_PER_SEC": "rx"}
+# nvmlDeviceGetGridLicensableFeatures: the vGPU feature's code (nvmlGridLicenseFeatureCode_t NVML_..._VGPU)
+GRID_FEATURE_VGPU = 1
 MIB = float(1 << 20)
 # Reads a GPU may answer "not supported" to for good: asked once per GPU, then skipped.
-_OPTIONAL_KEYS = ("EncoderUtilization", "DecoderUtilization", "MemoryInfo_v2", "GpmMetrics")
+_OPTIONAL_KEYS = ("EncoderUtilization", "DecoderUtilization", "MemoryInfo_v2", "GpmMetrics", "GridLicensableFeatures")
 
 
 class TelemetryCollector:
@@ -141,6 +144,10 @@ class TelemetryCollector:
             elif key == "MemoryInfo_v2":
                 if isinstance(value, dict) and is_number(value.get("reserved")):
                     rec["mem_bytes.reserved"] = value["reserved"]
+            elif key == "GridLicensableFeatures":
+                licensed = vgpu_licensed(value)
+                if licensed is not None:
+                    rec["vgpu_licensed"] = licensed
             elif isinstance(value, dict):
                 for metric, reading in value.items():
                     # GPM computes these between two samples: NaN over an empty interval, never a reading
@@ -150,6 +157,8 @@ class TelemetryCollector:
                         rec[f"gpm_pct.{metric}"] = reading
                     elif metric in GPM_PCIE:
                         rec[f"gpm_pcie_mib_s.{GPM_PCIE[metric]}"] = reading
+                    elif metric in GPM_NVLINK:
+                        rec[f"gpm_nvlink_mib_s.{GPM_NVLINK[metric]}"] = reading
 
     def evaluate(self, obs: Observations, history: History, ctx: CollectContext) -> list[Finding]:
         th = thresholds_from(ctx).thermal
@@ -248,7 +257,30 @@ class TelemetryCollector:
                 add("gpu_pcie_throughput_bytes_per_second", rec.get(f"gpm_pcie_mib_s.{direction}"),
                     "PCIe traffic from (tx) and to (rx) the GPU, headers and payload (GPM).", i,
                     (("direction", direction),), scale=MIB)
+            for direction in GPM_NVLINK.values():
+                add("gpu_nvlink_throughput_bytes_per_second", rec.get(f"gpm_nvlink_mib_s.{direction}"),
+                    "NVLink traffic from (tx) and to (rx) the GPU over all links, headers and payload (GPM).", i,
+                    (("direction", direction),), scale=MIB)
+            add("gpu_vgpu_licensed", rec.get("vgpu_licensed"),
+                "1 when the GPU's vGPU feature is licensed, 0 when not or when it has no vGPU licensing.", i)
         return out
+
+
+def vgpu_licensed(features: Any) -> int | None:
+    """DCGM's reading of nvmlDeviceGetGridLicensableFeatures for a GPU (DCGM_FI_DEV_VGPU_LICENSE_STATUS): 0 where
+    the GPU has no licensing, else 1 when its vGPU feature's state is set; None for an answer of another shape."""
+    if not isinstance(features, dict) or not is_number(features.get("isGridLicenseSupported")):
+        return None
+    if not features["isGridLicenseSupported"]:
+        return 0
+    listed = features.get("gridLicensableFeatures")
+    count = features.get("licensableFeaturesCount")
+    if not isinstance(listed, list) or not is_number(count):
+        return None
+    for feature in listed[: int(count)]:
+        if isinstance(feature, dict) and feature.get("featureCode") == GRID_FEATURE_VGPU:
+            return 1 if is_number(feature.get("featureState")) and feature["featureState"] > 0 else 0
+    return 0
 
 
 def create() -> Collector:

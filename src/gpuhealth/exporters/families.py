@@ -13,7 +13,8 @@ from typing import Any
 GPU_LABELS = ("gpu", "uuid", "pci_bus_id", "model_name")
 # Extension labels may not shadow ours (nor dcgm-exporter's, in compat mode).
 RESERVED_LABELS = frozenset(GPU_LABELS) | {"UUID", "device", "modelName", "hostname", "Hostname",
-                                           "DCGM_FI_DRIVER_VERSION", "err_code", "err_msg"}
+                                           "DCGM_FI_DRIVER_VERSION", "DCGM_FI_SYSTEM_DRIVER_VERSION", "err_code",
+                                           "err_msg"}
 _LABEL_NAME = re.compile(r"^[a-zA-Z_][a-zA-Z0-9_]*$")
 
 Labels = tuple[tuple[str, str], ...]
@@ -28,14 +29,21 @@ class Family:
     help: str
     kind: str  # "gauge" | "counter" | "info" | "unknown"
     series: list[tuple[Labels, Labels, float]] = field(default_factory=list)
+    # False: a counter whose samples carry the family's exact name (dcgm-exporter's, no ``_total``), typed
+    # ``counter`` in text format 0.0.4 and ``unknown`` in OpenMetrics, which requires the suffix.
+    suffixed: bool = True
 
     def add(self, value: float, own: Labels = (), prefix: Labels = ()) -> None:
         self.series.append((prefix, own, value))
 
+    def exposed_kind(self, openmetrics: bool) -> str:
+        """The type a format declares: an unsuffixed counter is ``unknown`` in OpenMetrics."""
+        return "unknown" if openmetrics and self.kind == "counter" and not self.suffixed else self.kind
+
     @property
     def sample_name(self) -> str:
         if self.kind == "counter":
-            return self.name + "_total"
+            return self.name + "_total" if self.suffixed else self.name
         if self.kind == "info":
             return self.name + "_info"
         return self.name

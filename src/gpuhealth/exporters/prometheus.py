@@ -91,7 +91,7 @@ def _per_gpu_links(samples: Iterable[Sample]) -> list[Sample]:
 
 
 def build_families(snap: ExportSnapshot, *, dcgm_compat: bool = False, nvlink_per_link: bool = False,
-                   dcgm_hostname_label: str = "Hostname") -> FamilySet:
+                   dcgm_hostname_label: str = "auto", dcgm_schema: str = "4.10") -> FamilySet:
     fams = FamilySet()
     gpu_labels = gpu_label_sets(snap)
     unknown_gpu: dict[int, Labels] = {}
@@ -172,7 +172,7 @@ def build_families(snap: ExportSnapshot, *, dcgm_compat: bool = False, nvlink_pe
     if dcgm_compat:
         from gpuhealth.exporters.dcgm import add_dcgm_families
 
-        add_dcgm_families(fams, snap, dcgm_hostname_label)
+        add_dcgm_families(fams, snap, dcgm_hostname_label, dcgm_schema)
     return fams
 
 
@@ -244,7 +244,7 @@ def encode_text(families: Iterable[Family], *, openmetrics: bool = False, end: b
         name = fam.sample_name
         if openmetrics:
             lines.append(f"# HELP {fam.name} {_escape_help(fam.help, True)}")
-            lines.append(f"# TYPE {fam.name} {fam.kind}")
+            lines.append(f"# TYPE {fam.name} {fam.exposed_kind(True)}")
         else:
             lines.append(f"# HELP {name} {_escape_help(fam.help, False)}")
             lines.append(f"# TYPE {name} {_TEXT_TYPE.get(fam.kind, fam.kind)}")
@@ -276,7 +276,7 @@ _TEXT_TYPE = {"info": "gauge", "unknown": "untyped"}
 
 # ---------------------------------------------------------------------------- prometheus-client view
 def to_metric(fam: Family) -> Metric:
-    metric = Metric(fam.name, fam.help, fam.kind)
+    metric = Metric(fam.name, fam.help, fam.exposed_kind(True))
     sample_name = fam.sample_name
     for prefix, own, value in fam.series:
         metric.samples.append(PromSample(sample_name, dict(prefix + own), value, None, None))
@@ -287,18 +287,19 @@ class SnapshotCollector:
     """prometheus-client custom collector: ``collect()`` renders the newest snapshot from ``source``."""
 
     def __init__(self, source: SnapshotSource, *, dcgm_compat: bool = False, nvlink_per_link: bool = False,
-                 dcgm_hostname_label: str = "Hostname") -> None:
+                 dcgm_hostname_label: str = "auto", dcgm_schema: str = "4.10") -> None:
         self.source = source
         self.dcgm_compat = dcgm_compat
         self.nvlink_per_link = nvlink_per_link
         self.dcgm_hostname_label = dcgm_hostname_label
+        self.dcgm_schema = dcgm_schema
 
     def describe(self) -> list[Metric]:
         return []  # dynamic families: registering must not trigger a collect
 
     def families(self) -> FamilySet:
         return build_families(self.source(), dcgm_compat=self.dcgm_compat, nvlink_per_link=self.nvlink_per_link,
-                              dcgm_hostname_label=self.dcgm_hostname_label)
+                              dcgm_hostname_label=self.dcgm_hostname_label, dcgm_schema=self.dcgm_schema)
 
     def collect(self) -> Iterator[Metric]:
         for fam in self.families():
@@ -313,12 +314,13 @@ class MetricsEndpoint:
     to prometheus-client tooling (``generate_latest(endpoint.registry)``)."""
 
     def __init__(self, source: SnapshotSource, *, dcgm_compat: bool = False, process_metrics: bool = True,
-                 nvlink_per_link: bool = False, dcgm_hostname_label: str = "Hostname") -> None:
+                 nvlink_per_link: bool = False, dcgm_hostname_label: str = "auto",
+                 dcgm_schema: str = "4.10") -> None:
         self.registry = CollectorRegistry(auto_describe=False)
         self.collector = SnapshotCollector(source, dcgm_compat=dcgm_compat, nvlink_per_link=nvlink_per_link,
-                                           dcgm_hostname_label=dcgm_hostname_label)
+                                           dcgm_hostname_label=dcgm_hostname_label, dcgm_schema=dcgm_schema)
         self.registry.register(self.collector)
-        self._cached: tuple[ExportSnapshot, tuple[int, bool, bool, bool, str], bytes] | None = None
+        self._cached: tuple[ExportSnapshot, tuple[int, bool, bool, bool, str, str], bytes] | None = None
         self._process: ProcessCollector | None = None
         if process_metrics:
             self._process = ProcessCollector(registry=self.registry)
@@ -348,14 +350,14 @@ class MetricsEndpoint:
         openmetrics = content_type.startswith("application/openmetrics-text")
         per_link = self.collector.nvlink_per_link if nvlink_per_link is None else nvlink_per_link
         snap = self.collector.source()
-        key = (id(snap), self.collector.dcgm_compat, openmetrics, per_link, self.collector.dcgm_hostname_label)
+        c = self.collector
+        key = (id(snap), c.dcgm_compat, openmetrics, per_link, c.dcgm_hostname_label, c.dcgm_schema)
         cached = self._cached
         if cached is not None and cached[0] is snap and cached[1] == key:
             body = cached[2]
         else:
-            body = encode_text(build_families(snap, dcgm_compat=self.collector.dcgm_compat,
-                                              nvlink_per_link=per_link,
-                                              dcgm_hostname_label=self.collector.dcgm_hostname_label),
+            body = encode_text(build_families(snap, dcgm_compat=c.dcgm_compat, nvlink_per_link=per_link,
+                                              dcgm_hostname_label=c.dcgm_hostname_label, dcgm_schema=c.dcgm_schema),
                                openmetrics=openmetrics, end=False)
             self._cached = (snap, key, body)
         tail = b"# EOF\n" if openmetrics else b""

@@ -68,7 +68,7 @@ def test_pods_on_mig_slices_label_their_parent_gpu(tmp_path: Path) -> None:
     s = _series(encode_text(build_families(snap, dcgm_compat=True)).decode())
     [(info, _)] = s["gpuhealth_gpu_info"]
     assert info["pod"] == "infer-b,train-a" and info["namespace"] == "ml,serve" and info["container"] == "s,t"
-    [(temp, _)] = [x for x in s["DCGM_FI_DEV_GPU_TEMP"]]
+    [(temp, _)] = [x for x in s["DCGM_FI_DEV_GPU_TEMP_CELSIUS"]]
     assert temp["pod"] == "infer-b,train-a"
     # a GPU without MIG keeps labels keyed by its own UUID only
     plain = real_snapshot(DATA / "nvml_h100x1.json", gpu_labels=labels)

@@ -123,3 +123,79 @@ def test_a_failed_static_read_is_retried_not_cached(clock):
     assert "TemperatureThreshold_SLOWDOWN" not in s.last_obs.per_gpu[0]
     s.after(5)
     assert s.last_obs.per_gpu[0]["TemperatureThreshold_SLOWDOWN"] == 89
+
+
+class _LicensedGpmDriver:
+    """pynvml-shaped at the hardware boundary: real ctypes structs of the bindings, a GPU with GPM (all metrics,
+    NVLink rates included) and vGPU licensing whose vGPU feature is licensed."""
+
+    import pynvml as _n
+
+    c_nvmlGpmMetricsGet_t = _n.c_nvmlGpmMetricsGet_t
+    NVML_GPM_METRICS_GET_VERSION = _n.NVML_GPM_METRICS_GET_VERSION
+    NVMLError = _n.NVMLError
+    locals().update({k: v for k, v in vars(_n).items() if k.startswith("NVML_GPM_METRIC_")})
+
+    def nvmlGpmQueryDeviceSupport(self, handle: object) -> object:
+        return type("S", (), {"isSupportedDevice": 1})()
+
+    def nvmlGpmSampleAlloc(self) -> object:
+        return self._n.c_nvmlGpmSample_t()
+
+    def nvmlGpmSampleGet(self, handle: object, sample: object) -> None:
+        return None
+
+    def nvmlGpmSampleFree(self, sample: object) -> None:
+        return None
+
+    def nvmlGpmMetricsGet(self, query: object) -> object:
+        for j in range(query.numMetrics):  # type: ignore[attr-defined]
+            query.metrics[j].value = 10.0 * (j + 1)  # type: ignore[attr-defined]
+            query.metrics[j].nvmlReturn = 0  # type: ignore[attr-defined]
+        return query
+
+    def nvmlDeviceGetGridLicensableFeatures(self, handle: object) -> object:
+        feats = self._n.c_nvmlGridLicensableFeatures_t()
+        feats.isGridLicenseSupported, feats.licensableFeaturesCount = 1, 1
+        feats.gridLicensableFeatures[0].featureCode = 1  # NVML_GRID_LICENSE_FEATURE_CODE_VGPU
+        feats.gridLicensableFeatures[0].featureState = 1
+        return feats
+
+
+def test_the_recorder_keeps_gpm_nvlink_rates_and_vgpu_licensing_and_a_replay_serves_them(clock):
+    import json
+
+    from gpuhealth.backends.gpm import METRICS
+    from gpuhealth.backends.recorder import Recorder
+
+    drv = _LicensedGpmDriver()
+    rec = Recorder(drv, reps=1)
+    gpm = rec._gpm("h0")
+    licensing = rec.call(drv.nvmlDeviceGetGridLicensableFeatures, "h0")
+    # what `gpuhealth record` writes: plain JSON, every GPM metric by name, NVLink rates included
+    gpm, licensing = json.loads(json.dumps(gpm)), json.loads(json.dumps(licensing))
+    assert gpm["value"] == {name: 10.0 * (j + 1) for j, name in enumerate(METRICS)}
+    assert {"NVLINK_TOTAL_TX_PER_SEC", "NVLINK_TOTAL_RX_PER_SEC"} <= set(gpm["value"])
+    assert licensing["value"]["isGridLicenseSupported"] == 1
+    b = inline(clock, {"0": {"GpmMetrics": gpm["value"], "GridLicensableFeatures": licensing["value"]}})
+    s = Sweeper(telemetry.create(), b, clock)
+    s.sweep()
+    mib = float(1 << 20)
+    tx = gpm["value"]["NVLINK_TOTAL_TX_PER_SEC"] * mib
+    assert sample_values(s.last_samples, "gpu_nvlink_throughput_bytes_per_second", 0, direction="tx") == [tx]
+    assert sample_values(s.last_samples, "gpu_vgpu_licensed", 0) == [1.0]
+    assert sample_values(s.last_samples, "gpu_tensor_active_ratio", 0) == [pytest.approx(0.3)]  # ANY_TENSOR_UTIL 30 %
+    # GPU 1 of the recording answered neither: no series rather than a made-up value
+    assert sample_values(s.last_samples, "gpu_vgpu_licensed", 1) == []
+
+
+@pytest.mark.parametrize(("features", "licensed"), [
+    ({"isGridLicenseSupported": 0, "licensableFeaturesCount": 0, "gridLicensableFeatures": []}, 0),
+    ({"isGridLicenseSupported": 1, "licensableFeaturesCount": 1,
+      "gridLicensableFeatures": [{"featureCode": 1, "featureState": 0, "licenseInfo": ""}]}, 0),
+    ({"isGridLicenseSupported": 1, "licensableFeaturesCount": 2,
+      "gridLicensableFeatures": [{"featureCode": 2, "featureState": 1}, {"featureCode": 1, "featureState": 1}]}, 1),
+    ("garbled", None),
+])
+def test_vgpu_license_status_reads_as_dcgm_reads_it(features, licensed):
+    assert telemetry.vgpu_licensed(features) == licensed

@@ -27,7 +27,8 @@ def _dcgm(snap: ExportSnapshot, **kw: str) -> dict[str, list[tuple[dict[str, str
     for fam in parse_text(text):
         for s in fam.samples:
             if s.name.startswith("DCGM_"):
-                out.setdefault(s.name, []).append((s.labels, s.value))
+                # prometheus-client's parser calls a counter's samples <name>_total; dcgm-exporter's have none
+                out.setdefault(fam.name, []).append((s.labels, s.value))
     return out
 
 
@@ -43,16 +44,19 @@ def _snap(samples: tuple[Sample, ...], **kw: object) -> ExportSnapshot:
     return replace(base, **kw)  # type: ignore[arg-type]
 
 
+_UNITS_SAMPLES = (
+    Sample("gpu_memory_used_bytes", 3 * 2**20, "", gpu=0),
+    Sample("gpu_power_watts", 512.25, "", gpu=0),
+    Sample("gpu_energy_joules", 12.5, "", MetricKind.COUNTER, gpu=0),
+    Sample("gpu_clock_hertz", 1_980e6, "", gpu=0, labels=(("clock", "sm"),)),
+    Sample("gpu_clock_hertz", 2_619e6, "", gpu=0, labels=(("clock", "memory"),)),
+    Sample("gpu_utilization_ratio", 0.87, "", gpu=0),
+    Sample("gpu_throttle_violation_seconds", 1.5, "", MetricKind.COUNTER, gpu=0, labels=(("reason", "power"),)),
+)
+
+
 def test_units_are_converted_to_dcgm_exporters() -> None:
-    s = _dcgm(_snap((
-        Sample("gpu_memory_used_bytes", 3 * 2**20, "", gpu=0),
-        Sample("gpu_power_watts", 512.25, "", gpu=0),
-        Sample("gpu_energy_joules", 12.5, "", MetricKind.COUNTER, gpu=0),
-        Sample("gpu_clock_hertz", 1_980e6, "", gpu=0, labels=(("clock", "sm"),)),
-        Sample("gpu_clock_hertz", 2_619e6, "", gpu=0, labels=(("clock", "memory"),)),
-        Sample("gpu_utilization_ratio", 0.87, "", gpu=0),
-        Sample("gpu_throttle_violation_seconds", 1.5, "", MetricKind.COUNTER, gpu=0, labels=(("reason", "power"),)),
-    )))
+    s = _dcgm(_snap(_UNITS_SAMPLES), dcgm_schema="4.8")
     assert _one(s, "DCGM_FI_DEV_FB_USED", "0") == 3.0  # MiB
     assert _one(s, "DCGM_FI_DEV_POWER_USAGE", "0") == 512.25  # W
     assert _one(s, "DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION", "0") == 12_500.0  # mJ
@@ -63,24 +67,46 @@ def test_units_are_converted_to_dcgm_exporters() -> None:
     assert _one(s, "DCGM_FI_DEV_POWER_VIOLATION", "0") == 1.5e9
 
 
-def test_labels_are_dcgm_exporters_plus_pod_labels() -> None:
-    s = _dcgm(_snap((Sample("gpu_temperature_celsius", 40.0, "", gpu=1, labels=(("sensor", "gpu"),)),),
-                    gpu_labels={"GPU-bbbb": {"pod": "p", "namespace": "n", "container": "c"}}))
-    [(labels, value)] = s["DCGM_FI_DEV_GPU_TEMP"]
+def test_the_4_10_schema_names_base_units_in_the_field_name() -> None:
+    # dcgm-exporter 4.9+: DCGM's renamed fields, in Hz, J, bytes and 0-1 ratios; the old names are gone
+    s = _dcgm(_snap(_UNITS_SAMPLES))
+    assert _one(s, "DCGM_FI_DEV_FB_USED_BYTES", "0") == 3 * 2**20
+    assert _one(s, "DCGM_FI_DEV_BOARD_POWER_WATTS", "0") == 512.25
+    assert _one(s, "DCGM_FI_DEV_GPU_ENERGY_JOULES_TOTAL", "0") == 12.5
+    assert _one(s, "DCGM_FI_DEV_SM_CLOCK_HERTZ", "0") == 1_980e6
+    assert _one(s, "DCGM_FI_DEV_MEMORY_CLOCK_HERTZ", "0") == 2_619e6
+    assert _one(s, "DCGM_FI_DEV_GPU_UTIL_RATIO", "0") == 0.87
+    assert _one(s, "DCGM_FI_DEV_POWER_VIOLATION", "0") == 1.5e9  # not renamed by DCGM 4.6
+    assert not {"DCGM_FI_DEV_SM_CLOCK", "DCGM_FI_DEV_FB_USED", "DCGM_FI_DEV_GPU_UTIL"} & set(s)
+    both = _dcgm(_snap(_UNITS_SAMPLES), dcgm_schema="both")
+    assert _one(both, "DCGM_FI_DEV_SM_CLOCK", "0") == 1980.0
+    assert _one(both, "DCGM_FI_DEV_SM_CLOCK_HERTZ", "0") == 1_980e6
+
+
+def test_labels_are_dcgm_exporters_plus_pod_and_job_labels() -> None:
+    temp = (Sample("gpu_temperature_celsius", 40.0, "", gpu=1, labels=(("sensor", "gpu"),)),)
+    holder = {"GPU-bbbb": {"pod": "p", "namespace": "n", "container": "c", "slurm_job_id": "77"}}
+    [(labels, value)] = _dcgm(_snap(temp, gpu_labels=holder), dcgm_schema="4.8")["DCGM_FI_DEV_GPU_TEMP"]
     assert value == 40.0
+    # the Slurm job as dcgm-exporter's HPC job mapping names it
     assert labels == {"gpu": "1", "UUID": "GPU-bbbb", "pci_bus_id": "00000000:2A:00.0", "device": "nvidia1",
                       "modelName": "NVIDIA H100 80GB HBM3", "Hostname": "node-a",
-                      "DCGM_FI_DRIVER_VERSION": "580.159.04", "pod": "p", "namespace": "n", "container": "c"}
+                      "DCGM_FI_DRIVER_VERSION": "580.159.04", "pod": "p", "namespace": "n", "container": "c",
+                      "hpc_job": "77"}
+    [(new, _)] = _dcgm(_snap(temp, gpu_labels=holder))["DCGM_FI_DEV_GPU_TEMP_CELSIUS"]
+    assert new["hostname"] == "node-a" and new["DCGM_FI_SYSTEM_DRIVER_VERSION"] == "580.159.04"
+    assert not {"Hostname", "DCGM_FI_DRIVER_VERSION", "slurm_job_id"} & set(new) and new["hpc_job"] == "77"
 
 
-def test_the_node_label_is_named_as_released_dcgm_exporter_names_it_or_as_asked() -> None:
-    # dcgm-exporter 4.5.x-4.8.x write Hostname (what released dashboards and rules select on); only its unreleased
-    # main branch writes hostname: agent.dcgm_hostname_label picks the new form
+def test_the_node_label_is_named_as_each_release_names_it_or_as_asked() -> None:
+    # dcgm-exporter 4.5.0-4.8.2 write Hostname, 4.8.3 and later hostname; agent.dcgm_hostname_label overrides
     temp = (Sample("gpu_temperature_celsius", 40.0, "", gpu=0, labels=(("sensor", "gpu"),)),)
-    [(released, _), *_] = _dcgm(_snap(temp))["DCGM_FI_DEV_GPU_TEMP"]
-    assert released["Hostname"] == "node-a" and "hostname" not in released
-    [(new, _), *_] = _dcgm(_snap(temp), dcgm_hostname_label="hostname")["DCGM_FI_DEV_GPU_TEMP"]
+    [(old, _), *_] = _dcgm(_snap(temp), dcgm_schema="4.8")["DCGM_FI_DEV_GPU_TEMP"]
+    assert old["Hostname"] == "node-a" and "hostname" not in old
+    [(new, _), *_] = _dcgm(_snap(temp))["DCGM_FI_DEV_GPU_TEMP_CELSIUS"]
     assert new["hostname"] == "node-a" and "Hostname" not in new
+    [(asked, _), *_] = _dcgm(_snap(temp), dcgm_schema="4.8", dcgm_hostname_label="hostname")["DCGM_FI_DEV_GPU_TEMP"]
+    assert asked["hostname"] == "node-a" and "Hostname" not in asked
 
 
 def test_xids_nvlink_sums_and_clock_event_bitmask() -> None:
@@ -94,7 +120,7 @@ def test_xids_nvlink_sums_and_clock_event_bitmask() -> None:
         Sample("gpu_throttle_reason_active", 1.0, "", gpu=0, labels=(("reason", "hw_slowdown"),)),
         Sample("gpu_throttle_reason_active", 1.0, "", gpu=0, labels=(("reason", "gpu_idle"),)),
         Sample("gpu_throttle_reason_active", 0.0, "", gpu=0, labels=(("reason", "hw_thermal"),)),
-    )))
+    )), dcgm_schema="4.8")
     # dcgm-exporter's own XID series: the last code, named by err_code/err_msg; no invented counter
     assert _one(s, "DCGM_FI_DEV_XID_ERRORS", "1", err_code="79") == 79.0
     [(labels, _)] = [x for x in s["DCGM_FI_DEV_XID_ERRORS"] if x[0]["gpu"] == "1"]
@@ -106,17 +132,21 @@ def test_xids_nvlink_sums_and_clock_event_bitmask() -> None:
     assert _one(s, "DCGM_FI_DEV_CLOCK_THROTTLE_REASONS", "0") == float(0x8 | 0x1)
 
 
-def test_off_by_default_and_counters_keep_dcgm_names_without_total() -> None:
+def test_off_by_default_and_counters_keep_dcgm_names_without_total_typed_counter() -> None:
+    # as dcgm-exporter writes them: "# TYPE DCGM_FI_DEV_PCIE_REPLAY_COUNTER counter" and the exact name
     snap = _snap((Sample("gpu_pcie_replay", 7.0, "", MetricKind.COUNTER, gpu=0),))
     assert b"DCGM_" not in encode_text(build_families(snap))
-    text = encode_text(build_families(snap, dcgm_compat=True)).decode()
-    assert "# TYPE DCGM_FI_DEV_PCIE_REPLAY_COUNTER untyped" in text
-    assert "DCGM_FI_DEV_PCIE_REPLAY_COUNTER_total" not in text
-    assert text.count("DCGM_FI_DEV_PCIE_REPLAY_COUNTER{") == 1
+    for schema, name in (("4.8", "DCGM_FI_DEV_PCIE_REPLAY_COUNTER"), ("4.10", "DCGM_FI_DEV_PCIE_REPLAY_TOTAL")):
+        text = encode_text(build_families(snap, dcgm_compat=True, dcgm_schema=schema)).decode()
+        assert f"# TYPE {name} counter" in text
+        assert f"{name}_total" not in text
+        assert text.count(f"{name}{{") == 1
+        [fam] = [f for f in parse_text(text) if f.name == name]  # prometheus-client's parser agrees
+        assert fam.type == "counter" and fam.samples[0].value == 7.0
 
 
 def test_real_recording_gives_the_dashboards_series_with_raw_nvml_values(h200_recording: Path) -> None:
-    s = _dcgm(real_snapshot(h200_recording, node_name="gpu-node-7"))
+    s = _dcgm(real_snapshot(h200_recording, node_name="gpu-node-7"), dcgm_schema="4.8")
     missing = [n for n in DASHBOARD if n not in s]
     assert not missing, missing
     rec = json.loads(h200_recording.read_text())
@@ -131,7 +161,7 @@ def test_real_recording_gives_the_dashboards_series_with_raw_nvml_values(h200_re
         assert _one(s, "DCGM_FI_DEV_PCIE_REPLAY_COUNTER", g) == dev["PcieReplayCounter"]["value"]
     for name, series in s.items():
         for labels, _ in series:
-            extra = set(labels) - set(DCGM_LABELS)
+            extra = set(labels) - set(DCGM_LABELS) - {"hostname", "DCGM_FI_SYSTEM_DRIVER_VERSION"}
             assert extra <= ({"err_code", "err_msg"} if name == "DCGM_FI_DEV_XID_ERRORS" else set()), (name, extra)
             assert labels["Hostname"] == "gpu-node-7" and labels["DCGM_FI_DRIVER_VERSION"] == "580.159.04"
             assert labels["device"] == f"nvidia{labels['gpu']}"
@@ -160,7 +190,9 @@ def test_dcgm_compat_output_is_valid_openmetrics() -> None:
 
     scenario = Path(__file__).parents[2] / "fixtures" / "scenarios" / "agent_faulty_node.yaml"
     snap = real_snapshot(scenario)
-    body, _ = MetricsEndpoint(lambda: snap, dcgm_compat=True).render("application/openmetrics-text")
+    body, _ = MetricsEndpoint(lambda: snap, dcgm_compat=True, dcgm_schema="both").render("application/openmetrics-text")
     fams = {f.name: f for f in parse_openmetrics(body.decode())}  # strict: raises on any format error
+    # OpenMetrics requires _total on a counter: dcgm-exporter's exact names are unknown-typed there
     assert fams["DCGM_FI_DEV_PCIE_REPLAY_COUNTER"].type == "unknown"
+    assert fams["DCGM_FI_DEV_PCIE_REPLAY_TOTAL"].type == "unknown"
     assert len(fams["DCGM_FI_DEV_GPU_TEMP"].samples) == 8

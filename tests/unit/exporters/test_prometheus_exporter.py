@@ -163,10 +163,11 @@ def test_promtool_is_clean_on_the_real_recording_through_every_collector(h200_re
 def test_promtool_with_dcgm_compat_flags_only_dcgm_exporters_own_names(scenario: str) -> None:
     text = encode_text(build_families(real_snapshot(FIXTURES / "scenarios" / scenario), dcgm_compat=True)).decode()
     problems = [p for p in _promtool(text).splitlines() if p]
-    # dcgm-exporter's own label modelName is camelCase and its PCIE_REPLAY_COUNTER name says "counter":
-    # kept as they are, since dashboards match them exactly. Nothing else may be flagged.
+    # dcgm-exporter's own label modelName is camelCase, its PCIE_REPLAY_COUNTER name says "counter" and its
+    # counters have no "_total": kept as they are, since dashboards match them exactly. Nothing else may be flagged.
     inherent = re.compile(r"^DCGM_\w+ (label names should be written in 'snake_case' not 'camelCase'"
-                          r"|metric name should not include type 'counter')$")
+                          r"|metric name should not include type 'counter'"
+                          r"|counter metrics should have \"_total\" suffix)$")
     unexpected = [p for p in problems if not inherent.match(p)]
     assert problems and not unexpected, unexpected
 
@@ -181,4 +182,6 @@ def test_rendering_follows_each_new_snapshot() -> None:
     assert b"gpuhealth_nvml_up 0.0" in changed and b"gpuhealth_nvml_up 1.0" in first
     endpoint.dcgm_compat = True
     current["snap"] = _snapshot(samples=(Sample("gpu_power_watts", 300.0, "p", gpu=0),))
+    assert b"DCGM_FI_DEV_BOARD_POWER_WATTS{" in endpoint.render("application/openmetrics-text")[0]
+    endpoint.collector.dcgm_schema = "4.8"  # a reload that changes the schema is the next scrape's
     assert b"DCGM_FI_DEV_POWER_USAGE{" in endpoint.render("application/openmetrics-text")[0]
