@@ -112,4 +112,4 @@ def setup_logging(
     return handler
 
 
-__all__ = ["LOGGER_NAME", "JsonLinesFormatter", "TextFormatter", "escape_for_log", "setup_logging"]
+__all__ = ["LOGGER_NAME", "JsonLinesFormatter", "TextFormatter", "setup_logging"]
