@@ -95,7 +95,7 @@ def _keeps_holders(expr: str) -> bool:
     head = expr.strip()
     without = re.match(r"(?:max|sum|min|avg|count) without \(([^)]*)\)", head)
     if without:
-        return not HOLDER_LABELS <= {label.strip() for label in without.group(1).split(",")}
+        return not {label.strip() for label in without.group(1).split(",")} >= HOLDER_LABELS
     by = re.match(r"(?:count\()?(?:max|sum|min|avg|count) by \(([^)]*)\)", head)
     if by:
         return bool({label.strip() for label in by.group(1).split(",")} & HOLDER_LABELS)

@@ -237,7 +237,8 @@ def test_finding_alerts_are_keyed_on_the_gpu_and_code_not_on_the_job_holding_it(
         for grouping in groupings:
             labels = {label.strip() for label in grouping.split(",")}
             assert "instance" in labels and "code" in labels, (a["alert"], labels)
-            assert not labels & HOLDER_LABELS, f"{a['alert']}: grouped by the job holding the GPU {labels & HOLDER_LABELS}"
+            holders = labels & HOLDER_LABELS
+            assert not holders, f"{a['alert']}: grouped by the job holding the GPU ({holders})"
         if a["alert"] != "GpuhealthCannotCheckGpus":  # about the agent, never about a job
             assert "holder" in a["annotations"], a["alert"]
 
