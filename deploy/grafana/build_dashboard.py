@@ -3,8 +3,8 @@
 users import; this script is how it is edited (a test checks they match, and another runs every
 query against a real Prometheus scraping a running agent and coordinator).
 
-    python deploy/grafana/build_dashboard.py          # rewrite gpuhealth.json
-    python deploy/grafana/build_dashboard.py --check  # exit 1 if it is out of date
+    python deploy/grafana/build_dashboard.py          # rewrite gpuhealth.json and the Helm chart's copy
+    python deploy/grafana/build_dashboard.py --check  # exit 1 if either is out of date
 """
 
 from __future__ import annotations
@@ -16,6 +16,8 @@ from pathlib import Path
 from typing import Any
 
 TARGET = Path(__file__).resolve().parent / "gpuhealth.json"
+# The Helm chart cannot read files outside itself: its Grafana dashboard ConfigMap carries a copy, made here.
+CHART_COPY = TARGET.parents[1] / "helm" / "gpuhealth" / "files" / "gpuhealth.json"
 
 DS = {"type": "prometheus", "uid": "${datasource}"}
 N = 'instance=~"$instance"'
@@ -691,11 +693,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     text = render()
     if args.check:
-        if not TARGET.exists() or TARGET.read_text() != text:
-            print(f"{TARGET} is out of date; run {Path(__file__).name}", file=sys.stderr)
-            return 1
-        return 0
-    TARGET.write_text(text)
+        stale = [p for p in (TARGET, CHART_COPY) if not p.exists() or p.read_text() != text]
+        for p in stale:
+            print(f"{p} is out of date; run {Path(__file__).name}", file=sys.stderr)
+        return 1 if stale else 0
+    for p in (TARGET, CHART_COPY):
+        p.write_text(text)
     return 0
 
 
