@@ -3,7 +3,7 @@
 Run on a multi-GPU machine from the repo root:
     PYTHONPATH=src python benchmarks/busbw_bench.py [--world N] [--nccl-tests FILE] [--modes auto,eager,graph]
 Reference: ``--nccl-tests FILE`` (JSON {collective: {size_bytes: busbw}}, measured on the same machine,
-e.g. by parse_nccl_tests below from the binaries' output), else the 2 × H200 numbers of docs/reference/MEASUREMENTS.md
+e.g. by parse_nccl_tests below from the binaries' output), else the 2 × H200 numbers of docs/measurements.md
 (nccl-tests 2.19.6 `-g 2 -w 5 -n 20`). Goals (issue 5): within 3 % at ≥ 64 MiB and ≥ 0.9 at 1 MiB.
 Modes: auto = what ships (CUDA graphs up to 16 MiB, eager above), eager = no graphs, graph = graphs at
 every size. All modes run in this one invocation, so their ratios share the machine's state.
@@ -64,7 +64,7 @@ def main() -> int:
         ref = {c: {int(k): float(v) for k, v in d.items()} for c, d in loaded.items()}
         ref_name = f"nccl-tests on this machine ({args.nccl_tests})"
     else:
-        ref, ref_name = MEASUREMENTS_2GPU, "docs/reference/MEASUREMENTS.md 2 x H200"
+        ref, ref_name = MEASUREMENTS_2GPU, "docs/measurements.md 2 x H200"
     sizes = tuple(int(s) for s in args.sizes.split(","))
     plans = {"auto": RankPlan(tuple(_BINARIES), sizes),
              "eager": RankPlan(tuple(_BINARIES), sizes, use_graphs=False),

@@ -1,7 +1,7 @@
 """Run the nccl-tests binaries (built elsewhere) and write {collective: {size: busbw}} for busbw_bench.py.
 
     python benchmarks/nccl_tests_ref.py --build DIR --gpus N --out FILE [--sizes 1048576,67108864,2147483648]
-Each (collective, size) runs as `<binary> -b S -e S -g N -w 5 -n 20` (the flags docs/reference/MEASUREMENTS.md used);
+Each (collective, size) runs as `<binary> -b S -e S -g N -w 5 -n 20` (the flags docs/measurements.md used);
 out-of-place busbw is kept.
 """
 

@@ -195,10 +195,10 @@ ENDPOINTS = """## Other endpoints
 
 - `GET /health` — JSON, the `gpuhealth status --json` document from the same builder: `{"node":
   {name, health, action, simulated, backend, time, gpu_count, versions, collectors: [{name, lane,
-  success, duration_s, findings, …}]}, "gpus": [{index, uuid, name, pci_bus_id, health, action,
-  findings}], "findings": [node-level findings]}`, plus what only a running agent knows:
-  `node.driver_version`, `cuda_driver_version`, `nvml_up`, `ready`, `agent_version`, and per
-  collector `last_success_time`, `runs_total`, `errors_total`, `timeouts_total`. Always 200.
+  success, duration_s, findings, …}], driver_version, cuda_driver_version, nvml_up}, "gpus": [{index,
+  uuid, name, pci_bus_id, health, action, findings}], "findings": [node-level findings]}`, plus what only
+  a running agent knows: `node.ready`, `node.agent_version`, and per collector `last_success_time`,
+  `runs_total`, `errors_total`, `timeouts_total`. Always 200.
 - `GET /ready` — 200 once every collector has completed its first run, 503 before (readiness).
 - `GET /healthz` — 200 `{"status": "ok"}` while the process serves (liveness; never depends on
   the GPUs or the driver).

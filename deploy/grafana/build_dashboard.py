@@ -3,8 +3,8 @@
 users import; this script is how it is edited (a test checks they match, and another runs every
 query against a real Prometheus scraping a running agent and coordinator).
 
-    python deploy/grafana/build_dashboard.py          # rewrite gpuhealth.json
-    python deploy/grafana/build_dashboard.py --check  # exit 1 if it is out of date
+    python deploy/grafana/build_dashboard.py          # rewrite gpuhealth.json and the Helm chart's copy
+    python deploy/grafana/build_dashboard.py --check  # exit 1 if either is out of date
 """
 
 from __future__ import annotations
@@ -16,10 +16,27 @@ from pathlib import Path
 from typing import Any
 
 TARGET = Path(__file__).resolve().parent / "gpuhealth.json"
+# The Helm chart cannot read files outside itself: its Grafana dashboard ConfigMap carries a copy, made here.
+CHART_COPY = TARGET.parents[1] / "helm" / "gpuhealth" / "files" / "gpuhealth.json"
 
 DS = {"type": "prometheus", "uid": "${datasource}"}
 N = 'instance=~"$instance"'
 NG = 'instance=~"$instance", gpu=~"$gpu"'
+# The labels a GPU series carries for whoever holds the GPU now (pod, Slurm job): they change with every
+# job, so a per-GPU graph drops them (one line per GPU across jobs, not one per job), as the alerts do.
+HOLDERS = "namespace, pod, container, slurm_job_id, hpc_job"
+
+
+def per_gpu(expr):
+    """A GPU gauge, one series per GPU (and its own labels: sensor, which, reason…) across job changes."""
+    return f"max without ({HOLDERS}) ({expr})"
+
+
+def per_gpu_rate(expr):
+    """The rate of a GPU counter across job changes: each holder's series counts its own part."""
+    return f"sum without ({HOLDERS}) (rate({expr}[5m]))"
+
+
 panels: list[dict[str, Any]] = []
 pid = [0]
 y = [0]
@@ -155,12 +172,17 @@ def next_line(h):
     y[0] += h
 
 
-HEALTH_MAPPINGS = [{"type": "value", "options": {
-    "0": {"text": "healthy", "color": "green", "index": 0},
-    "1": {"text": "degraded", "color": "orange", "index": 1},
-    "2": {"text": "unhealthy", "color": "red", "index": 2},
-    "3": {"text": "unknown", "color": "purple", "index": 3},
-}}]
+HEALTH_MAPPINGS = [
+    {
+        "type": "value",
+        "options": {
+            "0": {"text": "healthy", "color": "green", "index": 0},
+            "1": {"text": "degraded", "color": "orange", "index": 1},
+            "2": {"text": "unhealthy", "color": "red", "index": 2},
+            "3": {"text": "unknown", "color": "purple", "index": 3},
+        },
+    }
+]
 
 
 def state_timeline(title, targets, x, w=24, h=8, desc=""):
@@ -174,14 +196,27 @@ def state_timeline(title, targets, x, w=24, h=8, desc=""):
             "gridPos": place(w, h, x),
             "targets": targets,
             "fieldConfig": {
-                "defaults": {"mappings": HEALTH_MAPPINGS, "color": {"mode": "thresholds"},
-                             "thresholds": {"mode": "absolute", "steps": [
-                                 {"color": "green", "value": None}, {"color": "orange", "value": 1},
-                                 {"color": "red", "value": 2}, {"color": "purple", "value": 3}]}},
+                "defaults": {
+                    "mappings": HEALTH_MAPPINGS,
+                    "color": {"mode": "thresholds"},
+                    "thresholds": {
+                        "mode": "absolute",
+                        "steps": [
+                            {"color": "green", "value": None},
+                            {"color": "orange", "value": 1},
+                            {"color": "red", "value": 2},
+                            {"color": "purple", "value": 3},
+                        ],
+                    },
+                },
                 "overrides": [],
             },
-            "options": {"showValue": "never", "mergeValues": True, "rowHeight": 0.9,
-                        "legend": {"showLegend": True, "displayMode": "list", "placement": "bottom"}},
+            "options": {
+                "showValue": "never",
+                "mergeValues": True,
+                "rowHeight": 0.9,
+                "legend": {"showLegend": True, "displayMode": "list", "placement": "bottom"},
+            },
         }
     )
 
@@ -200,17 +235,17 @@ stat(
     desc="Agents Prometheus could not scrape (GpuhealthAgentDown).",
 )
 stat("GPUs", "sum(gpuhealth_gpus)", 8, desc="GPUs the drivers enumerate, all nodes.")
-stat("Unhealthy GPUs", "count(gpuhealth_gpu_health == 2) or vector(0)", 12, thresholds=RED)
-stat("Degraded GPUs", "count(gpuhealth_gpu_health == 1) or vector(0)", 16, thresholds=ORANGE)
+stat("Unhealthy GPUs", "count(max by (instance, uuid) (gpuhealth_gpu_health) == 2) or vector(0)", 12, thresholds=RED)
+stat("Degraded GPUs", "count(max by (instance, uuid) (gpuhealth_gpu_health) == 1) or vector(0)", 16, thresholds=ORANGE)
 stat("Critical findings", 'sum(gpuhealth_findings{severity="critical"}) or vector(0)', 20, thresholds=RED)
 next_line(4)
 ts(
     "GPUs by health",
     [
-        target("count(gpuhealth_gpu_health == 0) or vector(0)", "healthy", ref="A"),
-        target("count(gpuhealth_gpu_health == 1) or vector(0)", "degraded", ref="B"),
-        target("count(gpuhealth_gpu_health == 2) or vector(0)", "unhealthy", ref="C"),
-        target("count(gpuhealth_gpu_health == 3) or vector(0)", "unknown", ref="D"),
+        target("count(max by (instance, uuid) (gpuhealth_gpu_health) == 0) or vector(0)", "healthy", ref="A"),
+        target("count(max by (instance, uuid) (gpuhealth_gpu_health) == 1) or vector(0)", "degraded", ref="B"),
+        target("count(max by (instance, uuid) (gpuhealth_gpu_health) == 2) or vector(0)", "unhealthy", ref="C"),
+        target("count(max by (instance, uuid) (gpuhealth_gpu_health) == 3) or vector(0)", "unknown", ref="D"),
     ],
     0,
     stack=True,
@@ -244,7 +279,11 @@ next_line(7)
 row("GPUs of $instance")
 state_timeline(
     "GPU health over time",
-    [target(f'gpuhealth_gpu_health{{{NG}, slurm_job_id=~"$job"}}', "{{instance}} GPU {{gpu}}")],
+    [
+        target(
+            f'max by (instance, gpu) (gpuhealth_gpu_health{{{NG}, slurm_job_id=~"$job"}})', "{{instance}} GPU {{gpu}}"
+        )
+    ],
     0,
     desc="Each GPU's health as the agent judged it (healthy, degraded, unhealthy, unknown): when a GPU turned "
     "bad and whether it came back. With a job chosen, the GPUs Slurm gave that job.",
@@ -253,9 +292,11 @@ next_line(8)
 ts(
     "GPU temperature",
     [
-        target(f'gpuhealth_gpu_temperature_celsius{{{NG}, sensor="gpu"}}', "{{instance}} GPU {{gpu}}"),
+        target(per_gpu(f'gpuhealth_gpu_temperature_celsius{{{NG}, sensor="gpu"}}'), "{{instance}} GPU {{gpu}}"),
         target(
-            f'gpuhealth_gpu_temperature_celsius{{{NG}, sensor="memory"}}', "{{instance}} GPU {{gpu}} memory", ref="B"
+            per_gpu(f'gpuhealth_gpu_temperature_celsius{{{NG}, sensor="memory"}}'),
+            "{{instance}} GPU {{gpu}} memory",
+            ref="B",
         ),
     ],
     0,
@@ -264,8 +305,8 @@ ts(
 ts(
     "Power",
     [
-        target(f"gpuhealth_gpu_power_watts{{{NG}}}", "{{instance}} GPU {{gpu}}"),
-        target(f"gpuhealth_gpu_power_limit_watts{{{NG}}}", "{{instance}} GPU {{gpu}} limit", ref="B"),
+        target(per_gpu(f"gpuhealth_gpu_power_watts{{{NG}}}"), "{{instance}} GPU {{gpu}}"),
+        target(per_gpu(f"gpuhealth_gpu_power_limit_watts{{{NG}}}"), "{{instance}} GPU {{gpu}} limit", ref="B"),
     ],
     12,
     unit="watt",
@@ -274,8 +315,8 @@ next_line(8)
 ts(
     "SM clock",
     [
-        target(f'gpuhealth_gpu_clock_hertz{{{NG}, clock="sm"}}', "{{instance}} GPU {{gpu}}"),
-        target(f'gpuhealth_gpu_clock_max_hertz{{{NG}, clock="sm"}}', "{{instance}} GPU {{gpu}} max", ref="B"),
+        target(per_gpu(f'gpuhealth_gpu_clock_hertz{{{NG}, clock="sm"}}'), "{{instance}} GPU {{gpu}}"),
+        target(per_gpu(f'gpuhealth_gpu_clock_max_hertz{{{NG}, clock="sm"}}'), "{{instance}} GPU {{gpu}} max", ref="B"),
     ],
     0,
     unit="hertz",
@@ -283,20 +324,28 @@ ts(
 ts(
     "Utilization",
     [
-        target(f"gpuhealth_gpu_utilization_ratio{{{NG}}}", "{{instance}} GPU {{gpu}} SM"),
-        target(f"gpuhealth_gpu_memory_utilization_ratio{{{NG}}}", "{{instance}} GPU {{gpu}} memory", ref="B"),
+        target(per_gpu(f"gpuhealth_gpu_utilization_ratio{{{NG}}}"), "{{instance}} GPU {{gpu}} SM"),
+        target(per_gpu(f"gpuhealth_gpu_memory_utilization_ratio{{{NG}}}"), "{{instance}} GPU {{gpu}} memory", ref="B"),
     ],
     12,
     unit="percentunit",
     minv=0,
 )
 next_line(8)
-ts("Memory used", [target(f"gpuhealth_gpu_memory_used_bytes{{{NG}}}", "{{instance}} GPU {{gpu}}")], 0, unit="bytes")
+ts(
+    "Memory used",
+    [target(per_gpu(f"gpuhealth_gpu_memory_used_bytes{{{NG}}}"), "{{instance}} GPU {{gpu}}")],
+    0,
+    unit="bytes",
+)
 ts(
     "Active throttle reasons",
     [
         target(
-            f'gpuhealth_gpu_throttle_reason_active{{{NG}, reason!~"gpu_idle|applications_clocks|display_clocks"}} == 1',
+            per_gpu(
+                f'gpuhealth_gpu_throttle_reason_active{{{NG}, reason!~"gpu_idle|applications_clocks|display_clocks"}}'
+            )
+            + " == 1",
             "{{instance}} GPU {{gpu}} {{reason}}",
         )
     ],
@@ -308,7 +357,8 @@ ts(
     "ECC errors (rate)",
     [
         target(
-            f'rate(gpuhealth_gpu_ecc_errors_total{{{NG}, scope="volatile"}}[5m])', "{{instance}} GPU {{gpu}} {{type}}"
+            per_gpu_rate(f'gpuhealth_gpu_ecc_errors_total{{{NG}, scope="volatile"}}'),
+            "{{instance}} GPU {{gpu}} {{type}}",
         )
     ],
     0,
@@ -317,9 +367,9 @@ ts(
 ts(
     "Row remapping",
     [
-        target(f"gpuhealth_gpu_row_remap_pending{{{NG}}}", "{{instance}} GPU {{gpu}} pending"),
-        target(f"gpuhealth_gpu_row_remap_failed{{{NG}}}", "{{instance}} GPU {{gpu}} failed", ref="B"),
-        target(f"gpuhealth_gpu_remapped_rows{{{NG}}}", "{{instance}} GPU {{gpu}} remapped {{cause}}", ref="C"),
+        target(per_gpu(f"gpuhealth_gpu_row_remap_pending{{{NG}}}"), "{{instance}} GPU {{gpu}} pending"),
+        target(per_gpu(f"gpuhealth_gpu_row_remap_failed{{{NG}}}"), "{{instance}} GPU {{gpu}} failed", ref="B"),
+        target(per_gpu(f"gpuhealth_gpu_remapped_rows{{{NG}}}"), "{{instance}} GPU {{gpu}} remapped {{cause}}", ref="C"),
     ],
     12,
 )
@@ -337,20 +387,25 @@ ts(
 )
 ts(
     "NVLinks active / expected",
-    [target(f"gpuhealth_gpu_nvlink_links{{{NG}}}", "{{instance}} GPU {{gpu}} {{which}}")],
+    [target(per_gpu(f"gpuhealth_gpu_nvlink_links{{{NG}}}"), "{{instance}} GPU {{gpu}} {{which}}")],
     12,
 )
 next_line(8)
-ts("PCIe link width", [target(f"gpuhealth_gpu_pcie_link_width{{{NG}}}", "{{instance}} GPU {{gpu}} {{which}}")], 0, w=8)
+ts(
+    "PCIe link width",
+    [target(per_gpu(f"gpuhealth_gpu_pcie_link_width{{{NG}}}"), "{{instance}} GPU {{gpu}} {{which}}")],
+    0,
+    w=8,
+)
 ts(
     "PCIe link generation",
-    [target(f"gpuhealth_gpu_pcie_link_generation{{{NG}}}", "{{instance}} GPU {{gpu}} {{which}}")],
+    [target(per_gpu(f"gpuhealth_gpu_pcie_link_generation{{{NG}}}"), "{{instance}} GPU {{gpu}} {{which}}")],
     8,
     w=8,
 )
 ts(
     "PCIe replays (rate)",
-    [target(f"rate(gpuhealth_gpu_pcie_replay_total{{{NG}}}[5m])", "{{instance}} GPU {{gpu}}")],
+    [target(per_gpu_rate(f"gpuhealth_gpu_pcie_replay_total{{{NG}}}"), "{{instance}} GPU {{gpu}}")],
     16,
     w=8,
     unit="ops",
@@ -436,8 +491,13 @@ next_line(8)
 # ---------------------------------------------------------------- stragglers and hangs (coordinator)
 row("Stragglers and hangs")
 J = 'job_id=~"$job"'
-stat("Jobs with stragglers", f"count(gpuhealth_coordinator_job_stragglers{{{J}}} > 0) or vector(0)", 0, w=6,
-     thresholds=ORANGE)
+stat(
+    "Jobs with stragglers",
+    f"count(gpuhealth_coordinator_job_stragglers{{{J}}} > 0) or vector(0)",
+    0,
+    w=6,
+    thresholds=ORANGE,
+)
 stat("Hangs (24h)", "sum(increase(gpuhealth_coordinator_hangs_total[24h])) or vector(0)", 6, w=6, thresholds=RED)
 stat("Agents connected", "sum(gpuhealth_coordinator_connected_agents)", 12, w=6)
 stat("Step records / s", "sum(rate(gpuhealth_coordinator_step_records_total[5m]))", 18, w=6, unit="ops")
@@ -602,8 +662,10 @@ dashboard = {
                 "label": "Job",
                 "type": "query",
                 "datasource": DS,
-                "query": {"query": "label_values(gpuhealth_coordinator_job_step_records_total, job_id)",
-                          "refId": "job"},
+                "query": {
+                    "query": "label_values(gpuhealth_coordinator_job_step_records_total, job_id)",
+                    "refId": "job",
+                },
                 "definition": "label_values(gpuhealth_coordinator_job_step_records_total, job_id)",
                 "refresh": 2,
                 "includeAll": True,
@@ -631,11 +693,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     text = render()
     if args.check:
-        if not TARGET.exists() or TARGET.read_text() != text:
-            print(f"{TARGET} is out of date; run {Path(__file__).name}", file=sys.stderr)
-            return 1
-        return 0
-    TARGET.write_text(text)
+        stale = [p for p in (TARGET, CHART_COPY) if not p.exists() or p.read_text() != text]
+        for p in stale:
+            print(f"{p} is out of date; run {Path(__file__).name}", file=sys.stderr)
+        return 1 if stale else 0
+    for p in (TARGET, CHART_COPY):
+        p.write_text(text)
     return 0
 
 

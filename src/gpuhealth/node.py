@@ -11,9 +11,10 @@ isolating ``CollectorRunner`` and returns a ``NodeReport`` whose ``to_dict()`` i
 "findings": [...]}`` — ``gpus[].findings`` are the findings about that GPU (or its links);
 top-level ``findings`` are those about the node as a whole.
 
-The agent's ``/health`` is the same document from the same builder (``report_of_snapshot``): a
-running agent adds what only it knows (``AgentFacts``: driver, NVML up, ready, its version) and
-per collector the counts over every run. Both are golden-tested (``tests/golden/``).
+The agent's ``/health`` is the same document from the same builder (``report_of_snapshot``): both carry
+the driver and CUDA driver versions NVML reports and whether NVML is up; a running agent adds what only it
+knows (``AgentFacts``: ready, its version) and per collector the counts over every run. Both are
+golden-tested (``tests/golden/``).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from typing import Any
 
 from gpuhealth.backends.base import NvmlBackend
 from gpuhealth.backends.environment import environment_for
+from gpuhealth.backends.errors import NvmlError
 from gpuhealth.backends.kmsg import DEV_KMSG, DevKmsg, KmsgFile, KmsgLines, KmsgSource
 from gpuhealth.backends.nvml_fake import BUNDLED_RECORDINGS, FakeNvml, bundled_recording_path
 from gpuhealth.backends.nvml_real import RealNvml
@@ -95,8 +97,6 @@ class GpuReport:
 class AgentFacts:
     """What only a running agent knows; its report (``/health``) carries these in ``node``."""
 
-    driver_version: str
-    cuda_driver_version: str
     ready: bool
     agent_version: str
 
@@ -115,6 +115,8 @@ class NodeReport:
     nvml_up: bool = True
     agent: AgentFacts | None = None
     environment: dict[str, Any] | None = None  # backends.environment.Environment.to_dict(): where it runs
+    driver_version: str = ""  # NVML's system driver version ("" when it did not say)
+    cuda_driver_version: str = ""  # the CUDA driver API version NVML reports, e.g. "13000"
 
     def all_findings(self) -> list[Finding]:
         return [*self.findings, *(f for g in self.gpus for f in g.findings)]
@@ -147,10 +149,12 @@ class NodeReport:
             "environment": self.environment,
             "versions": self.versions,
             "collectors": [c.to_dict(totals=self.agent is not None) for c in self.collectors],
+            "driver_version": self.driver_version,
+            "cuda_driver_version": self.cuda_driver_version,
+            "nvml_up": self.nvml_up,
         }
         if self.agent is not None:
-            node.update(driver_version=self.agent.driver_version, cuda_driver_version=self.agent.cuda_driver_version,
-                        nvml_up=self.nvml_up, ready=self.agent.ready, agent_version=self.agent.agent_version)
+            node.update(ready=self.agent.ready, agent_version=self.agent.agent_version)
         return {
             "node": node,
             "gpus": [g.to_dict() for g in self.gpus],
@@ -161,7 +165,8 @@ class NodeReport:
 def assemble_report(*, node: str, simulated: bool, backend: str, time: float, gpus: Sequence[GpuIdentity],
                     findings: Iterable[Finding], versions: Mapping[str, Any], collectors: Sequence[CollectorStatus],
                     runs: Sequence[CollectorRun] = (), nvml_up: bool = True, agent: AgentFacts | None = None,
-                    environment: Mapping[str, Any] | None = None) -> NodeReport:
+                    environment: Mapping[str, Any] | None = None, driver_version: str = "",
+                    cuda_driver_version: str = "") -> NodeReport:
     """The one node-report builder. Findings are grouped by GPU (anything on a GPU: the GPU, its
     links, its processes); the rest are the node's."""
     reports = {g.index: GpuReport(g, nvml_up=nvml_up) for g in gpus}
@@ -178,7 +183,16 @@ def assemble_report(*, node: str, simulated: bool, backend: str, time: float, gp
     return NodeReport(node=node, simulated=simulated, backend=backend, time=time,
                       gpus=[reports[i] for i in sorted(reports)], findings=node_findings, versions=dict(versions),
                       runs=list(runs), collectors=list(collectors), nvml_up=nvml_up, agent=agent,
-                      environment=None if environment is None else dict(environment))
+                      environment=None if environment is None else dict(environment), driver_version=driver_version,
+                      cuda_driver_version=cuda_driver_version)
+
+
+def _system_version(backend: NvmlBackend, key: str) -> str:
+    """NVML's system ``key`` (``driver``, ``cuda_driver``) as text; "" when NVML does not say."""
+    try:
+        return str(backend.system(key))
+    except NvmlError:
+        return ""
 
 
 def _ordered(findings: Sequence[Finding]) -> list[Finding]:
@@ -242,6 +256,8 @@ def build_report(ctx: CollectContext, runs: Sequence[CollectorRun]) -> NodeRepor
         versions=versions_of(versions_run.observations if versions_run else None),
         collectors=[CollectorStatus(r.name, r.lane.value, 0.0).after(r) for r in runs], runs=runs,
         environment=(ctx.environment or environment_for(ctx.backend, ctx.config.collectors.sysfs_root)).to_dict(),
+        driver_version=_system_version(ctx.backend, "driver"),
+        cuda_driver_version=_system_version(ctx.backend, "cuda_driver"),
     )
 
 
@@ -250,9 +266,8 @@ def report_of_snapshot(snap: ExportSnapshot, versions: Mapping[str, Any] | None 
     return assemble_report(
         node=snap.node_name, simulated=snap.simulated, backend=snap.backend, time=snap.generated_at, gpus=snap.gpus,
         findings=snap.findings, versions=versions or {}, collectors=snap.collectors, nvml_up=snap.nvml_up,
-        agent=AgentFacts(driver_version=snap.driver_version, cuda_driver_version=snap.cuda_driver_version,
-                         ready=snap.ready, agent_version=snap.version),
-        environment=snap.environment,
+        agent=AgentFacts(ready=snap.ready, agent_version=snap.version), environment=snap.environment,
+        driver_version=snap.driver_version, cuda_driver_version=snap.cuda_driver_version,
     )
 
 

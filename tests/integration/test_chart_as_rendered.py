@@ -49,7 +49,7 @@ NODE = "node-a"
 def _chart(values: dict[str, Any]) -> list[dict[str, Any]]:
     with helm.Chart.load(REPO / "deploy" / "helm" / "gpuhealth") as chart:
         out = chart.render(values, name="gh", namespace=NAMESPACE, is_install=True)
-    return [d for text in out.values() for d in yaml.safe_load_all(text) if d]
+    return [d for path, text in out.items() if not path.endswith("NOTES.txt") for d in yaml.safe_load_all(text) if d]
 
 
 def _one(docs: list[dict[str, Any]], kind: str, name: str) -> dict[str, Any]:

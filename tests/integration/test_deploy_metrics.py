@@ -398,18 +398,21 @@ def test_all_rules_evaluate_and_xid_alert_fires(stack: Stack) -> None:
     assert bad == {}
     assert len(rules()) == len(rule_exprs())
 
-    def firing() -> dict[str, list[dict[str, str]]]:
+    def firing() -> dict[str, list[dict[str, Any]]]:
         body = json.loads(http_get(f"http://127.0.0.1:{stack.prom_port}/api/v1/alerts")[1])
-        out: dict[str, list[dict[str, str]]] = {}
+        out: dict[str, list[dict[str, Any]]] = {}
         for a in body["data"]["alerts"]:
             if a["state"] == "firing":
-                out.setdefault(a["labels"]["alertname"], []).append(a["labels"])
+                out.setdefault(a["labels"]["alertname"], []).append(a)
         return out
 
     alerts = wait_for(lambda: firing().get("GpuhealthXidFatal") and firing(), "GpuhealthXidFatal firing")
-    (xid,) = alerts["GpuhealthXidFatal"]
+    (alert,) = alerts["GpuhealthXidFatal"]
+    xid = alert["labels"]
     assert xid["code"] == "xid.79" and xid["gpu"] == "0" and xid["uuid"] == GPU0 and xid["severity"] == "critical"
-    assert xid["slurm_job_id"] == "4242"  # routed to the job that holds GPU 0
+    # keyed on the GPU, not on the job holding it (a new job would restart the alert); the job is named
+    assert "slurm_job_id" not in xid
+    assert alert["annotations"]["holder"] == "slurm job 4242"
     assert "GpuhealthAgentDown" not in alerts
     assert "GpuhealthCollectorFailing" not in alerts
     # The agent's link to the coordinator is up, as Prometheus sees it.

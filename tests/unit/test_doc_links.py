@@ -72,4 +72,4 @@ def test_the_checks_see_a_missing_file() -> None:
     assert _MD_NAME.findall("measured (MEASUREMENTS.md); see docs/triage.md, https://x.org/y.md") \
         == ["MEASUREMENTS.md", "docs/triage.md"]
     assert not _resolves("MEASUREMENTS.md", REPO, REPO / "docs")
-    assert _resolves("reference/MEASUREMENTS.md", REPO / "docs")
+    assert _resolves("measurements.md", REPO / "docs")

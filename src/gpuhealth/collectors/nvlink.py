@@ -1,7 +1,7 @@
 """NVLink: per-link state and error counters, and the NVSwitch fabric state.
 
 Cost: the per-link getters cost ~1 ms per link per counter (18 links × 5 counters ≈ 90 ms per GPU,
-docs/reference/MEASUREMENTS.md). Everything per-link is read here in ONE ``field_values`` batch per GPU (scope =
+docs/measurements.md). Everything per-link is read here in ONE ``field_values`` batch per GPU (scope =
 link number), on the slow lane. Inside a batch the error counters cost ~0.9 ms per *link* (all
 counters of a link come together), so 18 links would still be ~16 ms: every sweep reads all link
 states (cheap) and the counters of four links in rotation (all links at the first look at a GPU);

@@ -8,7 +8,7 @@ Fallback limits from the thresholds catalog apply only when a GPU does not repor
 Everything else is exported as samples only.
 
 Static limits (temperature thresholds, max clocks) cost 0.2–1.8 ms per call on Hopper
-(docs/reference/MEASUREMENTS.md); they are read once per GPU (keyed by UUID) and cached in the collector. The
+(docs/measurements.md); they are read once per GPU (keyed by UUID) and cached in the collector. The
 energy counter costs ~3 ms per read on H200 (measured): it is refreshed every 60 s and the last
 value carried between (Prometheus rates over minutes do not notice).
 

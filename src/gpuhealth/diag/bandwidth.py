@@ -22,9 +22,10 @@ from gpuhealth.model import Action, Entity, Finding, Severity
 
 SOURCE = "diag.bandwidth"
 GB = 1e9
-# Device-to-device copy, GB/s counting bytes read + written. H200: measured 3.8 TB/s
-# (docs/reference/MEASUREMENTS.md); H100 SXM (3.35 TB/s HBM3 peak) and the other entries are estimates at ~88% of
-# the datasheet peak, the same ratio the H200 showed (3.8 of 4.8 ≈ 0.8, rounded up for newer parts).
+# Device-to-device copy, GB/s counting bytes read + written. H200: 3.8 TB/s, under the 4.16–4.18 TB/s this
+# probe measured there (docs/measurements.md); H100 SXM (3.35 TB/s HBM3 peak) and the other entries are
+# estimates at ~88% of the datasheet peak, the ratio the H200 reference keeps (3.8 of 4.8 ≈ 0.8, rounded up
+# for newer parts).
 HBM_REFERENCE_GBPS: dict[str, float] = {
     "H200": 3800.0,
     "H100 NVL": 3400.0,
@@ -34,7 +35,7 @@ HBM_REFERENCE_GBPS: dict[str, float] = {
     "A100": 1350.0,
 }
 # PCIe: raw GT/s per lane → payload bytes/s per lane (encoding), times the ~88% efficiency a Gen5 x16
-# slot showed (55.5 GB/s of 63 GB/s, docs/reference/MEASUREMENTS.md).
+# slot showed (~55 GB/s of 63 GB/s, docs/measurements.md).
 _ENCODING = {2.5: 0.8, 5.0: 0.8, 8.0: 128 / 130, 16.0: 128 / 130, 32.0: 128 / 130, 64.0: 242 / 256}
 PCIE_EFFICIENCY = 0.88
 

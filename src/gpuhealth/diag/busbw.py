@@ -40,7 +40,7 @@ SOURCE = "diag.busbw"
 # busbw in GB/s by size in bytes, keyed "<topology>@<ranks>" (a curve for one world size) or "<topology>"
 # (any world size; user files may use it). nccl-tests 2.19.6, `-w 5 -n 20`, out-of-place, NVLink
 # through NVSwitch, multicast off:
-#   nvlink@2: 2 × H200 (docs/reference/MEASUREMENTS.md);
+#   nvlink@2: 2 × H200 (docs/measurements.md);
 #   nvlink@4: 4 × H200 (benchmarks/results/nccl_tests_4xh200_2026-11-26.json).
 # busbw is NOT independent of the rank count below ~1 GiB: at 64 MiB sendrecv reads 268 GB/s on 2 ranks
 # and 156 on 4 (a ring: every GPU sends and receives at once), all_reduce 268 vs 310. At 2 GiB the

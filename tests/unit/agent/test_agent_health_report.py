@@ -21,7 +21,7 @@ from gpuhealth.runtime.sdnotify import SystemdNotifier
 
 GOLDEN = Path(__file__).parents[2] / "golden"
 UPDATE = os.environ.get("GPUHEALTH_UPDATE_GOLDEN") == "1"
-AGENT_ONLY_NODE_KEYS = {"driver_version", "cuda_driver_version", "nvml_up", "ready", "agent_version"}
+AGENT_ONLY_NODE_KEYS = {"ready", "agent_version"}
 AGENT_ONLY_COLLECTOR_KEYS = {"last_success_time", "runs_total", "errors_total", "timeouts_total"}
 
 

@@ -16,8 +16,15 @@ NS = "gpu-mon"
 
 
 def rendered(chart: Any, values: dict[str, Any] | None = None, namespace: str = NS) -> list[dict[str, Any]]:
+    """The objects Helm would install (NOTES.txt, the text Helm prints after an install, is none of them)."""
     out = chart.render(values or {}, name="gh", namespace=namespace, is_install=True)
-    return [d for text in out.values() for d in yaml.safe_load_all(text) if d]
+    return [d for path, text in out.items() if not path.endswith("NOTES.txt") for d in yaml.safe_load_all(text) if d]
+
+
+def notes(chart: Any, values: dict[str, Any] | None = None, namespace: str = NS) -> str:
+    """What ``helm install`` prints after installing (templates/NOTES.txt)."""
+    out = chart.render(values or {}, name="gh", namespace=namespace, is_install=True)
+    return str(out["gpuhealth/templates/NOTES.txt"])
 
 
 def one(docs: list[dict[str, Any]], kind: str, name: str) -> dict[str, Any]:

@@ -238,9 +238,14 @@ def test_host_pid_with_ptrace_pull_secrets_affinity_and_extra_env(chart: Any) ->
 
 # ------------------------------------------------------------------------------------ node-problem-detector
 def _npd_url(monitor: dict[str, Any]) -> str:
+    """The agent URL a monitor's rule asks: the bash check's first argument on Kubernetes (NPD's image has no
+    Python), ``gpuhealth status --agent`` on bare metal."""
     jsonschema.validate(monitor, NPD_CUSTOM_PLUGIN_SCHEMA)
     [rule] = monitor["rules"]
     args = rule["args"]
+    if rule["path"] == "/bin/bash":
+        assert args[0].endswith("/gpuhealth-npd-check.sh") and len(args) == 3, args
+        return str(args[1])
     assert args[:3] == ["status", "--exit-codes", "npd"]
     return str(args[args.index("--agent") + 1])
 
@@ -276,10 +281,10 @@ def test_the_kustomize_npd_overlay_asks_the_agent_on_its_node() -> None:
     assert cm["metadata"]["name"] == "gpuhealth-npd-monitor" and cm["metadata"]["namespace"] == "kube-system"
     monitor = json.loads(cm["data"]["gpuhealth-monitor.json"])
     _reaches_the_local_agent(docs, _npd_url(monitor), "gpuhealth")
-    # the bare-metal monitor stays on loopback, and the two differ only in the agent's URL
+    # the bare-metal monitor (gpuhealth on the host) stays on loopback; the two differ only in their rule's command
     bare = json.loads((REPO / "deploy" / "npd" / "gpuhealth-monitor.json").read_text())
     assert _npd_url(bare) == "http://127.0.0.1:9502"
-    bare["rules"][0]["args"] = monitor["rules"][0]["args"]
+    bare["rules"][0].update(path=monitor["rules"][0]["path"], args=monitor["rules"][0]["args"])
     assert bare == monitor
     for version in K8S_VERSIONS:
         for doc in docs:

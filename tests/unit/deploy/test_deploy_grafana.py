@@ -6,6 +6,7 @@ tests/integration/test_deploy_metrics.py."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -83,3 +84,33 @@ def test_gpu_health_timeline_job_filter_and_the_agents_driver_columns() -> None:
     agents = panels["Agents: version, driver, NVML"]["targets"][0]["expr"]
     grouped = agents.split("group_left (", 1)[1].split(")", 1)[0]
     assert {g.strip() for g in grouped.split(",")} <= info_labels, (grouped, info_labels)
+
+
+# The labels the agent puts on a GPU series for whoever holds the GPU now: they change with every job (issue 32).
+HOLDER_LABELS = {"namespace", "pod", "container", "slurm_job_id", "hpc_job"}
+
+
+def _keeps_holders(expr: str) -> bool:
+    """Whether the outermost aggregation of ``expr`` leaves a holder label on its result."""
+    head = expr.strip()
+    without = re.match(r"(?:max|sum|min|avg|count) without \(([^)]*)\)", head)
+    if without:
+        return not {label.strip() for label in without.group(1).split(",")} >= HOLDER_LABELS
+    by = re.match(r"(?:count\()?(?:max|sum|min|avg|count) by \(([^)]*)\)", head)
+    if by:
+        return bool({label.strip() for label in by.group(1).split(",")} & HOLDER_LABELS)
+    return True
+
+
+def test_per_gpu_graphs_are_one_line_per_gpu_across_job_changes() -> None:
+    """A graph of a GPU series aggregates the holder labels away: otherwise a job starting or ending on the GPU
+    starts a new line (and a rate over the change loses its count), as a new job restarted the alerts."""
+    checked = 0
+    for panel in dashboard()["panels"]:
+        if panel["type"] not in ("timeseries", "state-timeline"):
+            continue
+        for t in panel["targets"]:
+            if 'gpu=~"$gpu"' in t["expr"] or "gpuhealth_gpu_health" in t["expr"]:
+                checked += 1
+                assert not _keeps_holders(t["expr"]), (panel["title"], t["expr"])
+    assert checked >= 15

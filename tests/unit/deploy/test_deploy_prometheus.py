@@ -215,3 +215,72 @@ def test_collector_alerts_exempt_exactly_the_nvml_collectors_while_nvml_is_down(
     for name in ("GpuhealthCollectorFailing", "GpuhealthStaleData"):
         [listed] = re.findall(r'collector!~"([^"]+)"', by_name[name])
         assert sorted(listed.split("|")) == independent, name
+
+
+# The labels the agent puts on a GPU series for whoever holds the GPU now (agent/attribution.py): they
+# change with every job, so an alert keyed on them restarts its `for:` at every job (issue 32).
+HOLDER_LABELS = {"namespace", "pod", "container", "slurm_job_id", "hpc_job"}
+
+
+def finding_alerts() -> list[dict[str, Any]]:
+    """Alerts about findings (GpuhealthNvmlDown only reads one to stay quiet: not its subject)."""
+    return [a for a in alerts() if "gpuhealth_findings" in a["expr"].split("unless")[0]]
+
+
+def test_finding_alerts_are_keyed_on_the_gpu_and_code_not_on_the_job_holding_it() -> None:
+    """Every aggregation of a finding alert names what the problem belongs to (node, GPU, code) and none of
+    the holder labels; the holder is the `holder` annotation, read at evaluation time."""
+    assert len(finding_alerts()) >= 9
+    for a in finding_alerts():
+        groupings = re.findall(r"\b(?:max|sum|min|count) by \(([^)]*)\)", a["expr"])
+        assert groupings, f"{a['alert']}: gpuhealth_findings without an aggregation keeps every label, holders too"
+        for grouping in groupings:
+            labels = {label.strip() for label in grouping.split(",")}
+            assert "instance" in labels and "code" in labels, (a["alert"], labels)
+            holders = labels & HOLDER_LABELS
+            assert not holders, f"{a['alert']}: grouped by the job holding the GPU ({holders})"
+        if a["alert"] != "GpuhealthCannotCheckGpus":  # about the agent, never about a job
+            assert "holder" in a["annotations"], a["alert"]
+
+
+def test_every_finding_alert_is_tested_across_job_churn() -> None:
+    """alerts_test.yaml has, for every finding alert about a GPU, a case whose GPU changes holder with stale
+    markers between jobs, where the alert fires after the first holder's series went stale and is gone once
+    the finding is (promtool runs it: test_promtool_unit_tests_pass)."""
+    churned: set[str] = set()
+    for case in yaml.safe_load(RULE_TESTS.read_text())["tests"]:
+        holders_by_gpu: dict[tuple[str, str], set[str]] = {}
+        first_stale_min = None
+        for s in case["input_series"]:
+            if not s["series"].startswith("gpuhealth_findings{") or "stale" not in s["values"]:
+                continue
+            labels = dict(re.findall(r'(\w+)="([^"]*)"', s["series"]))
+            key = (labels.get("instance", ""), labels.get("code", ""))
+            holders_by_gpu.setdefault(key, set()).add(",".join(labels.get(h, "") for h in sorted(HOLDER_LABELS)))
+            stale_at = _expanded(s["values"]).index("stale")
+            first_stale_min = stale_at if first_stale_min is None else min(first_stale_min, stale_at)
+        if first_stale_min is None or not any(len(h) >= 3 for h in holders_by_gpu.values()):
+            continue
+        firing = {t["alertname"] for t in case["alert_rule_test"]
+                  if t.get("exp_alerts") and _minutes(t["eval_time"]) > first_stale_min}
+        resolved = {t["alertname"] for t in case["alert_rule_test"] if not t.get("exp_alerts")}
+        churned |= firing & resolved
+    gpu_alerts = {a["alert"] for a in finding_alerts() if "holder" in a["annotations"]}
+    assert gpu_alerts - churned == set(), "finding alerts with no job-churn case"
+
+
+def _minutes(duration: str) -> int:
+    value = int(duration[:-1])
+    return {"m": value, "h": 60 * value}[duration[-1]]
+
+
+def _expanded(values: str) -> list[str]:
+    """promtool's series notation, as far as the churn cases use it: '1x3' is 4 samples, '_x3' 3 gaps."""
+    out: list[str] = []
+    for token in values.split():
+        head, _, times = token.partition("x")
+        if not times:
+            out.append(head)
+        else:
+            out += [head] * (int(times) + (0 if head == "_" else 1))
+    return out

@@ -67,7 +67,7 @@ def test_every_single_bit_flip_of_a_small_output_is_detected() -> None:
 
 
 def test_paired_flips_of_the_same_bit_are_detected_where_a_weighted_sum_is_not() -> None:
-    """The docs/reference/MEASUREMENTS.md plain-torch hash (Σ word × weight) cancels for a pair of flips chosen
+    """The docs/measurements.md plain-torch hash (Σ word × weight) cancels for a pair of flips chosen
     against it; the mixed digest does not."""
     words = torch.zeros(64, dtype=torch.int32)
     weights = torch.arange(1, 65, dtype=torch.int64)
