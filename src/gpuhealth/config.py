@@ -56,6 +56,9 @@ class AgentConfig:
     # GPU → pod attribution (kubelet PodResources API); used only when the socket exists.
     pod_resources_socket: str = "/var/lib/kubelet/pod-resources/kubelet.sock"
     slurm_job_dir: str | None = None  # GPU → Slurm job mapping files (written by the prolog)
+    # TLS and basic auth on /metrics and /health: a web config file as Prometheus' exporters read it
+    # (exporter-toolkit's --web.config.file; docs/security.md). None: plain HTTP, no auth.
+    web_config_file: str | None = None
 
 
 @dataclass(slots=True)

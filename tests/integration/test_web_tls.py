@@ -1,0 +1,285 @@
+"""TLS and basic auth on the agent's /metrics and /health (issue 32, item 4), through the shipped command:
+``gpuhealth agent`` given exporter-toolkit's web config (``--web.config.file``, or ``agent.web_config_file`` /
+``GPUHEALTH_AGENT_WEB_CONFIG_FILE``).
+
+A real Prometheus (Debian's) scrapes the agent over TLS with basic auth and stores its series; the same target
+with a wrong password (401), without a password (401) and over plain HTTP is down. A TLS handshake that never
+completes holds no worker: scrapes answer while such connections are open, and the agent closes them at its
+header deadline. Client certificates (RequireAndVerifyClientCert, client_allowed_sans) are checked. A web
+config the agent cannot serve stops it at start with one line (exit 3)."""
+
+from __future__ import annotations
+
+import base64
+import json
+import shutil
+import socket
+import ssl
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import bcrypt
+import pytest
+import yaml
+from agent_process import AgentProcess, http_get, prometheus_port
+from commands import make_pki
+
+pytestmark = pytest.mark.integration
+SCENARIO = Path(__file__).parents[1] / "fixtures" / "scenarios" / "faulty_node.yaml"
+PROMETHEUS = shutil.which("prometheus") or "/usr/bin/prometheus"
+USER, PASSWORD = "prometheus", "correct horse battery staple"
+
+
+@dataclass
+class Pki:
+    ca: str
+    agent: tuple[str, str]
+    client: tuple[str, str]  # CN "prometheus.monitoring"
+    stranger: tuple[str, str]  # CN "someone-else", same CA
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
+    d = tmp_path_factory.mktemp("pki")
+    made = make_pki(d, {"agent": "gpu-node-7", "client": "prometheus.monitoring", "stranger": "someone-else"})
+    return Pki(str(d / "ca.crt"), made["agent"], made["client"], made["stranger"])
+
+
+def _start(work: Path, web: dict[str, Any], *, given: str) -> AgentProcess:
+    """The agent with ``web`` as its web config, ``given`` by the config file ("file"), the environment ("env")."""
+    work.mkdir(parents=True, exist_ok=True)
+    (work / "web.yml").write_text(yaml.safe_dump(web))
+    cfg = work / "agent.yaml"
+    agent = {"node_name": "gpu-node-7", "socket_path": str(work / "agent.sock"),
+             "pod_resources_socket": str(work / "no-kubelet.sock")}
+    if given == "file":
+        agent["web_config_file"] = str(work / "web.yml")
+    cfg.write_text(yaml.safe_dump({"collectors": {"fast_interval_s": 1.0, "slow_interval_s": 2.0}, "agent": agent}))
+    args = ["--config", str(cfg), "--scenario", str(SCENARIO)]
+    env = {"GPUHEALTH_AGENT_WEB_CONFIG_FILE": str(work / "web.yml")} if given == "env" else {}
+    return AgentProcess(work, args, env=env)
+
+
+def _wait_ready(agent: AgentProcess, ctx: ssl.SSLContext, timeout: float = 40.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert agent.proc.poll() is None, agent.log()
+        try:
+            with urllib.request.urlopen(f"https://127.0.0.1:{agent.port}/ready", context=ctx, timeout=2) as r:
+                if r.status == 200:
+                    return
+        except (OSError, urllib.error.HTTPError):
+            pass
+        time.sleep(0.2)
+    raise AssertionError(f"agent not ready over TLS:\n{agent.log()[-3000:]}")
+
+
+@pytest.fixture(scope="module")
+def agent(tmp_path_factory: pytest.TempPathFactory, pki: Pki) -> Iterator[AgentProcess]:
+    hashed = bcrypt.hashpw(PASSWORD.encode(), bcrypt.gensalt(rounds=8)).decode()
+    web = {"tls_server_config": {"cert_file": pki.agent[0], "key_file": pki.agent[1], "min_version": "TLS12"},
+           "basic_auth_users": {USER: hashed}}
+    proc = _start(tmp_path_factory.mktemp("agent"), web, given="env")
+    try:
+        _wait_ready(proc, _client_ctx(pki))
+        yield proc
+    finally:
+        proc.stop()
+
+
+def _client_ctx(pki: Pki, cert: tuple[str, str] | None = None) -> ssl.SSLContext:
+    ctx = ssl.create_default_context(cafile=pki.ca)
+    if cert is not None:
+        ctx.load_cert_chain(*cert)
+    return ctx
+
+
+def _get(port: int, path: str, ctx: ssl.SSLContext | None, auth: tuple[str, str] | None = None,
+         timeout: float = 5.0) -> tuple[int, dict[str, str], bytes]:
+    headers = {}
+    if auth is not None:
+        headers["Authorization"] = "Basic " + base64.b64encode(f"{auth[0]}:{auth[1]}".encode()).decode()
+    scheme = "https" if ctx is not None else "http"
+    req = urllib.request.Request(f"{scheme}://127.0.0.1:{port}{path}", headers=headers)
+    try:
+        with urllib.request.urlopen(req, context=ctx, timeout=timeout) as resp:
+            return resp.status, dict(resp.headers), resp.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, dict(exc.headers), exc.read()
+
+
+def test_the_agent_says_it_serves_https(agent: AgentProcess) -> None:
+    assert f"serving /metrics, /health, /ready on https://127.0.0.1:{agent.port}" in agent.log()
+
+
+def test_right_password_wrong_password_no_password(agent: AgentProcess, pki: Pki) -> None:
+    ctx = _client_ctx(pki)
+    code, _, body = _get(agent.port, "/metrics", ctx, (USER, PASSWORD))
+    assert code == 200 and b"gpuhealth_findings" in body
+    code, _, body = _get(agent.port, "/health", ctx, (USER, PASSWORD))
+    assert code == 200 and json.loads(body)["node"]["health"] == "unhealthy"
+    for auth in ((USER, "wrong"), ("root", PASSWORD), None):
+        for path in ("/metrics", "/health", "/"):
+            code, headers, _ = _get(agent.port, path, ctx, auth)
+            assert code == 401, (auth, path)
+            assert headers["WWW-Authenticate"] == 'Basic realm="gpuhealth"'
+    # a kubelet's probes carry no password: /healthz and /ready answer without one (over TLS)
+    assert _get(agent.port, "/healthz", ctx)[0] == 200
+    assert _get(agent.port, "/ready", ctx)[0] == 200
+
+
+def test_plain_http_is_refused(agent: AgentProcess) -> None:
+    with pytest.raises((OSError, urllib.error.URLError, ConnectionError)):
+        http_get(f"http://127.0.0.1:{agent.port}/metrics", timeout=5)
+
+
+def _threads(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("Threads:"):
+            return int(line.split()[1])
+    raise AssertionError("no Threads line")
+
+
+def test_a_handshake_that_never_completes_holds_no_worker(agent: AgentProcess, pki: Pki) -> None:
+    """Twenty connections (more than the four workers) that never finish a TLS handshake — half silent, half
+    stopping inside their ClientHello — take no thread: scrapes answer meanwhile, and the agent closes them at
+    the header deadline (10 s) instead of holding them forever."""
+    base = _threads(agent.proc.pid)
+    stalled: list[socket.socket] = []
+    opened = time.monotonic()
+    try:
+        for i in range(20):
+            s = socket.create_connection(("127.0.0.1", agent.port), timeout=5)
+            if i % 2:
+                s.send(b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03")  # a ClientHello's first bytes, no more
+            stalled.append(s)
+        ctx = _client_ctx(pki)
+        peak = base
+        for _ in range(5):  # each answered within its 5 s timeout while the handshakes hang
+            code, _, body = _get(agent.port, "/metrics", ctx, (USER, PASSWORD), timeout=5.0)
+            assert code == 200 and b"gpuhealth_" in body
+            peak = max(peak, _threads(agent.proc.pid))
+        assert peak <= base + 6, (base, peak)
+        for s in stalled:  # the agent hangs up on each (EOF or reset) once its deadline passes
+            s.settimeout(max(0.1, opened + 20 - time.monotonic()))
+            try:
+                assert s.recv(1) == b""
+            except ConnectionResetError:
+                pass
+        waited = time.monotonic() - opened
+        assert 8.0 <= waited <= 20.0, waited
+    finally:
+        for s in stalled:
+            s.close()
+
+
+# ------------------------------------------------------------------------------------------ Prometheus
+def _query(prom: str, promql: str) -> list[dict[str, Any]]:
+    code, body = http_get(f"{prom}/api/v1/query?" + urllib.parse.urlencode({"query": promql}), timeout=5)
+    result: list[dict[str, Any]] = json.loads(body)["data"]["result"] if code == 200 else []
+    return result
+
+
+def _until(fn: Any, timeout: float, what: str, detail: Any = None) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            out = fn()
+        except OSError:
+            out = None
+        if out:
+            return out
+        time.sleep(0.25)
+    raise AssertionError(f"timed out waiting for {what}" + (f":\n{detail()}" if detail else ""))
+
+
+def test_a_real_prometheus_scrapes_over_tls_with_basic_auth(agent: AgentProcess, pki: Pki, tmp_path: Path) -> None:
+    target: dict[str, Any] = {"static_configs": [{"targets": [f"127.0.0.1:{agent.port}"]}]}
+    tls: dict[str, Any] = {"scheme": "https", "tls_config": {"ca_file": pki.ca, "server_name": "gpu-node-7"}}
+    jobs: list[dict[str, Any]] = [
+        {"job_name": "tls-auth", **target, **tls, "basic_auth": {"username": USER, "password": PASSWORD}},
+        {"job_name": "wrong-password", **target, **tls, "basic_auth": {"username": USER, "password": "nope"}},
+        {"job_name": "no-password", **target, **tls},
+        {"job_name": "plain-http", **target},
+    ]
+    (tmp_path / "prometheus.yml").write_text(yaml.safe_dump(
+        {"global": {"scrape_interval": "1s", "scrape_timeout": "1s"}, "scrape_configs": jobs}))
+    log_path = tmp_path / "prometheus.log"
+    with log_path.open("wb") as log:
+        prom = subprocess.Popen(
+            [PROMETHEUS, f"--config.file={tmp_path / 'prometheus.yml'}", f"--storage.tsdb.path={tmp_path / 'data'}",
+             "--web.listen-address=127.0.0.1:0", "--storage.tsdb.retention.time=1h"],
+            stdout=log, stderr=subprocess.STDOUT)
+        try:
+            url = f"http://127.0.0.1:{prometheus_port(log_path, prom)}"
+            detail = lambda: log_path.read_text(errors="replace")[-3000:]  # noqa: E731
+            _until(lambda: _query(url, 'up{job="tls-auth"} == 1'), 60, "Prometheus to scrape over TLS", detail)
+            [finding] = _until(lambda: _query(url, 'gpuhealth_findings{job="tls-auth",code="pcie.link_degraded"}'),
+                               30, "the agent's series in Prometheus", detail)
+            assert finding["metric"]["gpu"] == "3"
+
+            def targets() -> dict[str, dict[str, Any]] | None:
+                _, body = http_get(f"{url}/api/v1/targets", timeout=5)
+                active: dict[str, dict[str, Any]] = {t["labels"]["job"]: t
+                                                     for t in json.loads(body)["data"]["activeTargets"]}
+                names = [str(j["job_name"]) for j in jobs]
+                seen = all(n in active and active[n]["health"] != "unknown" for n in names)
+                return active if seen else None
+
+            active = _until(targets, 30, "every job scraped once", detail)
+            assert active["tls-auth"]["health"] == "up"
+            for job in ("wrong-password", "no-password", "plain-http"):
+                assert active[job]["health"] == "down", (job, active[job])
+                assert not _query(url, f'gpuhealth_findings{{job="{job}"}}'), job
+            assert "401" in active["wrong-password"]["lastError"], active["wrong-password"]["lastError"]
+            assert "401" in active["no-password"]["lastError"], active["no-password"]["lastError"]
+        finally:
+            prom.terminate()
+            prom.wait(10)
+
+
+# ------------------------------------------------------------------------------------- client certificates
+def test_client_certificates_are_verified_and_named(tmp_path: Path, pki: Pki) -> None:
+    """RequireAndVerifyClientCert with client_allowed_sans, through agent.web_config_file: no client certificate,
+    or one the CA signed for another name, is refused at the handshake; Prometheus' certificate is served."""
+    web = {"tls_server_config": {"cert_file": pki.agent[0], "key_file": pki.agent[1],
+                                 "client_auth_type": "RequireAndVerifyClientCert", "client_ca_file": pki.ca,
+                                 "client_allowed_sans": ["prometheus.monitoring"]}}
+    proc = _start(tmp_path, web, given="file")
+    try:
+        _wait_ready(proc, _client_ctx(pki, pki.client))
+        assert _get(proc.port, "/metrics", _client_ctx(pki, pki.client))[0] == 200  # no basic auth configured
+        for cert in (None, pki.stranger):
+            with pytest.raises((ssl.SSLError, urllib.error.URLError, ConnectionError, OSError)):
+                # a refused handshake (no certificate), or a connection closed after it (a name not allowed)
+                code, _, _ = _get(proc.port, "/metrics", _client_ctx(pki, cert))
+                assert code != 200
+    finally:
+        proc.stop()
+
+
+# ------------------------------------------------------------------------------------------- refused at start
+@pytest.mark.parametrize(("web", "line"), [
+    ({"tls_server_config": {"cert_file": "CERT"}}, "tls_server_config needs both cert_file and key_file"),
+    ({"tls_server_config": {"cert_file": "/dev/zero", "key_file": "KEY"}},
+     "tls_server_config.cert_file /dev/zero is not a regular file"),
+    ({"basic_auth_users": {"prometheus": "plain-text-password"}}, "basic_auth_users.prometheus: not a bcrypt hash"),
+], ids=["half-tls", "device-as-cert", "plain-password"])
+def test_a_web_config_the_agent_cannot_serve_stops_it_with_one_line(
+        tmp_path: Path, pki: Pki, web: dict[str, Any], line: str) -> None:
+    text = yaml.safe_dump(web).replace("CERT", pki.agent[0]).replace("KEY", pki.agent[1])
+    (tmp_path / "web.yml").write_text(text)
+    done = subprocess.run([sys.executable, "-m", "gpuhealth.cli.main", "agent", "--listen", "127.0.0.1:0",
+                           "--scenario", str(SCENARIO), "--web.config.file", str(tmp_path / "web.yml")],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 3, done
+    [printed] = done.stderr.strip().splitlines()
+    assert printed.startswith("gpuhealth agent: agent.web_config_file: ") and line in printed, printed
