@@ -86,6 +86,9 @@ class DiagConfig:
 class CoordinatorConfig:
     listen: str = "0.0.0.0:9500"
     metrics_listen: str = "0.0.0.0:9501"
+    # TLS and basic auth on /metrics: a web config file as Prometheus' exporters read it (exporter-toolkit's
+    # --web.config.file; docs/security.md). None: plain HTTP, no auth.
+    metrics_web_config_file: str | None = None
     db_path: str = "/var/lib/gpuhealth/coordinator.db"
     hang_k: float = 10.0  # hang when no rank progressed for max(k × typical step, floor)
     hang_floor_s: float = 60.0

@@ -1,6 +1,7 @@
-"""TLS and basic auth on the agent's /metrics and /health (issue 32, item 4), through the shipped command:
-``gpuhealth agent`` given exporter-toolkit's web config (``--web.config.file``, or ``agent.web_config_file`` /
-``GPUHEALTH_AGENT_WEB_CONFIG_FILE``).
+"""TLS and basic auth on the agent's /metrics and /health and the coordinator's /metrics (issue 32, item 4),
+through the shipped commands: ``gpuhealth agent`` given exporter-toolkit's web config (``--web.config.file``, or
+``agent.web_config_file`` / ``GPUHEALTH_AGENT_WEB_CONFIG_FILE``), ``gpuhealth coordinator`` given one
+(``coordinator.metrics_web_config_file``, ``--web.config.file``).
 
 A real Prometheus (Debian's) scrapes the agent over TLS with basic auth and stores its series; the same target
 with a wrong password (401), without a password (401) and over plain HTTP is down. A TLS handshake that never
@@ -30,7 +31,7 @@ import bcrypt
 import pytest
 import yaml
 from agent_process import AgentProcess, http_get, prometheus_port
-from commands import make_pki
+from commands import CLI, Coordinator, make_pki
 
 pytestmark = pytest.mark.integration
 SCENARIO = Path(__file__).parents[1] / "fixtures" / "scenarios" / "faulty_node.yaml"
@@ -283,3 +284,55 @@ def test_a_web_config_the_agent_cannot_serve_stops_it_with_one_line(
     assert done.returncode == 3, done
     [printed] = done.stderr.strip().splitlines()
     assert printed.startswith("gpuhealth agent: agent.web_config_file: ") and line in printed, printed
+
+
+# ------------------------------------------------------------------------------------------- the coordinator
+def test_the_coordinators_metrics_over_tls_with_basic_auth(tmp_path: Path, pki: Pki) -> None:
+    hashed = bcrypt.hashpw(PASSWORD.encode(), bcrypt.gensalt(rounds=6)).decode()
+    (tmp_path / "web.yml").write_text(yaml.safe_dump({
+        "tls_server_config": {"cert_file": pki.agent[0], "key_file": pki.agent[1]},
+        "basic_auth_users": {USER: hashed}}))
+    cfg = tmp_path / "coordinator.yaml"
+    cfg.write_text(yaml.safe_dump({"coordinator": {
+        "listen": "127.0.0.1:0", "metrics_listen": "127.0.0.1:0", "db_path": str(tmp_path / "c.db"),
+        "metrics_web_config_file": str(tmp_path / "web.yml")}}))
+    coord = Coordinator(tmp_path / "coord", cfg)
+    try:
+        port = int(coord.wait()["metrics_port"])
+        ctx = _client_ctx(pki)
+        code, _, body = _get(port, "/metrics", ctx, (USER, PASSWORD))
+        assert code == 200 and b"gpuhealth_coordinator_" in body
+        for auth in ((USER, "wrong"), None):
+            code, headers, _ = _get(port, "/metrics", ctx, auth)
+            assert code == 401 and headers["WWW-Authenticate"] == 'Basic realm="gpuhealth"', auth
+        with pytest.raises((OSError, urllib.error.URLError, ConnectionError)):
+            http_get(f"http://127.0.0.1:{port}/metrics", timeout=5)
+        # handshakes that never complete: scrapes answer meanwhile, and each is closed at the deadline (10 s)
+        opened = time.monotonic()
+        stalled = [socket.create_connection(("127.0.0.1", port), timeout=5) for _ in range(8)]
+        try:
+            for _ in range(3):
+                assert _get(port, "/metrics", ctx, (USER, PASSWORD))[0] == 200
+            for s in stalled:
+                s.settimeout(max(0.1, opened + 20 - time.monotonic()))
+                try:
+                    assert s.recv(1) == b""
+                except ConnectionResetError:
+                    pass
+            assert 8.0 <= time.monotonic() - opened <= 20.0
+        finally:
+            for s in stalled:
+                s.close()
+    finally:
+        coord.stop()
+
+
+def test_a_web_config_the_coordinator_cannot_serve_stops_it_with_one_line(tmp_path: Path) -> None:
+    (tmp_path / "web.yml").write_text("tls_server_config:\n  cert_file: /nonexistent.crt\n  key_file: /x.key\n")
+    done = subprocess.run([*CLI, "coordinator", "--listen", "127.0.0.1:0", "--metrics-listen", "127.0.0.1:0",
+                           "--db", str(tmp_path / "c.db"), "--web.config.file", str(tmp_path / "web.yml")],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 3, done
+    [printed] = done.stderr.strip().splitlines()
+    assert printed.startswith("gpuhealth coordinator: coordinator.metrics_web_config_file: "), printed
+    assert "tls_server_config.cert_file /nonexistent.crt: cannot read it" in printed, printed
