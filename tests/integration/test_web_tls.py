@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import base64
 import json
+import os
+import re
 import shutil
 import socket
 import ssl
@@ -336,3 +338,112 @@ def test_a_web_config_the_coordinator_cannot_serve_stops_it_with_one_line(tmp_pa
     [printed] = done.stderr.strip().splitlines()
     assert printed.startswith("gpuhealth coordinator: coordinator.metrics_web_config_file: "), printed
     assert "tls_server_config.cert_file /nonexistent.crt: cannot read it" in printed, printed
+
+
+# ------------------------------------------------------------------------------------- the chart, as rendered
+def _scrape_config(endpoint: dict[str, Any], secrets: dict[str, dict[str, str]], target: str,
+                   folder: Path) -> dict[str, Any]:
+    """What prometheus-operator makes of a ServiceMonitor endpoint: scheme, TLS (CA, server name, client
+    certificate from Secrets, written to files as the operator mounts them) and basic auth from a Secret."""
+    def from_secret(ref: dict[str, str]) -> str:
+        return secrets[ref["name"]][ref["key"]]
+
+    def as_file(ref: dict[str, str]) -> str:
+        path = folder / f"{ref['name']}-{ref['key']}"
+        path.write_text(from_secret(ref))
+        return str(path)
+
+    job: dict[str, Any] = {"job_name": "chart", "metrics_path": endpoint["path"],
+                           "scheme": endpoint.get("scheme", "http"), "static_configs": [{"targets": [target]}]}
+    tls = endpoint.get("tlsConfig")
+    if tls:
+        job["tls_config"] = {"ca_file": as_file(tls["ca"]["secret"]), "server_name": tls["serverName"]}
+        if "cert" in tls:
+            job["tls_config"] |= {"cert_file": as_file(tls["cert"]["secret"]), "key_file": as_file(tls["keySecret"])}
+    auth = endpoint.get("basicAuth")
+    if auth:
+        job["basic_auth"] = {"username": from_secret(auth["username"]), "password": from_secret(auth["password"])}
+    return job
+
+
+def test_the_charts_agent_is_scraped_as_its_service_monitor_says(tmp_path: Path, pki: Pki,
+                                                               tmp_path_factory: pytest.TempPathFactory) -> None:
+    """The chart with web.tls and web.basicAuth: the agent started from the rendered DaemonSet (its args, the web
+    config Secret and the TLS Secret mounted where the pod spec says), its readiness probe answered as the kubelet
+    would ask it, and a real Prometheus scraping it with the settings of the rendered ServiceMonitor."""
+    import base64 as b64
+
+    import helm_python as helm
+    from test_chart_as_rendered import NAMESPACE, Pod
+
+    hashed = bcrypt.hashpw(PASSWORD.encode(), bcrypt.gensalt(rounds=8)).decode()
+    values = {"coordinator": {"enabled": False}, "agent": {"config": {"agent": {"state_dir": "/var/lib/gpuhealth"}}},
+              "web": {"tls": {"secretName": "agent-tls"},
+                      "basicAuth": {"users": {USER: hashed}, "scrapeSecret": "prometheus-scrape"}}}
+    with helm.Chart.load(Path(__file__).resolve().parents[2] / "deploy" / "helm" / "gpuhealth") as chart:
+        out = chart.render(values, name="gh", namespace=NAMESPACE, is_install=True)
+    docs = [d for text in out.values() for d in yaml.safe_load_all(text) if d]
+    # what the cluster holds besides the chart: cert-manager's Secret for the Service's name, and the scrape Secret
+    named = make_pki(tmp_path_factory.mktemp("svc-pki"), {"svc": f"gpuhealth-agent.{NAMESPACE}.svc"})
+    ca = Path(named["svc"][0]).parent / "ca.crt"
+    cluster = {"agent-tls": {"tls.crt": Path(named["svc"][0]).read_text(), "tls.key": Path(named["svc"][1]).read_text(),
+                             "ca.crt": ca.read_text()},
+               "prometheus-scrape": {"username": USER, "password": PASSWORD}}
+    for d in docs:
+        if d["kind"] == "Secret" and "stringData" in d:  # as the API server stores it
+            d["data"] = {k: b64.b64encode(v.encode()).decode() for k, v in d.pop("stringData").items()}
+    docs += [{"kind": "Secret", "metadata": {"name": n}, "data": {k: b64.b64encode(v.encode()).decode()
+                                                                    for k, v in data.items()}}
+             for n, data in cluster.items()]
+    pod = Pod(docs, "DaemonSet", "gpuhealth-agent", tmp_path / "pod", tokens={}, cluster_configmaps={})
+    container = pod.spec["containers"][0]
+    args, env = pod.command(container)
+    # the container paths the web config names, read through the volumes (as Pod.command does for --config)
+    web_file = Path(args[args.index("--web.config.file") + 1])
+    web = yaml.safe_load(web_file.read_text())
+    web["tls_server_config"] = {k: pod.host_path(container, v) if str(v).startswith("/") else v
+                                for k, v in web["tls_server_config"].items()}
+    web_file.write_text(yaml.safe_dump(web))
+    (tmp_path / "state").mkdir()
+    log_path = tmp_path / "agent.log"
+    agent = subprocess.Popen([*args], stdout=log_path.open("wb"), stderr=subprocess.STDOUT,
+                             env={**os.environ, **env, "GPUHEALTH_AGENT_LISTEN": "127.0.0.1:0",
+                                  "GPUHEALTH_AGENT_NVML_SNAPSHOT": str(SCENARIO),
+                                  "GPUHEALTH_AGENT_STATE_DIR": str(tmp_path / "state"),
+                                  "GPUHEALTH_AGENT_SOCKET_PATH": str(tmp_path / "agent.sock")})
+    try:
+        port = int(_until(lambda: re.search(r"on https://127\.0\.0\.1:(\d+)", log_path.read_text())
+                          or (agent.poll() is not None and pytest.fail(log_path.read_text())),
+                          30, "the agent's 'serving' line").group(1))
+        # the readiness probe as the kubelet sends it: HTTPS without verifying, no password
+        probe = container["readinessProbe"]["httpGet"]
+        assert probe["scheme"] == "HTTPS"
+        kubelet = ssl.create_default_context()
+        kubelet.check_hostname, kubelet.verify_mode = False, ssl.CERT_NONE
+        _until(lambda: _get(port, probe["path"], kubelet)[0] == 200, 40, "the readiness probe")
+        [endpoint] = _agent_service_monitor(docs)["spec"]["endpoints"]
+        job = _scrape_config(endpoint, cluster, f"127.0.0.1:{port}", tmp_path)
+        (tmp_path / "prometheus.yml").write_text(yaml.safe_dump(
+            {"global": {"scrape_interval": "1s", "scrape_timeout": "1s"}, "scrape_configs": [job]}))
+        prom_log = tmp_path / "prometheus.log"
+        with prom_log.open("wb") as log:
+            prom = subprocess.Popen(
+                [PROMETHEUS, f"--config.file={tmp_path / 'prometheus.yml'}",
+                 f"--storage.tsdb.path={tmp_path / 'data'}", "--web.listen-address=127.0.0.1:0"],
+                stdout=log, stderr=subprocess.STDOUT)
+            try:
+                url = f"http://127.0.0.1:{prometheus_port(prom_log, prom)}"
+                _until(lambda: _query(url, 'gpuhealth_findings{job="chart",code="pcie.link_degraded"}'), 60,
+                       "Prometheus to scrape the chart's agent over TLS with basic auth",
+                       lambda: prom_log.read_text(errors="replace")[-3000:])
+            finally:
+                prom.terminate()
+                prom.wait(10)
+    finally:
+        agent.terminate()
+        agent.wait(15)
+
+
+def _agent_service_monitor(docs: list[dict[str, Any]]) -> dict[str, Any]:
+    [sm] = [d for d in docs if d["kind"] == "ServiceMonitor" and d["metadata"]["name"] == "gpuhealth-agent"]
+    return sm
