@@ -447,3 +447,12 @@ def test_the_charts_agent_is_scraped_as_its_service_monitor_says(tmp_path: Path,
 def _agent_service_monitor(docs: list[dict[str, Any]]) -> dict[str, Any]:
     [sm] = [d for d in docs if d["kind"] == "ServiceMonitor" and d["metadata"]["name"] == "gpuhealth-agent"]
     return sm
+
+
+def test_local_clients_that_ask_over_plain_http_fall_back_and_say_so(agent: AgentProcess) -> None:
+    """docs/security.md: the Slurm hooks' `gpuhealth status --agent` asks over plain HTTP; against an agent with a
+    web config it does not reach it, says so and checks once itself."""
+    done = subprocess.run([*CLI, "status", "--agent", f"http://127.0.0.1:{agent.port}", "--json"],
+                          capture_output=True, text=True, timeout=120)
+    assert "the agent did not answer" in done.stderr and "checking once here instead" in done.stderr, done.stderr
+    assert "node" in json.loads(done.stdout)  # this machine's own one-shot report (no GPU here: could not check)
