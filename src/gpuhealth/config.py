@@ -59,6 +59,9 @@ class AgentConfig:
     # GPU → pod attribution (kubelet PodResources API); used only when the socket exists.
     pod_resources_socket: str = "/var/lib/kubelet/pod-resources/kubelet.sock"
     slurm_job_dir: str | None = None  # GPU → Slurm job mapping files (written by the prolog)
+    # TLS and basic auth on /metrics and /health: a web config file as Prometheus' exporters read it
+    # (exporter-toolkit's --web.config.file; docs/security.md). None: plain HTTP, no auth.
+    web_config_file: str | None = None
 
 
 @dataclass(slots=True)
@@ -86,6 +89,9 @@ class DiagConfig:
 class CoordinatorConfig:
     listen: str = "0.0.0.0:9500"
     metrics_listen: str = "0.0.0.0:9501"
+    # TLS and basic auth on /metrics: a web config file as Prometheus' exporters read it (exporter-toolkit's
+    # --web.config.file; docs/security.md). None: plain HTTP, no auth.
+    metrics_web_config_file: str | None = None
     db_path: str = "/var/lib/gpuhealth/coordinator.db"
     hang_k: float = 10.0  # hang when no rank progressed for max(k × typical step, floor)
     hang_floor_s: float = 60.0
@@ -250,6 +256,48 @@ _CHOICES: dict[str, tuple[str, ...]] = {"agent.dcgm_hostname_label": ("auto", "H
 _MAX_TEXT = 4_096  # a path, an address, a name: never a document
 _MAX_LIST = 1_024
 _MAX_FILE_BYTES = 1 << 20  # a config file is a page of YAML
+
+
+def json_schema() -> dict[str, Any]:
+    """The config file as a JSON Schema (draft-07): every section and key, its type, range and choices, and no
+    other key — what ``load_config`` accepts from a file, so a chart (``scripts/gen_chart_schema.py``) refuses
+    a typo when it renders instead of every pod refusing it at start. Text keys also take numbers (the
+    loader reads ``port: 9502`` as text); numbers and booleans take their YAML types only (the loader also
+    reads "5" and "yes", which only a variable needs)."""
+    sections: dict[str, Any] = {}
+    for section_name, section_type in get_type_hints(Config).items():
+        hints = get_type_hints(section_type)
+        keys = {key: _key_schema(f"{section_name}.{key}", hint) for key, hint in hints.items()}
+        sections[section_name] = {"type": "object", "additionalProperties": False, "properties": keys}
+    return {"type": "object", "additionalProperties": False, "properties": sections}
+
+
+def _key_schema(name: str, hint: Any) -> dict[str, Any]:
+    text = str(hint)
+    optional = "None" in text
+    schema: dict[str, Any]
+    if hint is bool:
+        schema = {"type": "boolean"}
+    elif hint is float or hint is int or text.startswith(("float", "int")):
+        schema = {"type": "integer" if hint is int or text.startswith("int") else "number"}
+        if name in _RANGES:
+            low, high = _RANGES[name]
+            schema["exclusiveMinimum" if name in _ABOVE else "minimum"] = low
+            schema["maximum"] = high
+    elif text.startswith("list"):
+        # a list, or one comma-separated text (as a variable gives it)
+        item = {"type": ["string", "number"], "maxLength": _MAX_TEXT}
+        return {"type": ["array", "string"], "items": item, "maxItems": _MAX_LIST, "maxLength": _MAX_TEXT}
+    elif name in _CHOICES:
+        schema = {"enum": list(_CHOICES[name])}
+    else:
+        schema = {"type": ["string", "number"], "maxLength": _MAX_TEXT}
+    if optional:
+        if "enum" in schema:
+            schema["enum"].append(None)
+        else:
+            schema["type"] = [*([schema["type"]] if isinstance(schema["type"], str) else schema["type"]), "null"]
+    return schema
 
 
 def _scalar_text(value: Any, where: str) -> str:
@@ -447,5 +495,5 @@ def load_config(
     return cfg
 
 
-__all__ = ["AgentConfig", "CollectorsConfig", "Config", "ConfigError", "CoordinatorConfig", "DiagConfig", "load_config",
-           "split_address"]
+__all__ = ["AgentConfig", "CollectorsConfig", "Config", "ConfigError", "CoordinatorConfig", "DiagConfig", "json_schema",
+           "load_config", "split_address"]

@@ -33,7 +33,7 @@ main()
 """
 
 
-_SERVING = re.compile(r"serving /metrics, /health, /ready on http://127\.0\.0\.1:(\d+)")
+_SERVING = re.compile(r"serving /metrics, /health, /ready on https?://127\.0\.0\.1:(\d+)")
 
 
 _PROMETHEUS_LISTENING = re.compile(r'msg="Listening on" address=127\.0\.0\.1:(\d+)')

@@ -192,6 +192,12 @@ EXEMPT: dict[str, str] = {
                              "reads sysfs_root (no GPU here)",
     "agent.pod_resources_socket": "needs the kubelet's PodResources gRPC service; tests/unit/agent/test_attribution* "
                                   "run the agent's provider against a real gRPC stand-in of it",
+    "agent.web_config_file": "turns the agent's HTTP into HTTPS, which this run's checks do not speak; "
+                             "tests/integration/test_web_tls.py starts gpuhealth agent with it from the config file, "
+                             "GPUHEALTH_AGENT_WEB_CONFIG_FILE and --web.config.file",
+    "coordinator.metrics_web_config_file": "turns the coordinator's /metrics into HTTPS, which this run's checks do "
+                                           "not speak; tests/integration/test_web_tls.py starts gpuhealth "
+                                           "coordinator with it (config file and --web.config.file)",
     "diag.enabled": "the agent never screens a simulated backend (no GPU here): screening has no effect to observe",
     "diag.interval_s": "screening schedule: no screening on a simulated backend",
     "diag.gpu_seconds_per_hour": "the per-GPU budget: a CPU run of a diagnostic has no GPU to charge",

@@ -195,7 +195,8 @@ class Agent:
             self.http = AgentHttpServer(self, self.config.agent.listen, dcgm_compat=self.config.agent.dcgm_compat,
                                         nvlink_per_link=self.config.agent.nvlink_per_link,
                                         dcgm_hostname_label=self.config.agent.dcgm_hostname_label,
-                                        dcgm_schema=self.config.agent.dcgm_schema)
+                                        dcgm_schema=self.config.agent.dcgm_schema,
+                                        web_config_file=self.config.agent.web_config_file)
             self.http.start()
             log.info("serving /metrics, /health, /ready on %s", self.http.url)
         # Extensions start before the first sweep, so their listeners see every change from the start.
@@ -563,6 +564,13 @@ def config_problem(config: Config, known_collectors: Sequence[str] | None = None
             load_thresholds(cc.thresholds_file)
         except (OSError, ValueError) as exc:  # ThresholdsError is a ValueError
             return str(exc)
+    if config.agent.web_config_file:
+        from gpuhealth.runtime.webconfig import WebConfigError, load_web_config
+
+        try:
+            load_web_config(config.agent.web_config_file)
+        except WebConfigError as exc:
+            return f"agent.web_config_file: {exc}"
     return None
 
 

@@ -19,6 +19,13 @@ and at most ``MAX_HEADER_BYTES`` until then, never a thread; it must send its he
 keep-alive connection goes after ``idle_timeout_s``, and at most ``max_connections`` are open (a
 new one pushes out the oldest that has not finished a request). GET and HEAD are served, and POST
 on a route that takes it; the connection closes after a POST.
+
+With a web config (``agent.web_config_file``, ``--web.config.file``: exporter-toolkit's format,
+``runtime/webconfig.py``) connections are TLS and requests may need basic auth. The TLS handshake runs in the
+loop, non-blocking, under the same ``header_timeout_s`` as the headers: a client that opens a connection and
+never finishes its handshake holds no worker and is closed when that time is up. Basic auth guards every
+endpoint but ``/healthz`` and ``/ready`` (a kubelet's probes carry no password; they say only that the process
+serves and has swept once).
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ import logging
 import queue
 import selectors
 import socket
+import ssl
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -44,6 +52,7 @@ from gpuhealth.exporters.prometheus import MetricsEndpoint
 
 if TYPE_CHECKING:
     from gpuhealth.agent.view import AgentView
+    from gpuhealth.runtime.webconfig import WebGuard
 
 log = logging.getLogger(__name__)
 
@@ -75,10 +84,28 @@ class _Handler(BaseHTTPRequestHandler):
     server: _HttpLoop  # type: ignore[assignment]
     protocol_version = "HTTP/1.1"
 
+    def _allowed(self, path: str) -> bool:
+        """Basic auth (when the web config has users): False after answering 401."""
+        guard = self.server.guard
+        if guard is None or path in _NO_AUTH or guard.authorized(self.headers.get("Authorization")):
+            return True
+        self.server.stats["unauthorized"] += 1
+        body = b'{"error": "unauthorized"}'
+        self.send_response(401)
+        self.send_header("WWW-Authenticate", 'Basic realm="gpuhealth"')
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        if self.command != "HEAD":
+            self.wfile.write(body)
+        return False
+
     def do_GET(self) -> None:
         owner = self.server.owner
         path, _, query = self.path.partition("?")
         try:
+            if not self._allowed(path):
+                return
             if path == "/metrics":
                 view = dict(parse_qsl(query)).get("nvlink", "")  # ?nvlink=link | gpu: this scrape's NVLink view
                 per_link = {"link": True, "gpu": False}.get(view)
@@ -111,6 +138,8 @@ class _Handler(BaseHTTPRequestHandler):
         path = self.path.split("?", 1)[0]
         try:
             route = self.server.owner.routes.get(path)
+            if not self._allowed(path):
+                return
             if route is None:  # as for any method no endpoint takes
                 self._json(501, {"error": f"Unsupported method ('POST') for {path}"})
             elif (self.headers.get("Content-Length") or "0").strip() != "0" or self.headers.get("Transfer-Encoding"):
@@ -197,6 +226,7 @@ class _Conn:
     answered: int = 0  # requests served on it (a keep-alive connection that finished one is a scraper)
     busy: bool = False  # a worker has it
     done: bool = False  # the worker says: close it
+    handshaking: bool = False  # TLS: the handshake is not done yet (the loop drives it, no worker waits on it)
 
 
 class _HttpLoop:
@@ -204,8 +234,9 @@ class _HttpLoop:
 
     def __init__(self, addr: tuple[str, int], owner: AgentHttpServer, *, workers: int = 4,
                  max_connections: int = 256, header_timeout_s: float = 10.0, idle_timeout_s: float = 30.0,
-                 write_timeout_s: float = 10.0) -> None:
+                 write_timeout_s: float = 10.0, guard: WebGuard | None = None) -> None:
         self.owner = owner
+        self.guard = guard
         self.workers = workers
         self.max_connections = max_connections
         self.header_timeout_s = header_timeout_s
@@ -233,7 +264,7 @@ class _HttpLoop:
         self._stopping = threading.Event()
         self._threads: list[threading.Thread] = []
         self.stats = {"connections": 0, "requests": 0, "header_timeouts": 0, "idle_closed": 0, "evicted": 0,
-                      "refused": 0, "too_large": 0}
+                      "refused": 0, "too_large": 0, "tls_failed": 0, "tls_timeouts": 0, "unauthorized": 0}
 
     # -- lifecycle --------------------------------------------------------------------------------
     def start(self) -> None:
@@ -297,7 +328,16 @@ class _HttpLoop:
                 sock.close()
                 continue
             sock.setblocking(False)
-            conn = _Conn(sock, addr, deadline=time.monotonic() + self.header_timeout_s)
+            tls = self.guard.context() if self.guard is not None else None
+            if tls is not None:
+                try:
+                    sock = tls.wrap_socket(sock, server_side=True, do_handshake_on_connect=False)
+                except (ssl.SSLError, OSError) as exc:
+                    log.debug("HTTP: TLS wrap of %s failed: %s", addr, exc)
+                    sock.close()
+                    continue
+            # the handshake and then the headers must arrive within header_timeout_s
+            conn = _Conn(sock, addr, deadline=time.monotonic() + self.header_timeout_s, handshaking=tls is not None)
             self._conns[sock] = conn
             self.stats["connections"] += 1
             self._sel.register(sock, selectors.EVENT_READ, conn)
@@ -312,10 +352,40 @@ class _HttpLoop:
         self._close(min(waiting, key=lambda c: c.deadline))
         return True
 
+    def _handshake(self, conn: _Conn) -> bool:
+        """One step of a connection's TLS handshake; True once it is done (and the client may be served)."""
+        assert isinstance(conn.sock, ssl.SSLSocket)
+        try:
+            conn.sock.do_handshake()
+        except ssl.SSLWantReadError:
+            self._sel.modify(conn.sock, selectors.EVENT_READ, conn)
+            return False
+        except ssl.SSLWantWriteError:
+            self._sel.modify(conn.sock, selectors.EVENT_READ | selectors.EVENT_WRITE, conn)
+            return False
+        except (ssl.SSLError, OSError, ValueError) as exc:  # not TLS, a certificate we refuse, a reset
+            self.stats["tls_failed"] += 1
+            log.debug("HTTP: TLS handshake with %s failed: %s", conn.addr, exc)
+            self._close(conn)
+            return False
+        conn.handshaking = False
+        self._sel.modify(conn.sock, selectors.EVENT_READ, conn)
+        assert self.guard is not None
+        if not self.guard.peer_allowed(conn.sock.getpeercert()):
+            self.stats["tls_failed"] += 1
+            log.debug("HTTP: client certificate of %s names none of client_allowed_sans", conn.addr)
+            self._close(conn)
+            return False
+        return True
+
     def _read(self, conn: _Conn) -> None:
+        if conn.handshaking and not self._handshake(conn):
+            return
         try:
             data = conn.sock.recv(16384)
-        except (BlockingIOError, InterruptedError):
+            while isinstance(conn.sock, ssl.SSLSocket) and conn.sock.pending():  # decrypted, not yet taken
+                data += conn.sock.recv(16384)
+        except (BlockingIOError, InterruptedError, ssl.SSLWantReadError, ssl.SSLWantWriteError):
             return
         except OSError:
             data = b""
@@ -360,10 +430,14 @@ class _HttpLoop:
                 continue
             if conn.buf:
                 self._dispatch(conn)
+            elif isinstance(conn.sock, ssl.SSLSocket) and conn.sock.pending():  # read from the wire, still in TLS
+                self._read(conn)
 
     def _expire(self) -> None:
         now = time.monotonic()
         for conn in [c for c in self._conns.values() if not c.busy and c.deadline <= now]:
+            if conn.handshaking:
+                self.stats["tls_timeouts"] += 1
             self.stats["header_timeouts" if conn.buf or not conn.answered else "idle_closed"] += 1
             self._close(conn)
 
@@ -412,6 +486,7 @@ class _HttpLoop:
 
 
 _GET_ONLY = frozenset({"/metrics", "/health", "/ready", "/healthz", "/"})
+_NO_AUTH = frozenset({"/healthz", "/ready"})  # probes: no password in a pod spec
 
 
 def _head_end(buf: bytearray) -> int:
@@ -435,13 +510,21 @@ class AgentHttpServer:
     def __init__(self, agent: AgentView, listen: str, *, dcgm_compat: bool = False, nvlink_per_link: bool = False,
                  workers: int = 4, max_connections: int = 256, header_timeout_s: float = 10.0,
                  idle_timeout_s: float = 30.0, dcgm_hostname_label: str = "auto",
-                 dcgm_schema: str = "4.10") -> None:
+                 dcgm_schema: str = "4.10", web_config_file: str | None = None) -> None:
+        """``web_config_file``: TLS and basic auth (exporter-toolkit's web config); raises ``WebConfigError``
+        (one line) when it cannot be served."""
         self.agent = agent
         self.metrics = MetricsEndpoint(agent.snapshot, dcgm_compat=dcgm_compat, nvlink_per_link=nvlink_per_link,
                                        dcgm_hostname_label=dcgm_hostname_label, dcgm_schema=dcgm_schema)
         self.routes: dict[str, Route] = {}
+        guard = None
+        if web_config_file:
+            from gpuhealth.runtime.webconfig import WebGuard
+
+            guard = WebGuard.open(web_config_file)
         self._server = _HttpLoop(parse_listen(listen), self, workers=workers, max_connections=max_connections,
-                                 header_timeout_s=header_timeout_s, idle_timeout_s=idle_timeout_s)
+                                 header_timeout_s=header_timeout_s, idle_timeout_s=idle_timeout_s, guard=guard)
+        self.scheme = guard.settings.scheme if guard is not None else "http"
 
     @property
     def address(self) -> tuple[str, int]:
@@ -451,7 +534,7 @@ class AgentHttpServer:
     @property
     def url(self) -> str:
         host, port = self.address
-        return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+        return f"{self.scheme}://[{host}]:{port}" if ":" in host else f"{self.scheme}://{host}:{port}"
 
     @property
     def stats(self) -> dict[str, int]:

@@ -13,10 +13,12 @@ from gpuhealth.config import AgentConfig, Config, ConfigError, load_config
 
 def _overrides(listen: str | None, dcgm_compat: bool | None, json_logs: bool | None, snapshot: str | None,
                node_name: str | None, log_level: str | None,
-               nvlink_per_link: bool | None = None, dcgm_schema: str | None = None) -> dict[str, dict[str, Any]]:
+               nvlink_per_link: bool | None = None, dcgm_schema: str | None = None,
+               web_config_file: str | None = None) -> dict[str, dict[str, Any]]:
     return {"agent": {"listen": listen, "dcgm_compat": dcgm_compat, "json_logs": json_logs,
                       "nvml_snapshot": snapshot, "node_name": node_name, "log_level": log_level,
-                      "nvlink_per_link": nvlink_per_link, "dcgm_schema": dcgm_schema}}
+                      "nvlink_per_link": nvlink_per_link, "dcgm_schema": dcgm_schema,
+                      "web_config_file": web_config_file}}
 
 
 @click.command(name="agent")
@@ -37,12 +39,15 @@ def _overrides(listen: str | None, dcgm_compat: bool | None, json_logs: bool | N
 @click.option("--node-name", help="Node name in reports and the dcgm-compat hostname label (default: hostname).")
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default=None,
               help="Least severe log records written (default: agent.log_level, info).")
+@click.option("--web.config.file", "web_config_file", metavar="FILE",
+              help="TLS and basic auth for /metrics and /health: a web config as Prometheus' exporters read it "
+                   "(default: agent.web_config_file, none: plain HTTP).")
 def command(config_file: str | None, listen: str | None, snapshot: str | None, dcgm_compat: bool | None,
             dcgm_schema: str | None, nvlink_per_link: bool | None, json_logs: bool | None, node_name: str | None,
-            log_level: str | None) -> None:
+            log_level: str | None, web_config_file: str | None) -> None:
     """Run the per-node agent: collectors on a schedule, /metrics (Prometheus), /health, /ready."""
     overrides = _overrides(listen, dcgm_compat, json_logs, snapshot, node_name, log_level, nvlink_per_link,
-                           dcgm_schema)
+                           dcgm_schema, web_config_file)
 
     def load() -> Config:
         return load_config(config_file, overrides=overrides)

@@ -42,13 +42,16 @@ from gpuhealth.runtime.logs import setup_logging
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info",
               show_default=True, help="Least severe log records written to stderr.")
 @click.option("--json-logs/--text-logs", default=False, help="Log JSON lines instead of text.")
+@click.option("--web.config.file", "web_config_file", metavar="FILE",
+              help="TLS and basic auth for /metrics: a web config as Prometheus' exporters read it (default: "
+                   "coordinator.metrics_web_config_file, none: plain HTTP).")
 def command(config_path: str | None, listen: str | None, metrics_listen: str | None, db_path: str | None,
             tls_cert: str | None, tls_key: str | None, tls_ca: str | None, node_secret_file: str | None,
             token: str | None,
             token_file: str | None, operator_token: str | None, operator_token_file: str | None,
             operator_names: str | None, hang_k: float | None,
             hang_floor_s: float | None, evidence_dir: str | None, ready_file: str | None,
-            log_level: str, json_logs: bool) -> None:
+            log_level: str, json_logs: bool, web_config_file: str | None) -> None:
     """Run the cluster coordinator. Without authentication (node tokens, TokenReview, mutual TLS) it
     listens on loopback only, unless coordinator.allow_unauthenticated is true."""
     setup_logging(json_lines=json_logs, level=log_level)  # the agent's format: one line per record
@@ -60,7 +63,7 @@ def command(config_path: str | None, listen: str | None, metrics_listen: str | N
             "tls_key": tls_key, "tls_ca": tls_ca, "node_secret_file": node_secret_file, "token": token,
             "operator_token": operator_token,
             "operator_names": operator_names, "hang_k": hang_k, "hang_floor_s": hang_floor_s,
-            "evidence_dir": evidence_dir,
+            "evidence_dir": evidence_dir, "metrics_web_config_file": web_config_file,
         }})
     except ConfigError as exc:
         click.echo(f"gpuhealth coordinator: {exc}", err=True)

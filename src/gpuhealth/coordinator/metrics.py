@@ -10,6 +10,10 @@ of ``workers`` threads only once its headers are complete. A connection costs a 
 that cannot be written within ``write_timeout_s`` is dropped, and at most ``max_connections`` are
 open (a new one pushes out the oldest that has not finished a request). GET and HEAD of ``/metrics``
 (gzip when the scraper allows it) and ``/``; anything else is answered with its status and closed.
+
+With a web config (``coordinator.metrics_web_config_file``, ``--web.config.file``: exporter-toolkit's format,
+``runtime/webconfig.py``) connections are TLS, handshaken in the selector thread under the header deadline (a
+handshake that never completes holds no worker), and requests need basic auth when it names users.
 """
 
 from __future__ import annotations
@@ -21,16 +25,20 @@ import logging
 import queue
 import selectors
 import socket
+import ssl
 import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import choose_encoder
 from prometheus_client.registry import Collector
+
+if TYPE_CHECKING:
+    from gpuhealth.runtime.webconfig import WebGuard
 
 log = logging.getLogger(__name__)
 
@@ -168,6 +176,7 @@ class _Conn:
     answered: int = 0  # requests served on it (one that finished a request is a scraper)
     busy: bool = False  # a worker has it
     opened: float = field(default_factory=time.monotonic)
+    handshaking: bool = False  # TLS: the handshake is not done yet (the selector thread drives it)
 
 
 class MetricsServer:
@@ -175,8 +184,9 @@ class MetricsServer:
 
     def __init__(self, registry: CollectorRegistry, host: str, port: int, *, workers: int = 2,
                  max_connections: int = 256, header_timeout_s: float = 10.0, idle_timeout_s: float = 30.0,
-                 write_timeout_s: float = 10.0) -> None:
+                 write_timeout_s: float = 10.0, guard: WebGuard | None = None) -> None:
         self.registry = registry
+        self.guard = guard
         self.max_connections = max_connections
         self.header_timeout_s = header_timeout_s
         self.idle_timeout_s = idle_timeout_s
@@ -201,7 +211,7 @@ class MetricsServer:
         self._work: queue.SimpleQueue[_Conn | None] = queue.SimpleQueue()
         self._stopping = threading.Event()
         self.stats = {"connections": 0, "requests": 0, "header_timeouts": 0, "idle_closed": 0, "pushed_out": 0,
-                      "too_large": 0, "bad_requests": 0}
+                      "too_large": 0, "bad_requests": 0, "tls_failed": 0, "tls_timeouts": 0, "unauthorized": 0}
         self._threads = [threading.Thread(target=self._loop, name="gpuhealth-metrics-http", daemon=True)]
         self._threads += [threading.Thread(target=self._worker, name=f"gpuhealth-metrics-worker-{i}", daemon=True)
                           for i in range(workers)]
@@ -277,7 +287,16 @@ class MetricsServer:
                 sock.close()
                 continue
             sock.setblocking(False)
-            conn = _Conn(sock, deadline=time.monotonic() + self.idle_timeout_s)
+            tls = self.guard.context() if self.guard is not None else None
+            if tls is not None:
+                try:
+                    sock = tls.wrap_socket(sock, server_side=True, do_handshake_on_connect=False)
+                except (ssl.SSLError, OSError):
+                    sock.close()
+                    continue
+            # a TLS handshake is due as headers are: within header_timeout_s
+            deadline = time.monotonic() + (self.header_timeout_s if tls is not None else self.idle_timeout_s)
+            conn = _Conn(sock, deadline=deadline, handshaking=tls is not None)
             self._conns[sock] = conn
             self.stats["connections"] += 1
             self._sel.register(sock, selectors.EVENT_READ, conn)
@@ -291,10 +310,37 @@ class MetricsServer:
         self._close(min(idle, key=lambda c: c.opened).sock)
         return True
 
+    def _handshake(self, conn: _Conn) -> bool:
+        """One step of a connection's TLS handshake; True once it is done."""
+        assert isinstance(conn.sock, ssl.SSLSocket) and self.guard is not None
+        try:
+            conn.sock.do_handshake()
+        except ssl.SSLWantReadError:
+            self._sel.modify(conn.sock, selectors.EVENT_READ, conn)
+            return False
+        except ssl.SSLWantWriteError:
+            self._sel.modify(conn.sock, selectors.EVENT_READ | selectors.EVENT_WRITE, conn)
+            return False
+        except (ssl.SSLError, OSError, ValueError):  # not TLS, a refused certificate, a reset
+            self.stats["tls_failed"] += 1
+            self._close(conn.sock)
+            return False
+        conn.handshaking = False
+        self._sel.modify(conn.sock, selectors.EVENT_READ, conn)
+        if not self.guard.peer_allowed(conn.sock.getpeercert()):
+            self.stats["tls_failed"] += 1
+            self._close(conn.sock)
+            return False
+        return True
+
     def _read(self, conn: _Conn) -> None:
+        if conn.handshaking and not self._handshake(conn):
+            return
         try:
             data = conn.sock.recv(65536)
-        except (BlockingIOError, InterruptedError):
+            while isinstance(conn.sock, ssl.SSLSocket) and conn.sock.pending():  # decrypted, not yet taken
+                data += conn.sock.recv(65536)
+        except (BlockingIOError, InterruptedError, ssl.SSLWantReadError, ssl.SSLWantWriteError):
             return
         except OSError:
             data = b""
@@ -337,11 +383,16 @@ class MetricsServer:
                 self._sel.register(conn.sock, selectors.EVENT_READ, conn)
             except (KeyError, ValueError, OSError):
                 self._close(conn.sock)
+                continue
+            if isinstance(conn.sock, ssl.SSLSocket) and conn.sock.pending():  # read from the wire, still in TLS
+                self._read(conn)
 
     def _expire(self) -> None:
         now = time.monotonic()
         for conn in [c for c in self._conns.values() if not c.busy and c.deadline <= now]:
-            self.stats["header_timeouts" if conn.buf else "idle_closed"] += 1
+            if conn.handshaking:
+                self.stats["tls_timeouts"] += 1
+            self.stats["header_timeouts" if conn.buf or conn.handshaking else "idle_closed"] += 1
             self._close(conn.sock)
 
     def _close(self, sock: socket.socket) -> None:
@@ -378,9 +429,15 @@ class MetricsServer:
             name, sep, value = line.partition(":")
             if sep:
                 headers[name.strip().lower()] = value.strip()
+        extra: list[str] = []
         if len(parts) != 3 or not parts[2].startswith("HTTP/1."):
             self.stats["bad_requests"] += 1
             status, body, ctype, keep, encoding = 400, b"bad request\n", "text/plain; charset=utf-8", False, None
+        elif self.guard is not None and not self.guard.authorized(headers.get("authorization")):
+            self.stats["unauthorized"] += 1
+            status, body, ctype, encoding = 401, b"unauthorized\n", "text/plain; charset=utf-8", None
+            keep, head_only = False, parts[0] == "HEAD"
+            extra = ['WWW-Authenticate: Basic realm="gpuhealth"']
         else:
             method, target, version = parts
             keep = (version == "HTTP/1.1" and headers.get("connection", "").lower() != "close") or (
@@ -404,7 +461,8 @@ class MetricsServer:
             head_only = method == "HEAD"
         conn.sock.settimeout(self.write_timeout_s)  # a reader that does not read loses its answer
         try:
-            conn.sock.sendall(_response(status, body, ctype, keep=keep, head=head_only, encoding=encoding))
+            conn.sock.sendall(_response(status, body, ctype, keep=keep, head=head_only, encoding=encoding,
+                                        extra=extra))
         except OSError:
             return False
         finally:
@@ -421,11 +479,12 @@ def _header_end(buf: bytearray) -> int:
     return min(ends) if ends else -1
 
 
-def _response(status: int, body: bytes, ctype: str, *, keep: bool, head: bool, encoding: str | None = None) -> bytes:
-    reason = {200: "OK", 400: "Bad Request", 404: "Not Found", 405: "Method Not Allowed",
+def _response(status: int, body: bytes, ctype: str, *, keep: bool, head: bool, encoding: str | None = None,
+              extra: list[str] | None = None) -> bytes:
+    reason = {200: "OK", 400: "Bad Request", 401: "Unauthorized", 404: "Not Found", 405: "Method Not Allowed",
               431: "Request Header Fields Too Large"}.get(status, "")
     lines = [f"HTTP/1.1 {status} {reason}", f"Content-Type: {ctype}", f"Content-Length: {len(body)}",
-             f"Connection: {'keep-alive' if keep else 'close'}"]
+             f"Connection: {'keep-alive' if keep else 'close'}", *(extra or [])]
     if encoding:
         lines += [f"Content-Encoding: {encoding}", "Vary: Accept-Encoding"]
     return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + (b"" if head else body)
@@ -449,7 +508,8 @@ def _accepts_gzip(header: str) -> bool:
     return allowed.get("gzip", allowed.get("x-gzip", allowed.get("*", 0.0))) > 0.0
 
 
-def start_metrics_server(port: int, addr: str, registry: CollectorRegistry) -> tuple[MetricsServer, threading.Thread]:
+def start_metrics_server(port: int, addr: str, registry: CollectorRegistry,
+                         guard: WebGuard | None = None) -> tuple[MetricsServer, threading.Thread]:
     """What ``prometheus_client.start_http_server`` returns (server, thread), from the bounded server."""
-    server = MetricsServer(registry, addr, port)
+    server = MetricsServer(registry, addr, port, guard=guard)
     return server, server._threads[0]

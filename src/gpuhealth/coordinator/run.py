@@ -23,6 +23,7 @@ from gpuhealth.coordinator.store import Store, StoreError
 from gpuhealth.coordinator.straggler_feed import BudgetedStragglerFeed
 from gpuhealth.runtime.sdnotify import SystemdNotifier
 from gpuhealth.runtime.tls import SecurityConfigError, tls_files
+from gpuhealth.runtime.webconfig import WebConfigError, WebGuard
 
 log = logging.getLogger("gpuhealth.coordinator")
 
@@ -77,8 +78,14 @@ def build(cfg: CoordinatorConfig) -> CoordinatorServer:
     check_paths(cfg)
     check_bindable(cfg.listen, "coordinator.listen")
     metrics = cfg.metrics_address()
+    web = None
     if metrics is not None:
         check_bindable(metrics, "coordinator.metrics_listen")
+        if cfg.metrics_web_config_file:
+            try:
+                web = WebGuard.open(cfg.metrics_web_config_file)
+            except WebConfigError as exc:
+                raise CoordinatorStartError(f"coordinator.metrics_web_config_file: {exc}") from None
     try:
         store = Store(cfg.db_path)
     except StoreError as exc:
@@ -89,7 +96,7 @@ def build(cfg: CoordinatorConfig) -> CoordinatorServer:
         return BudgetedStragglerFeed(job_id, budget_records_s=budget)
 
     coord = Coordinator(store, cfg, detector_factory=factory)
-    return CoordinatorServer(coord, listen=cfg.listen, metrics_listen=metrics, policy=policy, tls=tls)
+    return CoordinatorServer(coord, listen=cfg.listen, metrics_listen=metrics, policy=policy, tls=tls, metrics_web=web)
 
 
 async def _ping_watchdog(notifier: SystemdNotifier) -> None:

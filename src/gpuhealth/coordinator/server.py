@@ -41,6 +41,7 @@ from gpuhealth.proto import gpuhealth_v1_pb2 as pb
 from gpuhealth.proto.convert import WireError
 from gpuhealth.proto.options import server_options
 from gpuhealth.runtime.tls import TlsFiles, server_credentials
+from gpuhealth.runtime.webconfig import WebGuard
 
 log = logging.getLogger("gpuhealth.coordinator")
 FLEET_METRICS_INTERVAL_S = 5.0  # the fleet findings on /metrics are at most this old
@@ -295,8 +296,10 @@ class CoordinatorServer:
     """gRPC server + health + reflection + metrics around one ``Coordinator``."""
 
     def __init__(self, coord: Coordinator, *, listen: str, metrics_listen: str | None,
-                 policy: AuthPolicy, tls: TlsFiles | None = None, metrics_interval_s: float = 1.0) -> None:
+                 policy: AuthPolicy, tls: TlsFiles | None = None, metrics_interval_s: float = 1.0,
+                 metrics_web: WebGuard | None = None) -> None:
         self.coord = coord
+        self.metrics_web = metrics_web  # TLS / basic auth of /metrics (web config)
         self.listen = listen
         self.metrics_listen = metrics_listen
         self.policy = policy
@@ -333,7 +336,8 @@ class CoordinatorServer:
             host, mport = split_address(self.metrics_listen) or ("", 0)
             self.collector.update(self.coord.metrics_snapshot())
             self._metrics_http, _thread = start_metrics_server(mport, addr=host or "0.0.0.0",
-                                                               registry=make_registry(self.collector))
+                                                               registry=make_registry(self.collector),
+                                                               guard=self.metrics_web)
             metrics_port = int(self._metrics_http.server_port)
             self._metrics_task = asyncio.create_task(self._refresh_metrics())
         self.endpoints = Endpoints(port, metrics_port)

@@ -45,9 +45,23 @@ _RELABEL = {
     },
     "additionalProperties": False,
 }
+_SECRET_KEY = {"type": "object", "required": ["key"], "properties": {
+    "name": _STR, "key": _STR, "optional": {"type": "boolean"}}, "additionalProperties": False}
+_SECRET_OR_CONFIGMAP = {"type": "object", "properties": {"secret": _SECRET_KEY, "configMap": _SECRET_KEY},
+                        "additionalProperties": False}
+# Endpoint.tlsConfig (TLSConfig: SafeTLSConfig and the file paths) and Endpoint.basicAuth (BasicAuth)
+_TLS_CONFIG = {"type": "object", "properties": {
+    "ca": _SECRET_OR_CONFIGMAP, "cert": _SECRET_OR_CONFIGMAP, "keySecret": _SECRET_KEY, "serverName": _STR,
+    "insecureSkipVerify": {"type": "boolean"}, "caFile": _STR, "certFile": _STR, "keyFile": _STR,
+    "minVersion": {"enum": ["TLS10", "TLS11", "TLS12", "TLS13"]},
+    "maxVersion": {"enum": ["TLS10", "TLS11", "TLS12", "TLS13"]}},
+    "additionalProperties": False}
+_BASIC_AUTH = {"type": "object", "properties": {"username": _SECRET_KEY, "password": _SECRET_KEY},
+               "additionalProperties": False}
 _ENDPOINT = {
     "type": "object",
     "properties": {
+        "tlsConfig": _TLS_CONFIG, "basicAuth": _BASIC_AUTH,
         "port": _STR, "targetPort": {"oneOf": [_STR, {"type": "integer"}]}, "path": _STR,
         "scheme": {"enum": ["http", "https", "HTTP", "HTTPS"]}, "interval": _DURATION, "scrapeTimeout": _DURATION,
         "honorLabels": {"type": "boolean"}, "honorTimestamps": {"type": "boolean"},
