@@ -382,7 +382,7 @@ def test_the_charts_agent_is_scraped_as_its_service_monitor_says(tmp_path: Path,
                       "basicAuth": {"users": {USER: hashed}, "scrapeSecret": "prometheus-scrape"}}}
     with helm.Chart.load(Path(__file__).resolve().parents[2] / "deploy" / "helm" / "gpuhealth") as chart:
         out = chart.render(values, name="gh", namespace=NAMESPACE, is_install=True)
-    docs = [d for text in out.values() for d in yaml.safe_load_all(text) if d]
+    docs = [d for path, text in out.items() if not path.endswith("NOTES.txt") for d in yaml.safe_load_all(text) if d]
     # what the cluster holds besides the chart: cert-manager's Secret for the Service's name, and the scrape Secret
     named = make_pki(tmp_path_factory.mktemp("svc-pki"), {"svc": f"gpuhealth-agent.{NAMESPACE}.svc"})
     ca = Path(named["svc"][0]).parent / "ca.crt"

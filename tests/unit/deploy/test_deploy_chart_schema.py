@@ -174,7 +174,7 @@ class _StandInApiServer:
 
 
 def _secrets(out: dict[str, str]) -> dict[str, dict[str, str]]:
-    docs = [d for text in out.values() for d in yaml.safe_load_all(text) if d]
+    docs = [d for path, text in out.items() if not path.endswith("NOTES.txt") for d in yaml.safe_load_all(text) if d]
     return {d["metadata"]["name"]: d["data"] for d in docs if d["kind"] == "Secret"}
 
 
