@@ -335,7 +335,8 @@ class Agent:
         work.mkdir(parents=True, exist_ok=True)
         cfg = work / "agent.yaml"
         cfg.write_text(f"agent:\n  pod_resources_socket: {work / 'none.sock'}\n  socket_path: {work / 'agent.sock'}\n"
-                       f"  state_dir: {work / 'state'}\n")
+                       f"  state_dir: {work / 'state'}\n"
+                       "zerocode:\n  simulated_processes: true\n")
         self.port = _free_port()
         args = [sys.executable, "-m", "gpuhealth.cli.main", "agent", "--config", str(cfg),
                 "--listen", f"127.0.0.1:{self.port}"]
