@@ -33,7 +33,8 @@ def test_a_simulated_agent_watches_the_listed_processes_only_when_asked(tmp_path
                  for r, p in enumerate(ranks)}
         scenario.write_text(json.dumps({"recording": "nvml_h200x2.json", "overrides": procs}))
         cfg = tmp_path / "agent.yaml"
-        cfg.write_text(f"agent:\n  pod_resources_socket: {tmp_path / 'none.sock'}\n  socket_path: {tmp_path / 'a.sock'}\n"
+        cfg.write_text(f"agent:\n  pod_resources_socket: {tmp_path / 'none.sock'}\n"
+                       f"  socket_path: {tmp_path / 'a.sock'}\n"
                        f"zerocode:\n  poll_interval_s: 0.5\n  simulated_processes: {str(on).lower()}\n")
         agent = AgentProcess(tmp_path, ["--config", str(cfg), "--scenario", str(scenario)])
         try:
