@@ -51,3 +51,5 @@ def test_an_unscraped_agent_names_its_threads_and_its_socket_threads_do_not_wake
                 assert c["success"] and now - c["last_success_time"] < 12.0, c
     finally:
         agent.stop()
+    # the rank socket's wire only, not the in-job hook (tracker, link, timing, control: loaded for nothing before)
+    assert agent.modules()["instrument"] == ["gpuhealth.instrument", "gpuhealth.instrument.protocol"]
