@@ -72,7 +72,8 @@ def test_an_xid_event_still_reaches_health_on_the_next_sweep_with_the_longer_eve
         seen = None
         while time.monotonic() - started < 40 and seen is None:
             health = agent.health()
-            findings = [*health.get("findings", []), *(f for g in health.get("gpus", []) for f in g.get("findings", []))]
+            per_gpu = [f for g in health.get("gpus", []) for f in g.get("findings", [])]
+            findings = [*health.get("findings", []), *per_gpu]
             if any(f.get("code") == "xid.79" for f in findings):
                 seen = time.monotonic() - started
             time.sleep(0.2)
