@@ -396,7 +396,7 @@ def ras_queries(agent: Agent) -> float:
     return float(m.group(1)) if m else 0.0
 
 
-def observe_health(agent: Agent, w: Window) -> dict[str, int]:
+def observe_health(agent: Agent, w: Window, poll_s: float = 5.0) -> dict[str, int]:
     """Each collector's age (``time`` − ``last_success_time``) now, kept in ``w``; returns its ``runs_total``."""
     health = agent.get("/health")
     now = float(health["node"]["time"])
@@ -405,7 +405,7 @@ def observe_health(agent: Agent, w: Window) -> dict[str, int]:
         last = c.get("last_success_time")
         if last:
             w.ages.setdefault(c["name"], []).append(max(0.0, now - float(last)))
-        lane = LANE_INTERVAL_S.get(str(c.get("lane")))
+        lane = poll_s if c["name"] == "zerocode" else LANE_INTERVAL_S.get(str(c.get("lane")))
         if lane:
             w.intervals[c["name"]] = lane
         runs[c["name"]] = int(c.get("runs_total") or 0)
@@ -421,7 +421,7 @@ def measure(agents: Sequence[Agent], seconds: float, pyspy: str | None, jobs: in
     for a in agents:
         w = windows[a.label]
         w.names = thread_names(a.proc.pid, pyspy)
-        w.runs0 = observe_health(a, w)
+        w.runs0 = observe_health(a, w, poll_s)
         w.ras0 = ras_queries(a)
         w.start = sample_tasks(tree_pids(a.proc.pid))
     t0 = time.monotonic()
@@ -433,7 +433,7 @@ def measure(agents: Sequence[Agent], seconds: float, pyspy: str | None, jobs: in
             for k, v in memory_kb(tree_pids(a.proc.pid)).items():
                 w.mem_max[k] = max(v, w.mem_max.get(k, 0))
             if scrape:
-                observe_health(a, w)
+                observe_health(a, w, poll_s)
         if scrape:
             next_scrape += scrape_s
         time.sleep(min(1.0, max(0.0, seconds - (time.monotonic() - t0))))
@@ -442,7 +442,7 @@ def measure(agents: Sequence[Agent], seconds: float, pyspy: str | None, jobs: in
     out = {}
     for a in agents:
         w = windows[a.label]
-        w.runs1 = observe_health(a, w)
+        w.runs1 = observe_health(a, w, poll_s)
         pids = tree_pids(a.proc.pid)
         w.names.update({k: v for k, v in thread_names(a.proc.pid, pyspy).items() if k not in w.names})
         out[a.label] = report(a, w, ends[a.label], pids, elapsed, jobs, poll_s)
