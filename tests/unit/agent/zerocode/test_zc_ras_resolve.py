@@ -51,6 +51,6 @@ def test_an_entry_past_its_ttl_is_resolved_again_and_a_failure_is_not_kept(count
 
     monkeypatch.setattr(socket, "getaddrinfo", failing)
     for _ in range(2):
-        with pytest.raises(ras.RasUnavailable, match="cannot resolve no-such-host.invalid"):
+        with pytest.raises(ras.RasUnavailable, match=r"cannot resolve no-such-host\.invalid"):
             ras.query("no-such-host.invalid", 28028)
     assert counted.count(("fail",)) == 2
