@@ -334,9 +334,10 @@ class Agent:
         self.label, self.work = label, work
         work.mkdir(parents=True, exist_ok=True)
         cfg = work / "agent.yaml"
+        # simulated: the scenario's process list names this machine's ranks (a tree without the key cannot run it)
         cfg.write_text(f"agent:\n  pod_resources_socket: {work / 'none.sock'}\n  socket_path: {work / 'agent.sock'}\n"
                        f"  state_dir: {work / 'state'}\n"
-                       "zerocode:\n  simulated_processes: true\n")
+                       + ("zerocode:\n  simulated_processes: true\n" if scenario is not None else ""))
         self.port = _free_port()
         args = [sys.executable, "-m", "gpuhealth.cli.main", "agent", "--config", str(cfg),
                 "--listen", f"127.0.0.1:{self.port}"]
@@ -581,7 +582,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--states", default="idle,one,four", help="comma-separated: idle, one, four")
     ap.add_argument("--seconds", type=float, default=60.0, help="measured window per state (default 60)")
-    ap.add_argument("--warmup", type=float, default=15.0)
+    ap.add_argument("--warmup", type=float, default=None,
+                    help="seconds between ready and the window (default 15; --live: 90, so the screen a live agent "
+                         "runs on idle GPUs at start, in a child process, is over)")
     ap.add_argument("--profile-seconds", type=float, default=30.0, help="py-spy window after it (0: none)")
     ap.add_argument("--profile-rate", type=int, default=250, help="py-spy samples per second")
     ap.add_argument("--ranks-per-job", type=int, default=2)
@@ -592,6 +595,8 @@ def main() -> None:
                     help="an agent per source tree, side by side (default: this checkout's src)")
     ap.add_argument("--json", default="", help="also write the whole result here")
     args = ap.parse_args()
+    if args.warmup is None:
+        args.warmup = 90.0 if args.live else 15.0
     sys.path.insert(0, str(REPO / "src"))
     sys.path.insert(0, str(REPO / "tests" / "unit" / "agent" / "zerocode"))  # zc_fakes: the RAS stand-in
     trees = dict(t.split("=", 1) for t in args.tree) if args.tree else {"agent": str(REPO / "src")}
