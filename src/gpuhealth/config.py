@@ -177,6 +177,9 @@ class ZeroCodeConfig:
     stacks: bool = True  # py-spy stacks with a hang's evidence
     stacks_native: bool = False  # ... with native frames (slower)
     keep_evidence: int = 16  # evidence folders kept on the node (oldest removed first)
+    # On a simulated backend too: the scenario's ComputeRunningProcesses are taken as this machine's processes
+    # (benchmarks/agent_footprint.py, demos). Off by default: a recording's pids are another machine's.
+    simulated_processes: bool = False
 
 
 @dataclass(slots=True)

@@ -25,7 +25,8 @@ import atexit, json, sys
 out = sys.argv.pop(1)
 def _dump():
     with open(out, "w") as f:
-        json.dump({"torch": "torch" in sys.modules, "count": len(sys.modules)}, f)
+        json.dump({"torch": "torch" in sys.modules, "count": len(sys.modules),
+                   "instrument": sorted(m for m in sys.modules if m.startswith("gpuhealth.instrument"))}, f)
 atexit.register(_dump)
 from gpuhealth.cli.main import main
 sys.argv = ["gpuhealth", *sys.argv[1:]]
@@ -143,3 +144,7 @@ class AgentProcess:
 
     def imported_torch(self) -> bool:
         return bool(json.loads(self.modules_path.read_text())["torch"])
+
+    def modules(self) -> dict[str, Any]:
+        """What the agent had imported when it exited: ``torch`` (bool), ``count``, ``instrument`` (names)."""
+        return json.loads(self.modules_path.read_text())  # type: ignore[no-any-return]

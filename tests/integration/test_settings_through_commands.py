@@ -218,6 +218,8 @@ EXEMPT: dict[str, str] = {
     "zerocode.stacks": "as zerocode.poll_interval_s",
     "zerocode.stacks_native": "as zerocode.poll_interval_s",
     "zerocode.keep_evidence": "as zerocode.poll_interval_s",
+    "zerocode.simulated_processes": "observed through gpuhealth agent by tests/integration/test_zerocode_simulated.py "
+                                    "(a scenario listing this machine's processes: watched only with the key on)",
     "coordinator.retention_days": "days: retention runs hourly over rows that old",
     "coordinator.step_retention_hours": "hours: retention runs hourly over raw step batches that old",
     "coordinator.warm_start_s": "replays step batches after a restart; the difference shows only for jobs older "

@@ -47,6 +47,7 @@ from gpuhealth.backends.base import NvmlBackend
 from gpuhealth.backends.errors import DRIVER_GONE_CODES
 from gpuhealth.collectors.base import CollectContext, Collector, GpuIdentity, Lane
 from gpuhealth.collectors.runner import CollectorRun, CollectorRunner
+from gpuhealth.collectors.xid import EVENT_WAIT_MS
 from gpuhealth.config import Config
 from gpuhealth.exporters import ExportSnapshot, NodeFacts
 from gpuhealth.model import Action, Entity, Finding, Sample, Severity
@@ -55,7 +56,7 @@ from gpuhealth.runtime.sdnotify import SystemdNotifier
 log = logging.getLogger("gpuhealth.agent")
 
 IDLE_TICK_S = 5.0  # longest the scheduler loop sleeps (wakeups cost CPU; jobs wake it when due)
-EVENT_WAIT_DRAIN_S = 0.6  # > the XID pump's 500 ms wait_xid_events timeout
+EVENT_WAIT_DRAIN_S = EVENT_WAIT_MS / 1000 + 0.1  # > the XID pump's wait_xid_events timeout
 _ENUMERATE, _REINIT, _LABELS = "_enumerate", "_nvml_reinit", "_gpu_labels"
 _EXTENSIONS = "agent_extensions"  # the cache entry extensions' own samples are exported under
 
@@ -433,7 +434,7 @@ class Agent:
     def _quiesce_event_readers(self) -> None:
         """Stop threads that block inside NVML (the XID event pump) before NVML is shut down: freeing
         an event set another thread waits on is undefined behaviour in the driver library. Their
-        collectors restart them on the next run. The pump waits at most 500 ms per call."""
+        collectors restart them on the next run. The pump waits at most ``EVENT_WAIT_MS`` per call."""
         closed = False
         for col in self._collectors.values():
             if callable(getattr(col, "close", None)):

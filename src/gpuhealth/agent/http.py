@@ -310,9 +310,11 @@ class _HttpLoop:
                 log.exception("HTTP loop: unexpected error")
                 time.sleep(0.05)
 
-    def _next_deadline(self) -> float:
+    def _next_deadline(self) -> float | None:
+        """Until the first idle connection's deadline; with none, until a socket is ready: a worker handing a
+        connection back and ``stop`` write to the wake socket, so an unscraped agent's loop never wakes."""
         idle = [c.deadline for c in self._conns.values() if not c.busy]
-        return max(0.0, min(1.0, min(idle, default=time.monotonic() + 1.0) - time.monotonic()))
+        return max(0.0, min(idle) - time.monotonic()) if idle else None
 
     def _accept(self) -> None:
         while True:

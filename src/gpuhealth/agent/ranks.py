@@ -153,6 +153,11 @@ class _Trimmer:
         if self._freed >= self._every:
             self.tick()
 
+    @property
+    def pending(self) -> bool:
+        """A trim waits for its interval to pass (the hub's loop must come round to do it)."""
+        return self._trim is not None and self._freed >= 1 << 20
+
     def tick(self) -> None:
         """Trim now if a MiB or more was freed since the last trim and the interval has passed. Called by the
         hub's loop at least once a second too: the last connections of a burst close within the interval
@@ -547,7 +552,7 @@ class RankHub:
                 self._sweep()
                 self._resume()
                 self._trimmer.tick()
-                events = self._sel.select(1.0)
+                events = self._sel.select(self._select_timeout())
             except (OSError, ValueError):
                 if self._stopping.is_set():
                     break
@@ -568,6 +573,16 @@ class RankHub:
                     log.exception("rank hub: error on a connection")
                     if isinstance(key.data, _Conn):
                         self._drop(key.data)
+
+    def _select_timeout(self) -> float | None:
+        """A second while a sweep (a connection without its hello or inside a line), a paused reader or a trim
+        waits on the clock; otherwise none: an idle hub, or one whose ranks are between records, sleeps until
+        a socket or the wake pipe is ready (each timed wake-up is CPU on every node, all day)."""
+        if self._paused or self._trimmer.pending:
+            return 1.0
+        with self._lock:
+            conns = list(self._conns)
+        return 1.0 if any(c.identity is None or c.partial_since is not None for c in conns) else None
 
     def _accept(self) -> None:
         assert self._listen is not None and self._sel is not None

@@ -77,8 +77,10 @@ def run_agent(config: Config, reload_config: Any = None) -> int:
     from gpuhealth.backends.errors import BackendUnavailable, NvmlError, RecordingError
     from gpuhealth.backends.nvml_fake import BUNDLED_RECORDINGS, FakeNvml, bundled_recording_path
     from gpuhealth.backends.nvml_real import RealNvml
+    from gpuhealth.runtime import threadnames
     from gpuhealth.runtime.logs import setup_logging
 
+    threadnames.install()  # top -H and /proc/<pid>/task/*/comm name the agent's threads
     log = logging.getLogger("gpuhealth.agent")
     backend: NvmlBackend
     snapshot = config.agent.nvml_snapshot

@@ -281,6 +281,12 @@ class XidLedger:
         return same
 
 
+# How long one ``wait_xid_events`` call may block. An event ends the wait at once, so this is no detection delay:
+# only how often an idle pump wakes (every wake-up is CPU on every node, all day: 2 a second at 500 ms) and how
+# long stopping it can take (the agent waits this long before NVML is shut down: ``daemon.EVENT_WAIT_DRAIN_S``).
+EVENT_WAIT_MS = 2000
+
+
 class _EventPump:
     """Blocks in ``wait_xid_events`` on its own thread and queues what arrives."""
 
@@ -310,7 +316,7 @@ class _EventPump:
     def _loop(self) -> None:
         while not self._stop.is_set():
             try:
-                events = self._backend.wait_xid_events(500)
+                events = self._backend.wait_xid_events(EVENT_WAIT_MS)
                 self.error = None
             except NvmlError as exc:
                 if exc.not_supported:

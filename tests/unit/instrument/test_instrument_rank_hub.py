@@ -465,3 +465,49 @@ def test_a_dump_stays_charged_to_the_budget_until_the_caller_is_done_with_it(soc
     finally:
         stop.set()
         hub.stop()
+
+
+def _switches(native_id: int) -> int:
+    """Voluntary + involuntary context switches of one thread of this process: how often it woke."""
+    text = Path(f"/proc/self/task/{native_id}/status").read_text()
+    return sum(int(line.split()[1]) for line in text.splitlines() if "ctxt_switches" in line)
+
+
+def test_an_idle_hub_and_one_whose_ranks_are_between_records_do_not_wake(hub: RankHub, sock_path: Path) -> None:
+    """The hub's loop sleeps until a socket is ready unless a sweep needs the clock (it woke every second: on
+    every node, all day, for nothing); a connection with no hello is still closed on time."""
+    got: list[list[StepRecord]] = []
+    hub.add_listener(on_steps=lambda _i, rs: got.append(rs))
+    tid = hub._thread.native_id  # type: ignore[union-attr]
+    assert tid is not None
+    time.sleep(0.3)
+    before = _switches(tid)
+    time.sleep(3.0)
+    assert _switches(tid) - before <= 1  # the old loop: 3
+    rank = ScriptedRank(sock_path)
+    rank.send(protocol.hello(ident(0)))
+    until(lambda: len(hub.ranks()) == 1)
+    time.sleep(0.3)
+    before = _switches(tid)
+    time.sleep(3.0)
+    assert _switches(tid) - before <= 1
+    rank.send(protocol.steps([rec(0, 0)]))  # records still arrive at once
+    until(lambda: got == [[rec(0, 0)]], timeout=2.0)
+    rank.close()
+
+
+def test_a_connection_without_a_hello_is_closed_after_the_timeout_though_the_hub_was_asleep(sock_path: Path) -> None:
+    h = RankHub(sock_path, hello_timeout_s=1.0)
+    h.start(object())
+    try:
+        time.sleep(1.5)  # asleep with no timeout: the new connection must bring the sweeps back
+        silent = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        silent.connect(str(sock_path))
+        silent.settimeout(10)
+        t0 = time.monotonic()
+        while silent.recv(4096):  # until the hub closes it (EOF); our own 10 s timeout would raise
+            pass
+        assert 0.9 <= time.monotonic() - t0 < 5.0
+        silent.close()
+    finally:
+        h.stop()

@@ -40,6 +40,28 @@ MAX_REPLY_BYTES = 16 * 1024 * 1024
 CLONE_NEWNET = 0x40000000
 # ncclFuncStr order in NCCL: the collective types RAS counts.
 OPS = ("Broadcast", "Reduce", "AllGather", "ReduceScatter", "AllReduce")
+# How long a name RAS is asked at ("localhost") stays resolved: the watcher asks every job every poll, and each
+# getaddrinfo walks the resolver (nsswitch, /etc/hosts, in a pod possibly DNS search domains) — the largest
+# share of the watcher's CPU with four jobs on the footprint benchmark. A failure is never kept.
+RESOLVE_TTL_S = 300.0
+
+_resolved: dict[tuple[str, int], tuple[float, list[Any]]] = {}
+_resolved_lock = threading.Lock()
+
+
+def resolve(host: str, port: int, *, now: float | None = None) -> list[Any]:
+    """``getaddrinfo(host, port)`` for a stream socket, kept ``RESOLVE_TTL_S``; raises ``OSError`` as it does."""
+    now = time.monotonic() if now is None else now
+    with _resolved_lock:
+        kept = _resolved.get((host, port))
+    if kept is not None and now - kept[0] < RESOLVE_TTL_S:
+        return kept[1]
+    infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    with _resolved_lock:
+        if len(_resolved) > 256:  # one entry per RAS port in use: a bound, never reached in practice
+            _resolved.clear()
+        _resolved[(host, port)] = (now, infos)
+    return infos
 
 
 class RasUnavailable(Exception):
@@ -149,7 +171,7 @@ def _socket_in_netns(pid: int, family: int) -> socket.socket:
 
 def _connect(host: str, port: int, timeout_s: float, netns_pid: int | None) -> socket.socket:
     try:
-        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        infos = resolve(host, port)
     except OSError as exc:
         raise RasUnavailable(f"cannot resolve {host}: {exc}") from exc
     last: OSError | None = None
@@ -424,4 +446,4 @@ def fetch(host: str = "localhost", port: int = 28028, **kwargs: Any) -> tuple[Ra
 
 
 __all__ = ["OPS", "CountGroup", "RasCommunicator", "RasProtocolError", "RasRank", "RasReply", "RasStatus",
-           "RasUnavailable", "fetch", "parse", "parse_json", "parse_text", "query"]
+           "RasUnavailable", "fetch", "parse", "parse_json", "parse_text", "query", "resolve"]

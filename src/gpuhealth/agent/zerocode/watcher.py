@@ -77,6 +77,7 @@ class ZeroCodeSettings:
     keep_evidence: int = 16  # evidence folders kept (oldest removed first)
     triage_timeout_s: float = 120.0
     record_dir: str | None = None  # every RAS reply is also written here (recordings for tests)
+    simulated_processes: bool = False  # watch a simulated backend's listed processes as this machine's
 
 
 def settings_from(config: Any) -> ZeroCodeSettings:
@@ -171,7 +172,8 @@ class ZeroCodeWatcher:
         self.view = view
         self._host = view.node_name or self._host
         if self._processes is None:
-            if view.simulated or not isinstance(view, ListsGpuProcesses):
+            simulated = view.simulated and not self.settings.simulated_processes
+            if simulated or not isinstance(view, ListsGpuProcesses):
                 log.info("zero-code discovery off: %s", "the GPUs are simulated" if view.simulated
                          else "this agent cannot list GPU processes")
                 return
