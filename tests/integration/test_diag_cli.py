@@ -72,7 +72,8 @@ def test_diag_on_a_machine_without_gpus_says_so(env: dict[str, str]) -> None:
 
 
 def test_golden_export_import_through_the_cli(tmp_path: Path, env: dict[str, str]) -> None:
-    res = CliRunner().invoke(cli, ["diag", "sdc", "--device", "cpu", "--record-golden", "--json"], env=env)
+    res = CliRunner().invoke(cli, ["diag", "sdc", "--device", "cpu", "--peers", "2", "--record-golden", "--json"],
+                             env=env)
     assert res.exit_code == 0, res.output
     assert json.loads(res.output)["result"]["golden"]["status"] == "recorded"
     bundle = tmp_path / "bundle.json"

@@ -8,6 +8,8 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
+from commands import run_cli
+
 from gpuhealth.cli.main import cli
 from gpuhealth.config import DiagConfig
 from gpuhealth.diag.runner import DiagRunner
@@ -57,11 +59,36 @@ def test_cli_self_test_detects_every_injected_fault(tmp_path: Path) -> None:
     res = CliRunner().invoke(cli, ["diag", "sdc", "--device", "cpu", "--inject-fault", "--json",
                                    "--golden-dir", str(tmp_path / "g")],
                              env={"GPUHEALTH_DIAG_STATE_DIR": str(tmp_path / "s")})
-    assert res.exit_code == 0, res.output
+    # one device and no golden: the self-test passed, but nothing outside the device confirmed its digests
+    assert res.exit_code == 3, res.output
     doc = json.loads(res.output)
+    assert doc["health"] == "unknown" and doc["result"]["reference"]["basis"] == "none"
     st = doc["result"]["selftest"]
     assert st["passed"] and st["injected"] == st["detected"] == 32
     assert set(st["faults"]) == {"single_bit", "paired_bits", "word", "warp_tile"}
     assert st["findings_named"] == 32
     example = st["example_findings"][0]
     assert example["code"] == "sdc.mismatch" and example["evidence"]["injected"] is True
+
+
+def test_a_device_compared_only_with_itself_is_not_judged(tmp_path: Path) -> None:
+    """Issue 33: ``gpuhealth diag sdc`` with no golden and no peers said "ok … no problems found" and exited 0. It
+    compared the device with nothing outside it: say so, and exit "could not check"; with peers or a golden, judge."""
+    env = {"GPUHEALTH_DIAG_STATE_DIR": str(tmp_path / "state"), "GPUHEALTH_DIAG_GOLDEN_DIR": str(tmp_path / "g")}
+    alone = run_cli("diag", "sdc", "--device", "cpu", env=env, timeout=180)
+    assert alone.returncode == 3, alone.stdout + alone.stderr
+    assert "no problems found" not in alone.stdout
+    assert "compared: nothing (one device, one run of each case, no golden digests)" in alone.stdout
+    assert "not judged" in alone.stdout and "nothing outside the device confirmed" in " ".join(alone.stdout.split())
+    repeated = run_cli("diag", "sdc", "--device", "cpu", "--repeats", "2", "--json", "--exit-codes", "nagios",
+                       env=env, timeout=180)
+    doc = json.loads(repeated.stdout)
+    assert repeated.returncode == 3 and doc["health"] == "unknown"  # nagios UNKNOWN
+    assert doc["result"]["reference"] == {"basis": "self", "cross_checked": False,
+                                          "compared": "the device with itself only (2 runs of each case)"}
+    # two identical devices vote (and learn the golden); then one device alone is judged against that golden
+    peers = run_cli("diag", "sdc", "--device", "cpu", "--peers", "2", env=env, timeout=180)
+    assert peers.returncode == 0 and "compared: 2 devices with each other" in peers.stdout, peers.stdout
+    again = run_cli("diag", "sdc", "--device", "cpu", env=env, timeout=180)
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert "compared: the golden digests" in again.stdout and "no problems found" in again.stdout

@@ -640,8 +640,8 @@ def run_no_rotation(s: Setup, cleanup: Cleanup) -> None:
 
 def run_diag(s: Setup, cleanup: Cleanup) -> None:
     path, env = s.config("cli")
-    res = run_cli("diag", "sdc", "--device", "cpu", "--record-golden", "--json", "--config", str(path), env=env,
-                  timeout=180)
+    res = run_cli("diag", "sdc", "--device", "cpu", "--peers", "2", "--record-golden", "--json", "--config", str(path),
+                  env=env, timeout=180)
     assert res.returncode == 0, res.stdout + res.stderr
     assert list(Path(s.value("diag.golden_dir")).iterdir()), "diag.golden_dir: no golden recorded there"
 

@@ -47,11 +47,20 @@ def _run(kind: str, args: list[str], device: str, force: bool, config: Config, p
     health = health_of(outcome.findings) if outcome.status == "ok" else Health.UNKNOWN
     if outcome.status == "failed" and kind == "sdc" and outcome.result.get("selftest"):
         health = Health.UNHEALTHY  # the self-test missed an injected fault: the check itself is broken
+    if health is Health.HEALTHY and not_cross_checked(outcome):
+        health = Health.UNKNOWN  # agreeing with itself is no verdict on SDC: nothing outside the GPU confirmed it
     if as_json:
-        click.echo(json.dumps(outcome.to_dict(), indent=2, default=str))
+        click.echo(json.dumps({**outcome.to_dict(), "health": str(health)}, indent=2, default=str))
     else:
         render(outcome, output_console())
     sys.exit(exit_code(health, profile))
+
+
+def not_cross_checked(o: DiagOutcome) -> bool:
+    """An SDC run whose digests met no golden and no peer (``sdc.reference_of``): its own agreement proves nothing
+    about a GPU that is wrong the same way every time."""
+    reference = o.result.get("reference") if o.diag == "sdc" else None
+    return isinstance(reference, dict) and reference.get("cross_checked") is False
 
 
 def _config(config_path: str | None, profile: str) -> Config:
@@ -77,6 +86,8 @@ def render(o: DiagOutcome, console: Console) -> None:
                           f"{c['hash_ms']:.3f}")
         console.print(t)
         console.print(f"golden: {r.get('golden', {}).get('status')} (key {r.get('key_id')})")
+        if isinstance(r.get("reference"), dict):
+            console.print(f"compared: {escape(str(r['reference'].get('compared')))}")
         if r.get("selftest"):
             s = r["selftest"]
             per_kind = ", ".join(f"{k} {v['detected']}/{v['injected']}" for k, v in s["faults"].items())
@@ -102,7 +113,13 @@ def render(o: DiagOutcome, console: Console) -> None:
     for f in o.findings:
         console.print(f"[red]{f.severity}[/red] {f.code}: {escape(f.message)} → {f.action}")
     if o.status == "ok" and not o.findings:
-        console.print("[green]no problems found[/green]")
+        if not_cross_checked(o):
+            console.print("[magenta]not judged[/magenta]: no golden digests for this key and no peer device, so "
+                          "nothing outside the device confirmed its results (a device that is wrong the same way "
+                          "every time passes this); import a golden from a known-good node "
+                          "(gpuhealth diag golden --import FILE) or run where ≥ 2 identical GPUs can vote")
+        else:
+            console.print("[green]no problems found[/green]")
 
 
 _common = [
