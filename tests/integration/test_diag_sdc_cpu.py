@@ -7,7 +7,6 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-
 from commands import run_cli
 
 from gpuhealth.cli.main import cli

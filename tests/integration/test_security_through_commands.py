@@ -160,7 +160,7 @@ def test_open_mode_never_makes_a_remote_caller_an_operator(tmp_path: Path) -> No
         # From the network (this host's outward address is not loopback to the coordinator): reads, never acts.
         assert _triage_code(f"{outward}:{port}") is grpc.StatusCode.PERMISSION_DENIED
         res = run_cli("fleet", "--coordinator", f"{outward}:{port}", "--json")
-        assert res.returncode == 0, res.stderr
+        assert res.returncode == 3 and json.loads(res.stdout)["nodes"] == [], res.stderr  # read: no node to judge
     finally:
         coord.stop()
 

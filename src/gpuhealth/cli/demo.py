@@ -31,6 +31,7 @@ import click
 from gpuhealth.backends.errors import BackendUnavailable, NvmlError
 from gpuhealth.backends.nvml_fake import DEFAULT_RECORDING, bundled_recording_path
 from gpuhealth.backends.nvml_real import RealNvml
+from gpuhealth.config import split_address
 
 
 def _live_gpus() -> int:
@@ -120,6 +121,13 @@ def _stop_tree() -> None:
     psutil.wait_procs(alive, timeout=5)
 
 
+def _check_listen(value: str | None) -> str | None:
+    """A usage error now, not an agent that exits early: the same check the agent makes of agent.listen."""
+    if value is not None and split_address(value) is None:
+        raise click.BadParameter(f"{value[:80]!r} is not host:port (a port from 0 to 65535)")
+    return value
+
+
 def _agent_address(log: Path) -> str | None:
     try:
         m = _SERVING.search(log.read_text(errors="replace"))
@@ -129,8 +137,10 @@ def _agent_address(log: Path) -> str | None:
 
 
 @click.command(name="demo")
-@click.option("--duration", type=float, default=0.0, help="Stop after this many seconds (0: until Ctrl-C).")
-@click.option("--agent-listen", default=None, help="Agent /metrics address (default 127.0.0.1:<free port>).")
+@click.option("--duration", type=click.FloatRange(min=0.0), default=0.0,
+              help="Stop after this many seconds (0: until Ctrl-C).")
+@click.option("--agent-listen", default=None, callback=lambda _c, _p, v: _check_listen(v),
+              help="Agent /metrics address (default 127.0.0.1:<free port>).")
 @click.option("--state-dir", type=click.Path(file_okay=False), default=None,
               help="Where the coordinator database, spool and logs go (default: a temp folder, removed at exit).")
 @click.option("--keep", is_flag=True, help="Keep the temp folder (logs, database) after the demo stops.")

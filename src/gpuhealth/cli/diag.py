@@ -18,6 +18,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from gpuhealth.cli._console import output_console
+from gpuhealth.cli._usage import check_device
 from gpuhealth.cli.exitcodes import PROFILE_NAMES, exit_code
 from gpuhealth.config import Config, ConfigError, load_config
 from gpuhealth.diag.golden import GoldenError, GoldenStore
@@ -123,13 +124,23 @@ def render(o: DiagOutcome, console: Console) -> None:
 
 
 _common = [
-    click.option("--device", default="cuda", show_default=True, help="cuda (all GPUs), cuda:N[,cuda:M] or cpu."),
+    click.option("--device", default="cuda", show_default=True, callback=check_device,
+                 help="cuda (all GPUs), cuda:N[,cuda:M] or cpu."),
     click.option("--force", is_flag=True, help="Run on GPUs with user processes or out of GPU-time budget."),
     click.option("--config", "config_path", metavar="FILE", default=None, help="gpuhealth YAML config file."),
     click.option("--json", "as_json", is_flag=True, help="Print the outcome as JSON."),
     click.option("--exit-codes", "profile", type=click.Choice(PROFILE_NAMES), default="default", show_default=True,
                  help="Exit-code dialect: default (0/1/2/3), slurm, npd, nagios."),
 ]
+
+
+def _check_collectives(value: str | None) -> str | None:
+    from gpuhealth.diag.busbw import COLLECTIVES
+
+    unknown = [c for c in (value or "").split(",") if c and c not in COLLECTIVES]
+    if unknown:
+        raise click.BadParameter(f"unknown {', '.join(unknown)[:80]} (known: {', '.join(COLLECTIVES)})")
+    return value
 
 
 def _with_common(f: Any) -> Any:
@@ -162,13 +173,18 @@ def sdc_cmd(device: str, force: bool, config_path: str | None, as_json: bool, pr
 
 @command.command(name="busbw")
 @_with_common
-@click.option("--collectives", default=None, help="Comma list (default: all six).")
-@click.option("--max-bytes", type=int, default=1 << 30, show_default=True, help="Largest message size (bytes).")
-@click.option("--min-bytes", type=int, default=1 << 20, show_default=True, help="Smallest message size (bytes).")
+@click.option("--collectives", default=None, callback=lambda _c, _p, v: _check_collectives(v),
+              help="Comma list (default: all six).")
+@click.option("--max-bytes", type=click.IntRange(min=1), default=1 << 30, show_default=True,
+              help="Largest message size (bytes).")
+@click.option("--min-bytes", type=click.IntRange(min=1), default=1 << 20, show_default=True,
+              help="Smallest message size (bytes).")
 @click.option("--ranks", type=click.IntRange(min=2), default=2, show_default=True, help="CPU only: Gloo ranks.")
 def busbw_cmd(device: str, force: bool, config_path: str | None, as_json: bool, profile: str,
               collectives: str | None, max_bytes: int, min_bytes: int, ranks: int) -> None:
     """Collective bus bandwidth (nccl-tests formulas), data checked after each collective."""
+    if min_bytes > max_bytes:
+        raise click.BadParameter(f"{min_bytes} is above --max-bytes {max_bytes}", param_hint="'--min-bytes'")
     config = _config(config_path, profile)
     args = busbw_args(config, cpu=device == "cpu", collectives=collectives, min_bytes=min_bytes,
                       max_bytes=max_bytes, ranks=ranks)

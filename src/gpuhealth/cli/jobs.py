@@ -18,9 +18,9 @@ from gpuhealth.cli._coordinator_client import CoordinatorClientError, coordinato
 def command(job_id: str, address: str | None, config_path: str | None, token: str | None,
             token_file: str | None, tls_cert: str | None,
             tls_key: str | None, tls_ca: str | None, as_json: bool) -> None:
-    """List jobs (or one JOB_ID) known to the coordinator. Exit 0 when none is hung or straggling,
-    1 when one is, 3 when the coordinator could not be asked (or the config is bad, or it does not
-    know JOB_ID)."""
+    """List jobs (or one JOB_ID) known to the coordinator. Exit 0 when no running job is hung or straggling
+    (a finished job's verdicts are history: shown, not an alarm), 1 when one is, 3 when the coordinator could not
+    be asked (or the config is bad, or it does not know JOB_ID)."""
     try:
         addr, tok, tls = resolve(config_path, address, token, tls_cert, tls_key, tls_ca, token_file)
     except CoordinatorClientError as exc:
@@ -41,8 +41,14 @@ def command(job_id: str, address: str | None, config_path: str | None, token: st
         click.echo(json.dumps(doc, indent=2, sort_keys=True))
     else:
         _render(jobs)
-    troubled = any(j.get("state") == "hung" or j.get("stragglers") for j in jobs)
-    sys.exit(1 if troubled else 0)
+    sys.exit(1 if any(needs_a_look(j) for j in jobs) else 0)
+
+
+def needs_a_look(job: dict[str, Any]) -> bool:
+    """A job hung or straggling now. A finished job's straggler or hang is history: shown, not an alarm."""
+    if job.get("state") == "finished":
+        return False
+    return job.get("state") == "hung" or bool(job.get("stragglers"))
 
 
 def _render(jobs: list[dict[str, Any]]) -> None:
