@@ -75,7 +75,7 @@ class DiagConfig:
     interval_s: float = 3600.0  # a scheduled screen (SDC + memory bandwidth) this often
     gpu_seconds_per_hour: float = 10.0  # per-GPU GPU-time budget
     run_on_busy_gpus: bool = False
-    golden_dir: str = "/var/lib/gpuhealth/golden"
+    golden_dir: str = "/var/lib/gpuhealth/golden"  # user cache until writable; then old places merged in
     state_dir: str = ""  # budget ledger + per-GPU locks; "" → <agent.state_dir>/diag (user cache if unwritable)
     timeout_s: float = 600.0  # one diagnostic child process, killed past this
     busbw_thresholds_file: str | None = None  # YAML {topology: {collective: {size_bytes: GB/s}}}; None: built in

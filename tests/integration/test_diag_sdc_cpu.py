@@ -91,3 +91,28 @@ def test_a_device_compared_only_with_itself_is_not_judged(tmp_path: Path) -> Non
     again = run_cli("diag", "sdc", "--device", "cpu", env=env, timeout=180)
     assert again.returncode == 0, again.stdout + again.stderr
     assert "compared: the golden digests" in again.stdout and "no problems found" in again.stdout
+
+
+def test_goldens_recorded_before_the_state_folder_existed_survive_its_arrival(tmp_path: Path) -> None:
+    """Issue 33: a golden recorded while /var/lib/gpuhealth did not exist went to ~/.cache/gpuhealth and was not
+    found once the folder existed (the store moved). One rule for the place, and the old place merged in."""
+    home, var = tmp_path / "home", tmp_path / "var" / "lib"
+    home.mkdir()
+    var.mkdir(parents=True)
+    env = {"HOME": str(home), "XDG_CACHE_HOME": "", "GPUHEALTH_DIAG_STATE_DIR": "",
+           "GPUHEALTH_AGENT_STATE_DIR": str(var / "gpuhealth"),
+           "GPUHEALTH_DIAG_GOLDEN_DIR": str(var / "gpuhealth" / "golden")}
+    first = run_cli("diag", "sdc", "--device", "cpu", "--peers", "2", "--json", env=env, timeout=180)
+    assert first.returncode == 0, first.stdout + first.stderr
+    doc = json.loads(first.stdout)
+    cache = home / ".cache" / "gpuhealth" / "diag" / "golden"
+    assert doc["result"]["golden"]["status"] == "recorded" and Path(doc["result"]["golden"]["path"]).parent == cache
+    (var / "gpuhealth").mkdir()  # the package (or the agent) makes /var/lib/gpuhealth
+    alone = run_cli("diag", "sdc", "--device", "cpu", "--json", env=env, timeout=180)
+    assert alone.returncode == 0, alone.stdout + alone.stderr  # one device, judged against the golden
+    assert json.loads(alone.stdout)["result"]["golden"]["status"] == "compared"
+    assert f"merged into {var / 'gpuhealth' / 'golden'}" in alone.stderr, alone.stderr
+    kept = sorted(p.name for p in cache.glob("*.json"))
+    assert kept and sorted(p.name for p in (var / "gpuhealth" / "golden").glob("*.json")) == kept  # both copies
+    listed = run_cli("diag", "golden", env=env)
+    assert listed.returncode == 0 and doc["result"]["key_id"] in listed.stdout and "merged" not in listed.stderr

@@ -22,8 +22,8 @@ from gpuhealth.cli._usage import check_device
 from gpuhealth.cli.exitcodes import PROFILE_NAMES, exit_code
 from gpuhealth.config import Config, ConfigError, load_config
 from gpuhealth.diag.golden import GoldenError, GoldenStore
+from gpuhealth.diag.golden_place import resolve_golden_dir
 from gpuhealth.diag.ondemand import DiagRequestError, bandwidth_args, busbw_args, run_on_demand, sdc_args
-from gpuhealth.diag.qualify import default_golden_dir
 from gpuhealth.diag.runner import DiagOutcome
 from gpuhealth.model import Health, health_of
 
@@ -70,6 +70,14 @@ def _config(config_path: str | None, profile: str) -> Config:
     except ConfigError as exc:
         _fail(str(exc), profile)
         raise AssertionError from exc  # unreachable: _fail exits
+
+
+def _golden_place(config: Config) -> str:
+    """The golden store by its rule; goldens merged in from an old place (or refused) are said on stderr."""
+    place = resolve_golden_dir(config)
+    for line in [*place.merged, *place.problems]:
+        click.echo(f"gpuhealth diag: golden digests: {line}", err=True)
+    return str(place.path)
 
 
 def render(o: DiagOutcome, console: Console) -> None:
@@ -166,6 +174,7 @@ def sdc_cmd(device: str, force: bool, config_path: str | None, as_json: bool, pr
             repeats: int, record_golden: bool, peers: int, golden_dir: str | None) -> None:
     """Silent-data-corruption check: seeded matmuls on every datapath, hashed on the device."""
     config = _config(config_path, profile)
+    golden_dir = golden_dir or _golden_place(config)
     args = sdc_args(config, cpu=device == "cpu", golden_dir=golden_dir, repeats=repeats, selftest=inject_fault,
                     record_golden=record_golden, peers=peers)
     _run("sdc", args, device, force, config, profile, as_json)
@@ -212,7 +221,7 @@ def golden_cmd(export_path: str | None, import_path: str | None, golden_dir: str
     except ConfigError as exc:
         _fail(str(exc), "default")
         return
-    store = GoldenStore(golden_dir or default_golden_dir(config))
+    store = GoldenStore(golden_dir or _golden_place(config))
     try:
         if import_path:
             n = store.import_bundle(import_path)

@@ -259,11 +259,10 @@ def default_state_dir(config: Config) -> Path:
 
 
 def default_golden_dir(config: Config) -> Path:
-    golden = Path(config.diag.golden_dir)
-    probe = golden if golden.exists() else golden.parent
-    if probe.exists() and os.access(probe, os.W_OK):
-        return golden
-    return default_state_dir(config) / "golden"
+    """The golden store by its one rule (``diag/golden_place.py``), the old places merged in."""
+    from gpuhealth.diag.golden_place import resolve_golden_dir
+
+    return resolve_golden_dir(config).path
 
 
 def run_qualify(
