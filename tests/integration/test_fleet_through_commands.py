@@ -164,7 +164,7 @@ def test_a_finished_jobs_straggler_is_history_not_an_alarm(tmp_path: Path) -> No
         address = coord.address()
 
         async def finished_job() -> None:
-            agent = SimAgent(address, "n1")
+            agent = SimAgent(address, "n1", simulated=True)
             await agent.register()
             await agent.connect()
             await agent.send(_ranks_message(1, "done", [0, 1, 2, 3], "n1"))
@@ -186,6 +186,9 @@ def test_a_finished_jobs_straggler_is_history_not_an_alarm(tmp_path: Path) -> No
         res = run_cli("jobs", "done", "--coordinator", address)
         assert res.returncode == 0, (res.returncode, res.stdout, res.stderr)
         assert "finished" in res.stdout and "rank 2" in res.stdout  # still shown
+        # its node replays a recording: marked, as in fleet and status
+        assert "n1 (SIMULATED)" in res.stdout and "SIMULATED: node(s) n1 replay a recording" in res.stdout
+        assert job["simulated_nodes"] == ["n1"]
         assert run_cli("jobs", "--coordinator", address).returncode == 0
     finally:
         coord.stop()

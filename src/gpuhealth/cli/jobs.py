@@ -57,12 +57,18 @@ def _render(jobs: list[dict[str, Any]]) -> None:
     table = Table(title="jobs")
     for col in ("job", "state", "ranks", "nodes", "last step", "step p50 (s)", "stragglers", "hangs"):
         table.add_column(col)
+    simulated = sorted({n for j in jobs for n in j.get("simulated_nodes") or []})
+    if simulated:
+        output_console().print(f"SIMULATED: node(s) {', '.join(simulated[:10])} replay a recording: the GPUs joined "
+                               "with these ranks are not real", style="bold black on yellow", markup=False,
+                               highlight=False)
     for j in jobs:
         q = j.get("step_time_quantiles") or {}
         p50 = q.get("0.5") if isinstance(q, dict) else None
         # Both counts (straggler ranks now, hangs so far); which ranks and why: the lines below the table.
         table.add_row(str(j["job_id"]), str(j["state"]), f"{j['ranks_seen']}/{j['world_size'] or '?'}",
-                      ",".join(j.get("nodes") or []),
+                      ",".join(f"{n} (SIMULATED)" if n in (j.get("simulated_nodes") or []) else n
+                               for n in j.get("nodes") or []),
                       str(j.get("last_step")), f"{p50:.3f}" if isinstance(p50, float) else "-",
                       str(len(j.get("stragglers") or [])), str(j.get("hangs", 0)))
     console = output_console()

@@ -954,6 +954,9 @@ class Coordinator:
             summary["step_time_quantiles"] = {str(q): v for q, v in job.step_quantiles().items()}
             summary["straggler_culprits"] = [self.culprit(job, r) for r in sorted(job.stragglers)]
             summary["verdicts"] = self.store.verdicts(job.job_id, limit=5)
+            # ranks on nodes whose agent replays a recording: their GPU health is not a real GPU's
+            summary["simulated_nodes"] = [n for n in summary["nodes"]
+                                          if (view := self.nodes.get(n)) is not None and view.simulated]
             jobs.append(summary)
         return {"jobs": jobs, "generated_at": self.clock()}
 
