@@ -47,7 +47,7 @@ def screens_message(seq: int, screens: Sequence[pb.ScreenResult]) -> bytes:
 class SimAgent:
     def __init__(self, address: str, node: str, *, incarnation: str = "sim", metadata: Sequence[tuple[str, str]] = (),
                  credentials: grpc.ChannelCredentials | None = None, gpus: int = 0,
-                 versions: dict[str, str] | None = None) -> None:
+                 versions: dict[str, str] | None = None, simulated: bool = False) -> None:
         self.address = address
         self.node = node
         self.incarnation = incarnation
@@ -55,6 +55,7 @@ class SimAgent:
         self.credentials = credentials
         self.gpus = gpus
         self.versions = versions or {}
+        self.simulated = simulated  # registers as an agent that replays a recording
         self.acked = 0
         self.acked_event = asyncio.Event()
         self.requests: list[pb.AgentRequest] = []
@@ -71,7 +72,8 @@ class SimAgent:
                         else grpc.aio.insecure_channel(self.address, options=opts))
         reg = self.channel.unary_unary(REGISTER, request_serializer=pb.RegisterRequest.SerializeToString,
                                        response_deserializer=pb.RegisterResponse.FromString)
-        req = pb.RegisterRequest(node_name=node or self.node, incarnation=self.incarnation, versions=self.versions)
+        req = pb.RegisterRequest(node_name=node or self.node, incarnation=self.incarnation, versions=self.versions,
+                                 simulated=self.simulated, backend="simulated from test" if self.simulated else "")
         for i in range(self.gpus):
             req.gpus.append(pb.GpuInfo(index=i, uuid=f"GPU-{self.node}-{i}", pci_bus_id=f"00000000:{i:02x}:00.0",
                                        name="NVIDIA H100 80GB HBM3", vbios="96.00.99.00.01"))

@@ -22,6 +22,15 @@ class ConfigError(ValueError):
     """A bad config file, variable or flag; the message names the source and the key."""
 
 
+class FlagError(ConfigError):
+    """A command-line flag's value (``overrides``) that fails its key's check: a usage error, not a config that
+    could not be used. ``key`` is the ``section.key`` it stands for."""
+
+    def __init__(self, message: str, key: str) -> None:
+        super().__init__(message)
+        self.key = key
+
+
 @dataclass(slots=True)
 class CollectorsConfig:
     fast_interval_s: float = 5.0
@@ -72,7 +81,7 @@ class DiagConfig:
     interval_s: float = 3600.0  # a scheduled screen (SDC + memory bandwidth) this often
     gpu_seconds_per_hour: float = 10.0  # per-GPU GPU-time budget
     run_on_busy_gpus: bool = False
-    golden_dir: str = "/var/lib/gpuhealth/golden"
+    golden_dir: str = "/var/lib/gpuhealth/golden"  # user cache until writable; then old places merged in
     state_dir: str = ""  # budget ledger + per-GPU locks; "" → <agent.state_dir>/diag (user cache if unwritable)
     timeout_s: float = 600.0  # one diagnostic child process, killed past this
     busbw_thresholds_file: str | None = None  # YAML {topology: {collective: {size_bytes: GB/s}}}; None: built in
@@ -494,9 +503,16 @@ def load_config(
                 from_env.setdefault(f.name, {})[key] = env[var]
     _apply(cfg, from_env, "environment", env=True)
     if overrides:
-        _apply(cfg, {k: {kk: vv for kk, vv in v.items() if vv is not None} for k, v in overrides.items()}, "flags")
+        for section, values in overrides.items():
+            for key, value in values.items():
+                if value is None:
+                    continue
+                try:
+                    _apply(cfg, {section: {key: value}}, "flags")
+                except ConfigError as exc:
+                    raise FlagError(str(exc), f"{section}.{key}") from None
     return cfg
 
 
-__all__ = ["AgentConfig", "CollectorsConfig", "Config", "ConfigError", "CoordinatorConfig", "DiagConfig", "json_schema",
-           "load_config", "split_address"]
+__all__ = ["AgentConfig", "CollectorsConfig", "Config", "ConfigError", "CoordinatorConfig", "DiagConfig", "FlagError",
+           "json_schema", "load_config", "split_address"]

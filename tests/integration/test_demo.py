@@ -149,3 +149,63 @@ def test_ctrl_c_during_the_job_and_keep_keeps_the_folder(tmp_path: Path) -> None
     [kept] = list(tmp_path.iterdir())
     assert kept.name.startswith("gpuhealth-demo-") and (kept / "agent.log").is_file()
     assert f"logs and database in {kept}\n" in out  # no "removed at exit" promise with --keep
+
+
+_BLOCK_EXTRAS = """
+import os, sys
+blocked = tuple(os.environ.get("GPUHEALTH_TEST_BLOCK", "").split(","))
+class Block:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in blocked:
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+sys.meta_path.insert(0, Block())
+"""
+
+
+@pytest.mark.integration
+def test_on_a_core_install_the_demo_names_the_missing_extra_and_the_log(tmp_path: Path) -> None:
+    """Issue 33: without the coordinator extra the demo said 'a process exited early (code 3)' and no more. It names
+    the process, what its log says (the extra to install) and the log's path."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(_BLOCK_EXTRAS)  # every Python process: as if grpc were not installed
+    state = tmp_path / "state"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(site), os.environ.get("PYTHONPATH", "")) if p),
+           "GPUHEALTH_TEST_BLOCK": "grpc,google", "COLUMNS": "200"}
+    out = subprocess.run([sys.executable, "-m", "gpuhealth.cli.main", "demo", "--simulate", "--no-job", "--duration",
+                          "1", "--state-dir", str(state)], capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode == 3, out.stdout + out.stderr
+    error = " ".join(out.stderr.split())
+    assert "Traceback" not in out.stderr
+    assert "the coordinator exited (code 3)" in error, error
+    assert "pip install 'gpuhealth[coordinator]'" in error, error
+    assert f"its log: {state / 'coordinator.log'}" in error, error
+
+
+@pytest.mark.integration
+def test_the_demos_try_line_works_as_typed_without_the_venv_on_path(tmp_path: Path) -> None:
+    """Issue 33: the demo said 'try: gpuhealth fleet …', which a shell without the venv's bin on PATH cannot run. The
+    command it prints runs as typed from a shell with only /usr/bin:/bin on PATH."""
+    path = "/usr/bin:/bin"
+    env = {**os.environ, "PATH": path, "COLUMNS": "200"}
+    demo = subprocess.Popen([sys.executable, "-m", "gpuhealth.cli.main", "demo", "--simulate", "--no-job",
+                             "--duration", "0", "--state-dir", str(tmp_path)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    try:
+        assert demo.stdout is not None
+        lines = []
+        deadline = time.monotonic() + 120
+        for line in demo.stdout:
+            lines.append(line)
+            if "agent registered with the coordinator" in line or time.monotonic() > deadline:
+                break
+        [tried] = [line for line in lines if "] try:" in line]
+        fleet = tried.split("try:", 1)[1].split("|")[0].strip()
+        assert fleet.split()[1:3] == ["fleet", "--coordinator"] or " -m gpuhealth.cli.main fleet " in fleet, fleet
+        res = subprocess.run(["bash", "-c", f"{fleet} --json"], capture_output=True, text=True, timeout=60,
+                             env={**env, "PATH": path})
+        assert res.returncode in (0, 1), (fleet, res.stdout, res.stderr)  # it ran, and answered
+        assert "demo-node" in res.stdout
+    finally:
+        demo.send_signal(signal.SIGTERM)
+        demo.wait(60)

@@ -60,9 +60,14 @@ def test_fleet_names_the_gpu_behind_a_degraded_link(tmp_path: Path) -> None:
         assert row["uuid"].startswith("GPU-") and row["pci_bus_id"] == "00000000:48:00.0"
         [node] = doc["nodes"]
         assert node["health"] == "unhealthy"
+        # the agent replays a scenario: marked SIMULATED, as status, the agent's log and /metrics mark it
+        assert node["simulated"] is True and node["backend"].startswith("simulated from")
+        assert doc["simulated_nodes"] == 1
         res = run_cli("fleet", "--coordinator", address)
         assert res.returncode == 1
         assert "node faulty GPU 3" in res.stdout and "pcie.link_degraded" in res.stdout, res.stdout
+        assert "SIMULATED: 1 of 1 node(s) replay a recording, not real GPUs: faulty" in res.stdout, res.stdout
+        assert "faulty (SIMULATED)" in res.stdout
     finally:
         if agent is not None:
             agent.stop()
@@ -100,6 +105,7 @@ def test_the_fleet_sdc_vote_is_on_the_coordinators_metrics(tmp_path: Path) -> No
         # The same finding as gpuhealth fleet shows it.
         doc = json.loads(run_cli("fleet", "--coordinator", address, "--json").stdout)
         assert [f["entity"]["id"] for f in doc["sdc"]] == ["GPU-n3-0"]
+        assert doc["simulated_nodes"] == 0 and not any(n["simulated"] for n in doc["nodes"])  # none said so
     finally:
         coord.stop()
 
@@ -138,5 +144,67 @@ def test_the_jobs_table_counts_and_says_each_straggler_once(tmp_path: Path) -> N
         # An unknown job is an error, not an empty table with exit 0.
         res = run_cli("jobs", "no-such-job", "--coordinator", address)
         assert res.returncode == 3 and "knows no job 'no-such-job'" in res.stderr, (res.returncode, res.stderr)
+    finally:
+        coord.stop()
+
+
+def _ranks_message(seq: int, job_id: str, ranks: list[int], node: str) -> bytes:
+    from gpuhealth.proto import gpuhealth_v1_pb2 as pb
+
+    ids = [pb.RankIdentity(job_id=job_id, rank=r, world_size=len(ranks), host=node, pid=1000 + r, local_rank=r,
+                           gpu_index=-1) for r in ranks]
+    return pb.AgentMessage(record=pb.Record(seq=seq, ranks=pb.RankIdentities(ranks=ids))).SerializeToString()
+
+
+def test_a_finished_jobs_straggler_is_history_not_an_alarm(tmp_path: Path) -> None:
+    """Issue 33: ``gpuhealth jobs`` exited 1 for a straggler in a job that had already finished. Its verdict is
+    still shown; the exit code says whether a job needs a look now."""
+    coord = _coordinator(tmp_path)
+    try:
+        address = coord.address()
+
+        async def finished_job() -> None:
+            agent = SimAgent(address, "n1", simulated=True)
+            await agent.register()
+            await agent.connect()
+            await agent.send(_ranks_message(1, "done", [0, 1, 2, 3], "n1"))
+            for step in range(60):  # rank 2 computes twice as long as the others, every step
+                await agent.send(step_batch_message(step + 2, "done", [0, 1, 2, 3], step, wall_s=0.2,
+                                                    compute=[0.05, 0.05, 0.1, 0.05]))
+            await agent.wait_acked(61)
+            await agent.close()  # no agent reports a rank of it alive: the job is finished
+
+        asyncio.run(finished_job())
+
+        def finished() -> dict[str, Any] | None:
+            doc = json.loads(run_cli("jobs", "done", "--coordinator", address, "--json").stdout)
+            job: dict[str, Any] = doc["jobs"][0]
+            return job if job.get("verdicts") and job["state"] == "finished" else None
+
+        job = until(finished, 30, "the finished job's straggler verdict")
+        assert any(v["kind"] == "straggler" for v in job["verdicts"])
+        res = run_cli("jobs", "done", "--coordinator", address)
+        assert res.returncode == 0, (res.returncode, res.stdout, res.stderr)
+        assert "finished" in res.stdout and "rank 2" in res.stdout  # still shown
+        # its node replays a recording: marked, as in fleet and status
+        assert "n1 (SIMULATED)" in res.stdout and "SIMULATED: node(s) n1 replay a recording" in res.stdout
+        assert job["simulated_nodes"] == ["n1"]
+        assert run_cli("jobs", "--coordinator", address).returncode == 0
+    finally:
+        coord.stop()
+
+
+def test_a_coordinator_with_no_nodes_says_so_and_judges_nothing(tmp_path: Path) -> None:
+    """Issue 33: ``gpuhealth fleet`` on a coordinator no agent had registered with printed "0 of 0 GPUs (100.0 %)
+    screened" and exited 0. No node is nothing to judge: say so, exit 3 (could not check)."""
+    coord = _coordinator(tmp_path)
+    try:
+        address = coord.address()
+        res = run_cli("fleet", "--coordinator", address)
+        assert res.returncode == 3, (res.returncode, res.stdout, res.stderr)
+        assert "no nodes: no agent has registered with the coordinator" in " ".join(res.stdout.split())
+        assert "100.0 %" not in res.stdout
+        res = run_cli("fleet", "--coordinator", address, "--json")
+        assert res.returncode == 3 and json.loads(res.stdout)["nodes"] == []
     finally:
         coord.stop()

@@ -160,7 +160,7 @@ def test_open_mode_never_makes_a_remote_caller_an_operator(tmp_path: Path) -> No
         # From the network (this host's outward address is not loopback to the coordinator): reads, never acts.
         assert _triage_code(f"{outward}:{port}") is grpc.StatusCode.PERMISSION_DENIED
         res = run_cli("fleet", "--coordinator", f"{outward}:{port}", "--json")
-        assert res.returncode == 0, res.stderr
+        assert res.returncode == 3 and json.loads(res.stdout)["nodes"] == [], res.stderr  # read: no node to judge
     finally:
         coord.stop()
 
@@ -328,8 +328,9 @@ def test_queries_find_their_token_in_files(tmp_path: Path) -> None:
         client = write_config(tmp_path / "client.yaml", {"agent": {"coordinator": address},
                                                          "coordinator": {"token_file": str(token_file)}})
         # coordinator.token_file in the client's config (jobs and fleet read it; before: ignored)
-        assert run_cli("fleet", "--config", str(client), "--sdc", "--device", "cpu", "--timeout", "10").returncode \
-            in (0, 1)
+        res = run_cli("fleet", "--config", str(client), "--sdc", "--device", "cpu", "--timeout", "10")
+        assert res.returncode == 3 and "no nodes: no agent has registered" in " ".join(res.stdout.split()), \
+            (res.stdout, res.stderr)  # authorised (not PERMISSION_DENIED); no node to run on: nothing judged
         res = run_cli("triage", "--job", "no-such-job", "--config", str(client))
         assert "no job 'no-such-job'" in res.stderr, res.stderr
         # GPUHEALTH_TOKEN_FILE reaches triage --job too (it has no --token-file flag)

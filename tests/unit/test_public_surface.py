@@ -26,7 +26,7 @@ PUBLIC: dict[str, set[str]] = {
     "gpuhealth.flightrec.verdict": {"VERDICTS", "RootCause", "RootKind", "TriageReport", "Verdict", "triage"},
     "gpuhealth.flightrec.report": {"Blocked", "RootCause", "RootKind", "TriageReport", "Verdict"},
     "gpuhealth.config": {"AgentConfig", "CollectorsConfig", "Config", "ConfigError", "CoordinatorConfig",
-                         "DiagConfig", "json_schema", "load_config", "split_address"},
+                         "DiagConfig", "FlagError", "json_schema", "load_config", "split_address"},
     "gpuhealth.node": {"AgentFacts", "GpuReport", "NodeReport", "assemble_report", "build_report", "collect_once",
                        "default_kmsg", "make_backend", "open_backend", "report_of_snapshot"},
     "gpuhealth.collectors.base": {"CollectContext", "CollectError", "Collector", "GpuIdentity", "History", "Lane",

@@ -205,9 +205,12 @@ def build_register_request(agent: AgentView | None, incarnation: str) -> pb.Regi
                 "nccl": _dist_version("nvidia-nccl-cu13", "nvidia-nccl-cu12", "nvidia-nccl-cu11"),
                 "kernel": os.uname().release, "gpuhealth": __version__}
     if agent is not None:
+        # a replayed recording: every view of the node says SIMULATED
+        req.simulated = bool(getattr(agent, "simulated", False))
         per_gpu: dict[str, Any] = {}
         try:
             node_info = agent.node_report().get("node", {})
+            req.backend = str(node_info.get("backend") or "")[:200]
             versions["driver"] = str(node_info.get("driver_version") or "")
             versions["cuda_driver"] = str(node_info.get("cuda_driver_version") or "")
             per_gpu = dict((node_info.get("versions") or {}).get("gpus") or {})

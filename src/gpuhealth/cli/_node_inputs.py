@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from gpuhealth.backends.base import NvmlBackend
 from gpuhealth.backends.errors import BackendUnavailable, NvmlError, RecordingError
-from gpuhealth.config import Config, ConfigError, load_config
+from gpuhealth.cli._usage import flag_error
+from gpuhealth.config import Config, ConfigError, FlagError, load_config
 from gpuhealth.node import make_backend
 
 
@@ -26,6 +27,9 @@ def open_node(config_path: str | None, snapshot: str | None, kmsg_path: str | No
             "collectors": {"expected_gpus": expected_gpus, "kmsg_path": kmsg_path},
             "agent": {"nvml_snapshot": snapshot},
         })
+    except FlagError as exc:  # a usage error (64), not a node that could not be checked
+        raise flag_error(exc, {"collectors.expected_gpus": "--expected-gpus", "collectors.kmsg_path": "--kmsg",
+                               "agent.nvml_snapshot": "--nvml-snapshot"}) from None
     except ConfigError as exc:
         raise NodeInputError(str(exc)) from exc
     try:

@@ -8,7 +8,8 @@ from typing import Any
 
 import click
 
-from gpuhealth.config import AgentConfig, Config, ConfigError, load_config
+from gpuhealth.cli._usage import flag_error
+from gpuhealth.config import AgentConfig, Config, ConfigError, FlagError, load_config
 
 
 def _overrides(listen: str | None, dcgm_compat: bool | None, json_logs: bool | None, snapshot: str | None,
@@ -19,6 +20,11 @@ def _overrides(listen: str | None, dcgm_compat: bool | None, json_logs: bool | N
                       "nvml_snapshot": snapshot, "node_name": node_name, "log_level": log_level,
                       "nvlink_per_link": nvlink_per_link, "dcgm_schema": dcgm_schema,
                       "web_config_file": web_config_file}}
+
+
+# the config key each flag stands for: a value the key's check rejects is a usage error of that flag
+_FLAGS = {"agent.listen": "--listen", "agent.nvml_snapshot": "--nvml-snapshot", "agent.node_name": "--node-name",
+          "agent.log_level": "--log-level"}
 
 
 @click.command(name="agent")
@@ -54,6 +60,8 @@ def command(config_file: str | None, listen: str | None, snapshot: str | None, d
 
     try:
         config = load()
+    except FlagError as exc:
+        raise flag_error(exc, _FLAGS) from None
     except ConfigError as exc:
         click.echo(f"gpuhealth agent: {exc}", err=True)
         sys.exit(3)

@@ -9,8 +9,16 @@ import sys
 import click
 
 from gpuhealth.cli._secrets import pick_secret
-from gpuhealth.config import ConfigError, load_config
+from gpuhealth.cli._usage import flag_error
+from gpuhealth.config import ConfigError, FlagError, load_config
 from gpuhealth.runtime.logs import setup_logging
+
+# the config key each flag stands for: a value the key's check rejects is a usage error of that flag
+_FLAGS = {f"coordinator.{key}": f"--{flag}" for key, flag in (
+    ("listen", "listen"), ("metrics_listen", "metrics-listen"), ("db_path", "db"), ("tls_cert", "tls-cert"),
+    ("tls_key", "tls-key"), ("tls_ca", "tls-ca"), ("node_secret_file", "node-secret-file"), ("token", "token"),
+    ("operator_token", "operator-token"), ("operator_names", "operator-names"), ("hang_k", "hang-k"),
+    ("hang_floor_s", "hang-floor"), ("evidence_dir", "evidence-dir"))}
 
 
 @click.command(name="coordinator")
@@ -65,6 +73,8 @@ def command(config_path: str | None, listen: str | None, metrics_listen: str | N
             "operator_names": operator_names, "hang_k": hang_k, "hang_floor_s": hang_floor_s,
             "evidence_dir": evidence_dir, "metrics_web_config_file": web_config_file,
         }})
+    except FlagError as exc:
+        raise flag_error(exc, _FLAGS) from None
     except ConfigError as exc:
         click.echo(f"gpuhealth coordinator: {exc}", err=True)
         sys.exit(3)

@@ -16,6 +16,7 @@ import contextlib
 import json
 import os
 import re
+import shlex
 import shutil
 import signal
 import subprocess
@@ -31,6 +32,7 @@ import click
 from gpuhealth.backends.errors import BackendUnavailable, NvmlError
 from gpuhealth.backends.nvml_fake import DEFAULT_RECORDING, bundled_recording_path
 from gpuhealth.backends.nvml_real import RealNvml
+from gpuhealth.config import split_address
 
 
 def _live_gpus() -> int:
@@ -61,6 +63,29 @@ def _get_json(url: str, timeout: float = 2.0) -> tuple[int, Any]:
         return 0, None
 
 
+class DemoFailed(click.ClickException):
+    """A part of the demo could not run (a child exited early, a wait timed out): exit 3, the logs kept."""
+
+    exit_code = 3
+
+
+# pid → (what the child is, its log): an early exit names the child, its log and what the log says
+_CHILD_LOGS: dict[int, tuple[str, Path]] = {}
+
+
+def _log_says(log: Path, limit: int = 300) -> str:
+    """What a child's log says about why it stopped: its first line (a command that cannot start says why in one
+    line: a missing extra, a bad setting), and the last one too when they differ (a traceback's error)."""
+    try:
+        lines = [line.strip() for line in log.read_text(errors="replace").splitlines() if line.strip()]
+    except OSError:
+        return ""
+    if not lines:
+        return "its log is empty"
+    said = lines[0] if len(lines) == 1 or lines[-1] == lines[0] else f"{lines[0]} … {lines[-1]}"
+    return said[:limit]
+
+
 def _check_children(procs: list[subprocess.Popen[bytes]], what: str) -> None:
     """A child that exited is a failure — unless a stop signal is on its way to us too: Ctrl-C reaches
     the whole process group, and a child may exit before our handler runs (the handler then raises
@@ -68,18 +93,21 @@ def _check_children(procs: list[subprocess.Popen[bytes]], what: str) -> None:
     for p in procs:
         if p.poll() is not None:
             time.sleep(CHILD_EXIT_GRACE_S)
-            raise click.ClickException(f"{what} (code {p.returncode})")
+            name, log = _CHILD_LOGS.get(p.pid, ("a process", None))
+            if log is None:
+                raise DemoFailed(f"{what}: {name} exited (code {p.returncode})")
+            raise DemoFailed(f"{what}: the {name} exited (code {p.returncode}): {_log_says(log)} — its log: {log}")
 
 
 def _wait(predicate: Any, timeout_s: float, what: str, procs: list[subprocess.Popen[bytes]]) -> Any:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        _check_children(procs, f"{what}: a process exited early; see its log")
+        _check_children(procs, f"{what}: stopped early")
         value = predicate()
         if value:
             return value
         time.sleep(0.2)
-    raise click.ClickException(f"timed out waiting for {what}")
+    raise DemoFailed(f"timed out waiting for {what}")
 
 
 def _interrupt(signum: int, frame: Any) -> None:
@@ -120,6 +148,13 @@ def _stop_tree() -> None:
     psutil.wait_procs(alive, timeout=5)
 
 
+def _check_listen(value: str | None) -> str | None:
+    """A usage error now, not an agent that exits early: the same check the agent makes of agent.listen."""
+    if value is not None and split_address(value) is None:
+        raise click.BadParameter(f"{value[:80]!r} is not host:port (a port from 0 to 65535)")
+    return value
+
+
 def _agent_address(log: Path) -> str | None:
     try:
         m = _SERVING.search(log.read_text(errors="replace"))
@@ -129,8 +164,10 @@ def _agent_address(log: Path) -> str | None:
 
 
 @click.command(name="demo")
-@click.option("--duration", type=float, default=0.0, help="Stop after this many seconds (0: until Ctrl-C).")
-@click.option("--agent-listen", default=None, help="Agent /metrics address (default 127.0.0.1:<free port>).")
+@click.option("--duration", type=click.FloatRange(min=0.0), default=0.0,
+              help="Stop after this many seconds (0: until Ctrl-C).")
+@click.option("--agent-listen", default=None, callback=lambda _c, _p, v: _check_listen(v),
+              help="Agent /metrics address (default 127.0.0.1:<free port>).")
 @click.option("--state-dir", type=click.Path(file_okay=False), default=None,
               help="Where the coordinator database, spool and logs go (default: a temp folder, removed at exit).")
 @click.option("--keep", is_flag=True, help="Keep the temp folder (logs, database) after the demo stops.")
@@ -190,6 +227,7 @@ def _run(state: Path, duration: float, agent_listen: str | None, simulated: bool
              "--ready-file", str(ready_file)],
             stdout=logs["coordinator"], stderr=subprocess.STDOUT)
         procs.append(coord)
+        _CHILD_LOGS[coord.pid] = ("coordinator", state / "coordinator.log")
         _wait(ready_file.exists, 30, "the coordinator", procs)
         ports = json.loads(ready_file.read_text())
         coord_addr = f"127.0.0.1:{ports['grpc_port']}"
@@ -203,6 +241,7 @@ def _run(state: Path, duration: float, agent_listen: str | None, simulated: bool
             agent_cmd += ["--nvml-snapshot", str(recording)]
         agent = subprocess.Popen(agent_cmd, env=env, stdout=logs["agent"], stderr=subprocess.STDOUT)
         procs.append(agent)
+        _CHILD_LOGS[agent.pid] = ("agent", state / "agent.log")
         agent_addr = _wait(lambda: _agent_address(state / "agent.log"), 60, "the agent's HTTP server", procs)
         _wait(lambda: _get_json(f"http://{agent_addr}/ready")[0] == 200, 60, "the agent's first sweep", procs)
         _, health = _get_json(f"http://{agent_addr}/health")
@@ -210,8 +249,9 @@ def _run(state: Path, duration: float, agent_listen: str | None, simulated: bool
         click.echo(f"[{tag}] agent        http://{agent_addr}/metrics  /health  /ready")
         click.echo(f"[{tag}] coordinator  grpc {coord_addr}   metrics http://127.0.0.1:{ports['metrics_port']}/metrics")
         click.echo(f"[{tag}] rank socket  {state / 'agent.sock'}  (GPUHEALTH_SOCKET for gpuhealth.instrument.Tracker)")
-        click.echo(f"[{tag}] try:  gpuhealth fleet --coordinator {coord_addr}   |   "
-                   f"gpuhealth jobs --coordinator {coord_addr}")
+        me = self_command()
+        click.echo(f"[{tag}] try:  {me} fleet --coordinator {coord_addr}   |   "
+                   f"{me} jobs --coordinator {coord_addr}")
         click.echo(f"[{tag}] logs and database in {state}"
                    + (" (removed at exit; --keep keeps it)" if removed else ""))
         _wait(lambda: _fleet_has_node(coord_addr), 30, "the agent to register with the coordinator", procs)
@@ -224,7 +264,7 @@ def _run(state: Path, duration: float, agent_listen: str | None, simulated: bool
             _run_demo_job(env, state, coord_addr, tag, procs, gpus_seen)
         deadline = time.monotonic() + duration if duration else None
         while deadline is None or time.monotonic() < deadline:
-            _check_children(procs, f"a process exited; logs in {state}")
+            _check_children(procs, "the demo stopped")
             time.sleep(0.5)
     except KeyboardInterrupt:
         pass
@@ -233,6 +273,19 @@ def _run(state: Path, duration: float, agent_listen: str | None, simulated: bool
         for f in logs.values():
             f.close()
     click.echo(f"[{tag}] stopped" + (f"; removing {state}" if removed else ""))
+
+
+def self_command() -> str:
+    """``gpuhealth`` as the user can type it now: the bare name when it is on PATH and is this installation, else
+    the full path of this installation's script (a venv whose bin folder is not on PATH), else this Python with
+    ``-m gpuhealth.cli.main`` (run from a source tree)."""
+    script = Path(sys.executable).parent / "gpuhealth"  # not resolved: a venv's python is a symlink out of it
+    if not (script.is_file() and os.access(script, os.X_OK)):
+        return f"{shlex.quote(sys.executable)} -m gpuhealth.cli.main"
+    found = shutil.which("gpuhealth")
+    if found is not None and Path(found).resolve() == script.resolve():
+        return "gpuhealth"
+    return shlex.quote(str(script))
 
 
 def _run_demo_job(env: dict[str, str], state: Path, coord_addr: str, tag: str,

@@ -18,11 +18,12 @@ from rich.markup import escape
 from rich.table import Table
 
 from gpuhealth.cli._console import output_console
+from gpuhealth.cli._usage import check_device
 from gpuhealth.cli.exitcodes import PROFILE_NAMES, exit_code
 from gpuhealth.config import Config, ConfigError, load_config
 from gpuhealth.diag.golden import GoldenError, GoldenStore
+from gpuhealth.diag.golden_place import resolve_golden_dir
 from gpuhealth.diag.ondemand import DiagRequestError, bandwidth_args, busbw_args, run_on_demand, sdc_args
-from gpuhealth.diag.qualify import default_golden_dir
 from gpuhealth.diag.runner import DiagOutcome
 from gpuhealth.model import Health, health_of
 
@@ -47,11 +48,20 @@ def _run(kind: str, args: list[str], device: str, force: bool, config: Config, p
     health = health_of(outcome.findings) if outcome.status == "ok" else Health.UNKNOWN
     if outcome.status == "failed" and kind == "sdc" and outcome.result.get("selftest"):
         health = Health.UNHEALTHY  # the self-test missed an injected fault: the check itself is broken
+    if health is Health.HEALTHY and not_cross_checked(outcome):
+        health = Health.UNKNOWN  # agreeing with itself is no verdict on SDC: nothing outside the GPU confirmed it
     if as_json:
-        click.echo(json.dumps(outcome.to_dict(), indent=2, default=str))
+        click.echo(json.dumps({**outcome.to_dict(), "health": str(health)}, indent=2, default=str))
     else:
         render(outcome, output_console())
     sys.exit(exit_code(health, profile))
+
+
+def not_cross_checked(o: DiagOutcome) -> bool:
+    """An SDC run whose digests met no golden and no peer (``sdc.reference_of``): its own agreement proves nothing
+    about a GPU that is wrong the same way every time."""
+    reference = o.result.get("reference") if o.diag == "sdc" else None
+    return isinstance(reference, dict) and reference.get("cross_checked") is False
 
 
 def _config(config_path: str | None, profile: str) -> Config:
@@ -60,6 +70,14 @@ def _config(config_path: str | None, profile: str) -> Config:
     except ConfigError as exc:
         _fail(str(exc), profile)
         raise AssertionError from exc  # unreachable: _fail exits
+
+
+def _golden_place(config: Config) -> str:
+    """The golden store by its rule; goldens merged in from an old place (or refused) are said on stderr."""
+    place = resolve_golden_dir(config)
+    for line in [*place.merged, *place.problems]:
+        click.echo(f"gpuhealth diag: golden digests: {line}", err=True)
+    return str(place.path)
 
 
 def render(o: DiagOutcome, console: Console) -> None:
@@ -77,6 +95,8 @@ def render(o: DiagOutcome, console: Console) -> None:
                           f"{c['hash_ms']:.3f}")
         console.print(t)
         console.print(f"golden: {r.get('golden', {}).get('status')} (key {r.get('key_id')})")
+        if isinstance(r.get("reference"), dict):
+            console.print(f"compared: {escape(str(r['reference'].get('compared')))}")
         if r.get("selftest"):
             s = r["selftest"]
             per_kind = ", ".join(f"{k} {v['detected']}/{v['injected']}" for k, v in s["faults"].items())
@@ -102,17 +122,33 @@ def render(o: DiagOutcome, console: Console) -> None:
     for f in o.findings:
         console.print(f"[red]{f.severity}[/red] {f.code}: {escape(f.message)} → {f.action}")
     if o.status == "ok" and not o.findings:
-        console.print("[green]no problems found[/green]")
+        if not_cross_checked(o):
+            console.print("[magenta]not judged[/magenta]: no golden digests for this key and no peer device, so "
+                          "nothing outside the device confirmed its results (a device that is wrong the same way "
+                          "every time passes this); import a golden from a known-good node "
+                          "(gpuhealth diag golden --import FILE) or run where ≥ 2 identical GPUs can vote")
+        else:
+            console.print("[green]no problems found[/green]")
 
 
 _common = [
-    click.option("--device", default="cuda", show_default=True, help="cuda (all GPUs), cuda:N[,cuda:M] or cpu."),
+    click.option("--device", default="cuda", show_default=True, callback=check_device,
+                 help="cuda (all GPUs), cuda:N[,cuda:M] or cpu."),
     click.option("--force", is_flag=True, help="Run on GPUs with user processes or out of GPU-time budget."),
     click.option("--config", "config_path", metavar="FILE", default=None, help="gpuhealth YAML config file."),
     click.option("--json", "as_json", is_flag=True, help="Print the outcome as JSON."),
     click.option("--exit-codes", "profile", type=click.Choice(PROFILE_NAMES), default="default", show_default=True,
                  help="Exit-code dialect: default (0/1/2/3), slurm, npd, nagios."),
 ]
+
+
+def _check_collectives(value: str | None) -> str | None:
+    from gpuhealth.diag.busbw import COLLECTIVES
+
+    unknown = [c for c in (value or "").split(",") if c and c not in COLLECTIVES]
+    if unknown:
+        raise click.BadParameter(f"unknown {', '.join(unknown)[:80]} (known: {', '.join(COLLECTIVES)})")
+    return value
 
 
 def _with_common(f: Any) -> Any:
@@ -138,6 +174,7 @@ def sdc_cmd(device: str, force: bool, config_path: str | None, as_json: bool, pr
             repeats: int, record_golden: bool, peers: int, golden_dir: str | None) -> None:
     """Silent-data-corruption check: seeded matmuls on every datapath, hashed on the device."""
     config = _config(config_path, profile)
+    golden_dir = golden_dir or _golden_place(config)
     args = sdc_args(config, cpu=device == "cpu", golden_dir=golden_dir, repeats=repeats, selftest=inject_fault,
                     record_golden=record_golden, peers=peers)
     _run("sdc", args, device, force, config, profile, as_json)
@@ -145,13 +182,18 @@ def sdc_cmd(device: str, force: bool, config_path: str | None, as_json: bool, pr
 
 @command.command(name="busbw")
 @_with_common
-@click.option("--collectives", default=None, help="Comma list (default: all six).")
-@click.option("--max-bytes", type=int, default=1 << 30, show_default=True, help="Largest message size (bytes).")
-@click.option("--min-bytes", type=int, default=1 << 20, show_default=True, help="Smallest message size (bytes).")
+@click.option("--collectives", default=None, callback=lambda _c, _p, v: _check_collectives(v),
+              help="Comma list (default: all six).")
+@click.option("--max-bytes", type=click.IntRange(min=1), default=1 << 30, show_default=True,
+              help="Largest message size (bytes).")
+@click.option("--min-bytes", type=click.IntRange(min=1), default=1 << 20, show_default=True,
+              help="Smallest message size (bytes).")
 @click.option("--ranks", type=click.IntRange(min=2), default=2, show_default=True, help="CPU only: Gloo ranks.")
 def busbw_cmd(device: str, force: bool, config_path: str | None, as_json: bool, profile: str,
               collectives: str | None, max_bytes: int, min_bytes: int, ranks: int) -> None:
     """Collective bus bandwidth (nccl-tests formulas), data checked after each collective."""
+    if min_bytes > max_bytes:
+        raise click.BadParameter(f"{min_bytes} is above --max-bytes {max_bytes}", param_hint="'--min-bytes'")
     config = _config(config_path, profile)
     args = busbw_args(config, cpu=device == "cpu", collectives=collectives, min_bytes=min_bytes,
                       max_bytes=max_bytes, ranks=ranks)
@@ -179,7 +221,7 @@ def golden_cmd(export_path: str | None, import_path: str | None, golden_dir: str
     except ConfigError as exc:
         _fail(str(exc), "default")
         return
-    store = GoldenStore(golden_dir or default_golden_dir(config))
+    store = GoldenStore(golden_dir or _golden_place(config))
     try:
         if import_path:
             n = store.import_bundle(import_path)

@@ -15,12 +15,10 @@ from __future__ import annotations
 import json
 import os
 import secrets
-import sys
 
 import click
 
 from gpuhealth.agent.zerocode.environ import launch_variables
-from gpuhealth.cli.exitcodes import USAGE_ERROR
 
 
 def _default_tag() -> str:
@@ -40,10 +38,9 @@ def _default_tag() -> str:
               help="env: NAME=value lines for export $(…); slurm: TaskProlog lines; yaml: a pod's env list; json.")
 def command(tag: str | None, folder: str, buffer_entries: int, timing: bool, fmt: str) -> None:
     """Print the launch variables for live flight-recorder dumps of an unmodified job."""
-    if not folder.startswith("/"):
-        click.echo(f"gpuhealth env: --dir must be an absolute path (the agent finds it in the rank's root), got "
-                   f"{folder!r}", err=True)
-        sys.exit(USAGE_ERROR)
+    if not folder.startswith("/"):  # a usage error: exits 64 through cli/main.py
+        raise click.BadParameter(f"must be an absolute path (the agent finds it in the rank's root), got {folder!r}",
+                                 param_hint="'--dir'")
     variables = launch_variables(tag or _default_tag(), folder=folder, buffer_entries=buffer_entries, timing=timing)
     if fmt == "json":
         click.echo(json.dumps(variables, indent=2))

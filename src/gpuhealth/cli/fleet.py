@@ -11,22 +11,26 @@ import click
 
 from gpuhealth.cli._console import output_console
 from gpuhealth.cli._coordinator_client import CoordinatorClientError, coordinator_options, resolve
+from gpuhealth.cli._usage import check_device
 
 
 @click.command(name="fleet")
 @coordinator_options
 @click.option("--sdc", "run_sdc", is_flag=True, help="Run the SDC check on the agents now and vote the digests.")
-@click.option("--device", help="With --sdc: cpu, cuda or cuda:N (default: the agents' GPUs).")
+@click.option("--device", callback=check_device,
+              help="With --sdc: cpu, cuda or cuda:N (default: the agents' GPUs).")
 @click.option("--node", "nodes", multiple=True, help="With --sdc: only these nodes (repeatable).")
-@click.option("--timeout", "timeout_s", type=float, default=300.0, show_default=True, help="With --sdc: seconds.")
+@click.option("--timeout", "timeout_s", type=click.FloatRange(min=1.0), default=300.0, show_default=True,
+              help="With --sdc: seconds.")
 def command(address: str | None, config_path: str | None, token: str | None,
             token_file: str | None, tls_cert: str | None,
             tls_key: str | None, tls_ca: str | None, as_json: bool, run_sdc: bool, device: str | None,
             nodes: tuple[str, ...], timeout_s: float) -> None:
     """Fleet view from the coordinator: nodes, version drift, SDC votes, unhealthy GPUs, and screening
-    (coverage, the GPUs screened longest ago, failed screens, who holds a screening turn). Exit 0 when
-    clean, 1 on drift/SDC/unhealthy GPUs or a failed screen, 3 when the coordinator could not be asked (or the
-    config is bad)."""
+    (coverage, the GPUs screened longest ago, failed screens, who holds a screening turn). Nodes whose agent
+    replays a recording are marked SIMULATED. Exit 0 when clean, 1 on drift/SDC/unhealthy GPUs or a failed
+    screen, 3 when the coordinator could not be asked (or the config is bad) or no node has registered with it
+    (nothing to judge)."""
     try:
         addr, tok, tls = resolve(config_path, address, token, tls_cert, tls_key, tls_ca, token_file)
     except CoordinatorClientError as exc:
@@ -44,18 +48,28 @@ def command(address: str | None, config_path: str | None, token: str | None,
     except CoordinatorQueryError as exc:
         click.echo(f"gpuhealth fleet: {exc}", err=True)
         sys.exit(3)
+    registered: list[dict[str, Any]] = doc.get("nodes") or []
     if as_json:
         click.echo(json.dumps(doc, indent=2, sort_keys=True))
+    elif not registered:
+        output_console().print(f"no nodes: no agent has registered with the coordinator at {addr} — nothing to "
+                               "judge (set agent.coordinator on the nodes' agents)", markup=False, highlight=False)
     else:
         from rich.table import Table
 
         console = output_console()
+        simulated = [n["name"] for n in registered if n.get("simulated")]
+        if simulated:
+            console.print(f"SIMULATED: {len(simulated)} of {len(registered)} node(s) replay a recording, not real "
+                          f"GPUs: {', '.join(simulated[:10])}" + (" …" if len(simulated) > 10 else ""),
+                          style="bold black on yellow", markup=False, highlight=False)
         table = Table(title="nodes")
         for col in ("node", "connected", "health", "GPUs", "driver", "cuda", "torch", "nccl"):
             table.add_column(col)
-        for n in doc.get("nodes", []):
+        for n in registered:
             v = n.get("versions", {})
-            table.add_row(n["name"], "yes" if n["connected"] else "no", n["health"], str(n["gpus"]),
+            name = f"{n['name']} (SIMULATED)" if n.get("simulated") else n["name"]
+            table.add_row(name, "yes" if n["connected"] else "no", n["health"], str(n["gpus"]),
                           v.get("driver", "-"), v.get("cuda_driver", "-"), v.get("torch", "-"), v.get("nccl", "-"))
         console.print(table)
         for f in doc.get("version_drift", []):
@@ -71,6 +85,8 @@ def command(address: str | None, config_path: str | None, token: str | None,
                           f"{', '.join(g['codes'])} → {g['action']}[/red]")
         for line in _screening_lines(doc.get("screening"), doc.get("generated_at") or time.time()):
             console.print(line, markup=False, highlight=False)
+    if not registered:
+        sys.exit(3)  # no node to judge: "could not check", never a clean fleet
     bad = (doc.get("version_drift") or doc.get("sdc") or doc.get("unhealthy_gpus")
            or (doc.get("screening") or {}).get("failed"))
     sys.exit(1 if bad else 0)
@@ -81,8 +97,11 @@ def _screening_lines(scr: dict[str, Any] | None, now: float) -> list[str]:
     if not scr:
         return []  # an older coordinator
     window = _ago(scr["window_s"])
-    lines = [f"screening: {scr['screened']} of {scr['gpus']} GPUs ({100 * scr['coverage_ratio']:.1f} %) screened "
-             f"within {window}; {scr['unscreened']} not"]
+    if not scr["gpus"]:  # 0 of 0 is no coverage at all, not 100 %
+        lines = ["screening: no GPUs known to the coordinator; nothing screened"]
+    else:
+        lines = [f"screening: {scr['screened']} of {scr['gpus']} GPUs ({100 * scr['coverage_ratio']:.1f} %) "
+                 f"screened within {window}; {scr['unscreened']} not"]
     oldest = scr.get("least_recently_screened") or []
     for g in oldest[:5]:
         gpu = f"node {g['node']} GPU {g['gpu'] if g['gpu'] is not None else '?'} ({g['uuid']})"

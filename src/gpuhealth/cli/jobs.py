@@ -18,9 +18,9 @@ from gpuhealth.cli._coordinator_client import CoordinatorClientError, coordinato
 def command(job_id: str, address: str | None, config_path: str | None, token: str | None,
             token_file: str | None, tls_cert: str | None,
             tls_key: str | None, tls_ca: str | None, as_json: bool) -> None:
-    """List jobs (or one JOB_ID) known to the coordinator. Exit 0 when none is hung or straggling,
-    1 when one is, 3 when the coordinator could not be asked (or the config is bad, or it does not
-    know JOB_ID)."""
+    """List jobs (or one JOB_ID) known to the coordinator. Exit 0 when no running job is hung or straggling
+    (a finished job's verdicts are history: shown, not an alarm), 1 when one is, 3 when the coordinator could not
+    be asked (or the config is bad, or it does not know JOB_ID)."""
     try:
         addr, tok, tls = resolve(config_path, address, token, tls_cert, tls_key, tls_ca, token_file)
     except CoordinatorClientError as exc:
@@ -41,8 +41,14 @@ def command(job_id: str, address: str | None, config_path: str | None, token: st
         click.echo(json.dumps(doc, indent=2, sort_keys=True))
     else:
         _render(jobs)
-    troubled = any(j.get("state") == "hung" or j.get("stragglers") for j in jobs)
-    sys.exit(1 if troubled else 0)
+    sys.exit(1 if any(needs_a_look(j) for j in jobs) else 0)
+
+
+def needs_a_look(job: dict[str, Any]) -> bool:
+    """A job hung or straggling now. A finished job's straggler or hang is history: shown, not an alarm."""
+    if job.get("state") == "finished":
+        return False
+    return job.get("state") == "hung" or bool(job.get("stragglers"))
 
 
 def _render(jobs: list[dict[str, Any]]) -> None:
@@ -51,12 +57,18 @@ def _render(jobs: list[dict[str, Any]]) -> None:
     table = Table(title="jobs")
     for col in ("job", "state", "ranks", "nodes", "last step", "step p50 (s)", "stragglers", "hangs"):
         table.add_column(col)
+    simulated = sorted({n for j in jobs for n in j.get("simulated_nodes") or []})
+    if simulated:
+        output_console().print(f"SIMULATED: node(s) {', '.join(simulated[:10])} replay a recording: the GPUs joined "
+                               "with these ranks are not real", style="bold black on yellow", markup=False,
+                               highlight=False)
     for j in jobs:
         q = j.get("step_time_quantiles") or {}
         p50 = q.get("0.5") if isinstance(q, dict) else None
         # Both counts (straggler ranks now, hangs so far); which ranks and why: the lines below the table.
         table.add_row(str(j["job_id"]), str(j["state"]), f"{j['ranks_seen']}/{j['world_size'] or '?'}",
-                      ",".join(j.get("nodes") or []),
+                      ",".join(f"{n} (SIMULATED)" if n in (j.get("simulated_nodes") or []) else n
+                               for n in j.get("nodes") or []),
                       str(j.get("last_step")), f"{p50:.3f}" if isinstance(p50, float) else "-",
                       str(len(j.get("stragglers") or [])), str(j.get("hangs", 0)))
     console = output_console()

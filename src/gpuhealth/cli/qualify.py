@@ -113,7 +113,11 @@ def render(r: QualifyReport, console: Console) -> None:
         console.print(Text("SIMULATED (recording) — not this machine's GPUs", style="bold black on yellow"))
     head = Text(f"Node {r.node} ({r.level}): ")
     head.append(str(r.health).upper(), style=_STYLE[r.health])
-    head.append("  fit to run jobs" if r.fit else "  NOT fit to run jobs", style="bold")
+    if r.health is Health.UNKNOWN:
+        head.append("  not judged: this level's diagnostics did not all run" if r.not_judged
+                    else "  not judged: the check could not be completed", style="bold")
+    else:
+        head.append("  fit to run jobs" if r.fit else "  NOT fit to run jobs", style="bold")
     head.append(f"  [{r.wall_s:.1f} s]", style="dim")
     console.print(head)
     table = Table()
@@ -133,6 +137,8 @@ def render(r: QualifyReport, console: Console) -> None:
     node_reasons: list[Any] = [x for x in r.reasons if not x.startswith("GPU ")]
     for reason in node_reasons:
         console.print(Text(f"  • {reason}"))
+    for why in r.not_judged:
+        console.print(Text(f"  • not judged: {why}", style="magenta"))
 
 
 __all__ = ["command"]

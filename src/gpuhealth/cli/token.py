@@ -27,10 +27,14 @@ from gpuhealth.runtime.credentials import CredentialError, node_token, read_secr
 def command(node: str, secret_file: str, out: str | None) -> None:
     """Mint the coordinator token of one node from the cluster secret."""
     try:
-        token = node_token(read_secret(secret_file), node)
-    except CredentialError as exc:
+        secret = read_secret(secret_file)
+    except CredentialError as exc:  # a secret file that cannot be used: could not mint (3)
         click.echo(f"gpuhealth token: {exc}", err=True)
         sys.exit(3)
+    try:
+        token = node_token(secret, node)
+    except CredentialError as exc:  # the name given: a usage error (64)
+        raise click.BadParameter(str(exc), param_hint="'--node'") from None
     if out is None:
         click.echo(token)
         return

@@ -17,6 +17,7 @@ from typing import Any
 
 import click
 
+from gpuhealth.cli._usage import usage_error
 from gpuhealth.cli.exitcodes import PROFILE_NAMES, exit_code
 from gpuhealth.flightrec.report import Verdict
 from gpuhealth.model import MAX_RANKS, Health, StepRecord
@@ -156,8 +157,7 @@ def command(path: str | None, steps: tuple[str, ...], world_size: int | None, gr
     """Triage a hung or slow job from flight-recorder dumps (PATH: a folder or files)."""
     if job_id or address:
         if not job_id:
-            _fail("live mode needs --job ID (and a coordinator: --coordinator HOST:PORT or the config)", profile)
-            return
+            raise usage_error("live mode needs --job ID (and a coordinator: --coordinator HOST:PORT or the config)")
         from gpuhealth.cli._coordinator_client import resolve
         from gpuhealth.config import ConfigError, load_config
 
@@ -167,9 +167,8 @@ def command(path: str | None, steps: tuple[str, ...], world_size: int | None, gr
             _fail(str(exc), profile)
             return
         if not (address or configured):
-            _fail("live mode needs a coordinator: --coordinator HOST:PORT (or agent.coordinator in the config)",
-                  profile)
-            return
+            raise usage_error("live mode needs a coordinator: --coordinator HOST:PORT (or agent.coordinator in the "
+                              "config)")
         try:
             addr, tok, tls = resolve(config_path, address, token, tls_cert, tls_key, tls_ca)
         except click.ClickException as exc:
@@ -182,11 +181,9 @@ def command(path: str | None, steps: tuple[str, ...], world_size: int | None, gr
         report = _live(addr, job_id, tok, tls, profile)
     else:
         if path is None and not steps:
-            _fail("give a folder of dumps (PATH), --steps files, or --job/--coordinator", profile)
-            return
+            raise usage_error("give a folder of dumps (PATH), --steps files, or --job/--coordinator")
         if path is not None and not Path(path).exists():
-            _fail(f"{path}: no such file or folder", profile)
-            return
+            raise click.BadParameter(f"{path}: no such file or folder", param_hint="'PATH'")
         job: dict[str, Any] = {}
         if world_size:
             job["world_size"] = world_size
@@ -194,8 +191,7 @@ def command(path: str | None, steps: tuple[str, ...], world_size: int | None, gr
             try:
                 job["groups"] = _parse_groups(groups)
             except ValueError as exc:
-                _fail(str(exc), profile)
-                return
+                raise click.BadParameter(str(exc), param_hint="'--group'") from None
         if path is not None and stacks_path is None and (Path(path) / "fr").is_dir():
             # A coordinator evidence folder: the dumps are in fr/, the ranks' stacks beside them.
             stacks_path = str(Path(path) / "stacks.json") if (Path(path) / "stacks.json").is_file() else None
@@ -221,8 +217,8 @@ def _offline(path: str | None, steps: Sequence[str], job: dict[str, Any], stacks
 
     jobs, loose = find_jobs(path) if path is not None else ([], [])
     if len(jobs) > 1 and (job or stacks_path):
-        _fail(f"--world-size, --group and --stacks describe one job, but {path} holds {len(jobs)} jobs "
-              f"({_names(jobs)}): give one job's folder", profile)
+        raise usage_error(f"--world-size, --group and --stacks describe one job, but {path} holds {len(jobs)} jobs "
+                          f"({_names(jobs)}): give one job's folder")
     step_files, notes = _step_files(steps, path)
     stacks, stack_problem = _read_stacks(stacks_path)
     notes += [stack_problem] if stack_problem else []

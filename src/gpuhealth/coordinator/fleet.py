@@ -26,6 +26,8 @@ class NodeView:
     connected: bool = False
     last_seen: float = 0.0
     health: str = "unknown"
+    simulated: bool = False  # its agent replays a recording: not a real node's GPUs
+    backend: str = ""
 
     def gpu(self, *, uuid: str | None = None, index: int | None = None) -> dict[str, Any] | None:
         for g in self.gpus:

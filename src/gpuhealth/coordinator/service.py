@@ -174,8 +174,11 @@ class Coordinator:
     def _load(self) -> None:
         """Rebuild memory from the store after a restart: nodes, findings, jobs and recent steps."""
         now, mono = self.clock(), self.mono()
+        backends = self.store.node_backends()
         for row in self.store.nodes():
-            self.nodes[row.name] = NodeView(row.name, row.versions, row.gpus, last_seen=row.last_seen)
+            simulated, backend = backends.get(row.name, (False, ""))
+            self.nodes[row.name] = NodeView(row.name, row.versions, row.gpus, last_seen=row.last_seen,
+                                            simulated=simulated, backend=backend)
         for view in self.nodes.values():
             self.known[view.name] = known_gpus(view.name, view.gpus)
         self.book.first_seen.update(self.store.gpus_first_seen())
@@ -267,9 +270,11 @@ class Coordinator:
         known = known_gpus(node, gpus)
         with self.store.transaction():
             self.store.upsert_node(node, incarnation, now, req.agent_version, versions, gpus, req.topology_json)
+            self.store.set_node_backend(node, req.simulated, req.backend[:200])
             self.store.note_gpus_seen(node, [g.uuid for g in known], now)
         view = self.nodes.setdefault(node, NodeView(node))
         view.versions, view.gpus, view.last_seen = versions, gpus, now
+        view.simulated, view.backend = req.simulated, req.backend[:200]
         self.known[node] = known
         for g in known:
             self.book.seen(g, now)
@@ -950,6 +955,9 @@ class Coordinator:
             summary["step_time_quantiles"] = {str(q): v for q, v in job.step_quantiles().items()}
             summary["straggler_culprits"] = [self.culprit(job, r) for r in sorted(job.stragglers)]
             summary["verdicts"] = self.store.verdicts(job.job_id, limit=5)
+            # ranks on nodes whose agent replays a recording: their GPU health is not a real GPU's
+            summary["simulated_nodes"] = [n for n in summary["nodes"]
+                                          if (view := self.nodes.get(n)) is not None and view.simulated]
             jobs.append(summary)
         return {"jobs": jobs, "generated_at": self.clock()}
 
@@ -976,7 +984,9 @@ class Coordinator:
             "nodes": [{
                 "name": n.name, "connected": n.connected, "health": n.health, "last_seen": n.last_seen,
                 "versions": n.versions, "gpus": len(n.gpus), "findings": len(n.findings),
+                "simulated": n.simulated, "backend": n.backend,
             } for n in sorted(nodes, key=lambda n: n.name)],
+            "simulated_nodes": sum(1 for n in nodes if n.simulated),
             "version_drift": [f.to_dict() for f in version_drift(nodes)],
             "sdc": [f.to_dict() for f in sdc_votes(unique.values())],
             "identity": [f.to_dict() for f in conflicts],

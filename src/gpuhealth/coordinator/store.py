@@ -122,6 +122,13 @@ ADDITIVE: tuple[str, ...] = (
         node TEXT NOT NULL, gpu_uuid TEXT NOT NULL, first_seen REAL NOT NULL, PRIMARY KEY (node, gpu_uuid)
     )
     """,
+    # What each node's agent reads (issue 33): a replayed recording is marked SIMULATED in the fleet view, also
+    # after a restart.
+    """
+    CREATE TABLE IF NOT EXISTS node_backends (
+        node TEXT PRIMARY KEY, simulated INTEGER NOT NULL, backend TEXT NOT NULL
+    )
+    """,
     # Each node's latest screening turn: a restarted coordinator continues the rotation.
     """
     CREATE TABLE IF NOT EXISTS screen_turns (
@@ -266,6 +273,18 @@ class Store:
                 " versions_json=excluded.versions_json, gpus_json=excluded.gpus_json,"
                 " topology_json=excluded.topology_json",
                 (name, incarnation, now, now, agent_version, json.dumps(versions), json.dumps(gpus), topology_json))
+
+    def set_node_backend(self, name: str, simulated: bool, backend: str) -> None:
+        with self._lock:
+            self._db.execute(
+                "INSERT INTO node_backends (node, simulated, backend) VALUES (?,?,?) ON CONFLICT(node) DO UPDATE SET"
+                " simulated=excluded.simulated, backend=excluded.backend", (name, int(simulated), backend))
+
+    def node_backends(self) -> dict[str, tuple[bool, str]]:
+        """node → (simulated, backend) as its agent last registered."""
+        with self._lock:
+            rows = self._db.execute("SELECT node, simulated, backend FROM node_backends").fetchall()
+        return {str(r[0]): (bool(r[1]), str(r[2])) for r in rows}
 
     def touch_node(self, name: str, now: float) -> None:
         with self._lock:

@@ -82,6 +82,32 @@ class GoldenStore:
                              "recorded_at": time.time(), "source": source})
         return path
 
+    def merge_from(self, other: GoldenStore) -> tuple[list[str], list[str]]:
+        """Copy ``other``'s goldens in, case by case; ``other`` is left as it is. Returns (key ids that gained
+        cases, one line per key that could not come: a case whose digest contradicts this store's — kept here,
+        never overwritten — or a file that cannot be read). Idempotent: what is already here is not rewritten."""
+        merged: list[str] = []
+        problems: list[str] = []
+        if not other.directory.is_dir():
+            return merged, problems
+        for path in sorted(other.directory.glob("*.json")):
+            try:
+                entry = other._read(path)
+                key = entry["key"]
+                digests = {str(k): str(v) for k, v in entry["digests"].items()}
+                stored = self.load(key) or {}
+            except (GoldenError, TypeError, AttributeError) as exc:
+                problems.append(f"{path}: not merged: {exc}")
+                continue
+            clash = sorted(c for c, d in digests.items() if c in stored and stored[c] != d)
+            if clash:
+                problems.append(f"{path}: not merged: contradicts {self.path_for(key)} for {clash}")
+                continue
+            if any(c not in stored for c in digests):
+                self.record(key, digests, source=str(entry.get("source") or f"merged from {other.directory}"))
+                merged.append(key_id(key))
+        return merged, problems
+
     def entries(self) -> list[dict[str, Any]]:
         if not self.directory.is_dir():
             return []

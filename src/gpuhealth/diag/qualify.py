@@ -9,9 +9,12 @@ Levels (the SDC shapes are the same at every level, so golden digests compare ac
 - ``standard`` SDC with every case repeated twice, all six collectives up to 1 GiB, full bandwidth.
 - ``full``     SDC repeated three times plus the fault-injection self-test, collectives up to 4 GiB.
 
-A diagnostic that cannot run (simulated backend, no torch, no CUDA, a single GPU for busbw, busy or
-out-of-budget GPUs) is reported as skipped with its reason and the verdict rests on the rest. One
-that fails or times out makes an otherwise healthy node ``unknown``: the check did not happen.
+A diagnostic that cannot run (simulated backend, no torch, no CUDA, busy or out-of-budget GPUs) is reported
+as skipped with its reason, and the node is **not judged** (``unknown``) unless what did run already found it
+unhealthy: a level is a promise of what was tested. Only a diagnostic that does not apply to the node (busbw on
+one GPU) leaves the verdict to the rest. A GPU left out of a diagnostic is not judged either, and an SDC run whose
+digests met no golden and no peer (one GPU, no golden: ``sdc.reference_of``) did not test for SDC. One that
+fails or times out makes an otherwise healthy node ``unknown`` too: the check did not happen.
 """
 
 from __future__ import annotations
@@ -100,6 +103,7 @@ class QualifyReport:
     simulated: bool
     wall_s: float = 0.0
     phases: dict[str, float] = field(default_factory=dict)  # quick: wall seconds per phase
+    not_judged: list[str] = field(default_factory=list)  # what the level promised and did not test, in words
 
     @property
     def takes_node_out(self) -> bool:
@@ -114,6 +118,7 @@ class QualifyReport:
         all_findings = [*self.node_findings, *(f for g in self.gpus for f in g.findings)]
         return {
             "node": {"name": self.node, "level": self.level, "health": str(self.health), "fit": self.fit,
+                     "judged": self.health is not Health.UNKNOWN, "not_judged": self.not_judged,
                      "action": str(worst_action(all_findings)), "reasons": self.reasons,
                      "simulated": self.simulated, "wall_s": round(self.wall_s, 2)},
             "gpus": [g.to_dict() for g in self.gpus],
@@ -142,6 +147,8 @@ def verdict(report: NodeReport, diagnostics: Sequence[DiagOutcome], level: str, 
     node_findings = list(report.findings)
     reasons: list[str] = []
     unchecked = False
+    not_judged: list[str] = []  # what the level promised and did not test
+    gpus_left_out: dict[int, list[str]] = {}
     for d in diagnostics:
         for f in d.findings:
             idx = f.entity.gpu_index if f.entity.kind is EntityKind.GPU else None
@@ -153,17 +160,31 @@ def verdict(report: NodeReport, diagnostics: Sequence[DiagOutcome], level: str, 
                 node_findings.append(f)
         if d.status == "skipped":
             reasons.append(f"{d.diag} skipped: {d.reason}")
+            if not _not_applicable(d, len(report.gpus)):
+                not_judged.append(f"{d.diag} did not run: {d.reason}")
         elif d.status in ("failed", "timeout"):
             unchecked = True
             reasons.append(f"{d.diag} {d.status}: {d.reason}")
+        elif d.diag == "sdc" and _not_cross_checked(d):
+            not_judged.append(f"sdc compared {d.result['reference'].get('compared', 'nothing outside the GPU')}: no "
+                              "golden digests and no peer GPU confirmed the results")
         for uuid, why in sorted(d.skipped_gpus.items()):
             if d.status != "skipped":
                 reasons.append(f"{d.diag} left out GPU {by_uuid.get(uuid, uuid)}: {why}")
+                if uuid in by_uuid:
+                    gpus_left_out.setdefault(by_uuid[uuid], []).append(f"{d.diag} left it out: {why}")
     gpus: list[GpuVerdict] = []
     for rep in report.gpus:
         fs = sorted(gpu_findings[rep.identity.index], key=lambda f: (-int(f.severity), f.code))
-        gpus.append(GpuVerdict(rep.identity.index, rep.identity.uuid, rep.identity.name, health_of(fs),
-                               [_reason(f) for f in fs if f.severity >= Severity.WARNING], fs))
+        gpu_health = health_of(fs)
+        left_out = gpus_left_out.get(rep.identity.index, [])
+        if (left_out or not_judged) and gpu_health is not Health.UNHEALTHY:
+            gpu_health = Health.UNKNOWN  # a GPU the level did not test (this one, or every one) is not qualified
+        notes = [f"not judged: {why}" for why in left_out]
+        if not left_out and gpu_health is Health.UNKNOWN and not_judged:
+            notes.append("not judged: the level's diagnostics did not all run (the node's reasons say which)")
+        gpus.append(GpuVerdict(rep.identity.index, rep.identity.uuid, rep.identity.name, gpu_health,
+                               [_reason(f) for f in fs if f.severity >= Severity.WARNING] + notes, fs))
     everything = [*node_findings, *(f for g in gpus for f in g.findings)]
     health = health_of(everything)
     if not report.gpus and not everything:
@@ -171,6 +192,9 @@ def verdict(report: NodeReport, diagnostics: Sequence[DiagOutcome], level: str, 
         reasons.insert(0, "no GPU found")
     if unchecked and health is not Health.UNHEALTHY:
         health = Health.UNKNOWN
+    not_judged += [f"GPU {i}: {why}" for i, whys in sorted(gpus_left_out.items()) for why in whys]
+    if not_judged and health is not Health.UNHEALTHY:
+        health = Health.UNKNOWN  # the level's diagnostics did not all run: the collectors alone are not this level
     failed_collectors = [r.name for r in report.runs if not r.success]
     if failed_collectors:
         reasons.append(f"collectors that failed: {', '.join(failed_collectors)}")
@@ -181,7 +205,19 @@ def verdict(report: NodeReport, diagnostics: Sequence[DiagOutcome], level: str, 
     collectors = {"health": str(report.health), "backend": report.backend,
                   "runs": [r.summary() for r in report.runs]}
     return QualifyReport(report.node, level, health, reasons, gpus, node_findings, list(diagnostics), collectors,
-                         report.simulated, wall_s)
+                         report.simulated, wall_s, not_judged=not_judged)
+
+
+def _not_applicable(d: DiagOutcome, gpu_count: int) -> bool:
+    """A diagnostic skipped because it has nothing to measure on this node (no verdict withheld): bus bandwidth on
+    a node of one GPU."""
+    return d.diag == "busbw" and gpu_count < 2
+
+
+def _not_cross_checked(d: DiagOutcome) -> bool:
+    """An SDC run whose digests met no golden and no peer (``sdc.reference_of``)."""
+    reference = d.result.get("reference")
+    return isinstance(reference, dict) and reference.get("cross_checked") is False
 
 
 QUICK_PARTS = ("sdc", "busbw", "bandwidth")
@@ -223,11 +259,10 @@ def default_state_dir(config: Config) -> Path:
 
 
 def default_golden_dir(config: Config) -> Path:
-    golden = Path(config.diag.golden_dir)
-    probe = golden if golden.exists() else golden.parent
-    if probe.exists() and os.access(probe, os.W_OK):
-        return golden
-    return default_state_dir(config) / "golden"
+    """The golden store by its one rule (``diag/golden_place.py``), the old places merged in."""
+    from gpuhealth.diag.golden_place import resolve_golden_dir
+
+    return resolve_golden_dir(config).path
 
 
 def run_qualify(

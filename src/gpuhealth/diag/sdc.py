@@ -381,13 +381,14 @@ class SdcReport:
     skipped: dict[str, str]
     selftest: dict[str, Any] | None = None
     hash_impl: str = "torch"  # "triton" when the fused kernel ran (CUDA with triton installed)
+    reference: dict[str, Any] = field(default_factory=dict)  # what the digests were compared with (``reference_of``)
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {
             "key": self.key, "key_id": self.key_id, "devices": self.devices,
             "findings": [f.to_dict() for f in self.findings], "golden": self.golden,
             "skipped_datapaths": self.skipped,
-            "hash_impl": self.hash_impl,
+            "hash_impl": self.hash_impl, "reference": self.reference,
         }
         if self.selftest is not None:
             out["selftest"] = self.selftest
@@ -589,7 +590,32 @@ def judge_sdc(
     if selftest:
         selftest_result = _selftest_findings(selftest_doc, [r.ref for r in runs], cases, per_device, device_docs)
     impl = "triton" if first.type == "cuda" and hashing.triton_available() else "torch"
-    return SdcReport(key, kid, device_docs, findings, golden_doc, skipped, selftest_result, impl)
+    runs_per_case = min((len(c.get("repeat_digests") or [c["digest"]]) for d in device_docs for c in d["cases"]),
+                        default=1)
+    reference = reference_of(golden is not None, len(runs), runs_per_case)
+    return SdcReport(key, kid, device_docs, findings, golden_doc, skipped, selftest_result, impl, reference)
+
+
+# What a run's digests were compared with. Only a golden or a peer is outside the GPU: a GPU that computes the
+# same wrong result every time agrees with itself, so "self" and "none" are no verdict on SDC (docs/diagnostics.md).
+CROSS_CHECKED = frozenset({"golden", "peers", "golden+peers"})
+
+
+def reference_of(have_golden: bool, devices: int, runs: int) -> dict[str, Any]:
+    """``{"basis", "cross_checked", "compared"}``: the basis is ``golden``, ``peers``, ``golden+peers``, ``self``
+    (one device, its repeated runs compared with each other) or ``none`` (one device, one run: nothing compared);
+    ``compared`` says it in words."""
+    peers = devices >= 2
+    if have_golden or peers:
+        basis = "golden+peers" if have_golden and peers else ("golden" if have_golden else "peers")
+        parts = (["the golden digests"] if have_golden else []) + ([f"{devices} devices with each other"] if peers
+                                                                      else [])
+        compared = " and ".join(parts)
+    elif runs >= 2:
+        basis, compared = "self", f"the device with itself only ({runs} runs of each case)"
+    else:
+        basis, compared = "none", "nothing (one device, one run of each case, no golden digests)"
+    return {"basis": basis, "cross_checked": basis in CROSS_CHECKED, "compared": compared}
 
 
 def _selftest_findings(counts: dict[str, Any], refs: Sequence[DeviceRef], cases: Sequence[Case],

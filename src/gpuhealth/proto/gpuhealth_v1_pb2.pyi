@@ -77,7 +77,7 @@ class GpuInfo(_message.Message):
     def __init__(self, index: _Optional[int] = ..., uuid: _Optional[str] = ..., pci_bus_id: _Optional[str] = ..., name: _Optional[str] = ..., vbios: _Optional[str] = ..., serial: _Optional[str] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
-    __slots__ = ("node_name", "incarnation", "agent_version", "versions", "gpus", "topology_json", "api_version")
+    __slots__ = ("node_name", "incarnation", "agent_version", "versions", "gpus", "topology_json", "api_version", "simulated", "backend")
     class VersionsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -92,6 +92,8 @@ class RegisterRequest(_message.Message):
     GPUS_FIELD_NUMBER: _ClassVar[int]
     TOPOLOGY_JSON_FIELD_NUMBER: _ClassVar[int]
     API_VERSION_FIELD_NUMBER: _ClassVar[int]
+    SIMULATED_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
     node_name: str
     incarnation: str
     agent_version: str
@@ -99,7 +101,9 @@ class RegisterRequest(_message.Message):
     gpus: _containers.RepeatedCompositeFieldContainer[GpuInfo]
     topology_json: str
     api_version: int
-    def __init__(self, node_name: _Optional[str] = ..., incarnation: _Optional[str] = ..., agent_version: _Optional[str] = ..., versions: _Optional[_Mapping[str, str]] = ..., gpus: _Optional[_Iterable[_Union[GpuInfo, _Mapping]]] = ..., topology_json: _Optional[str] = ..., api_version: _Optional[int] = ...) -> None: ...
+    simulated: bool
+    backend: str
+    def __init__(self, node_name: _Optional[str] = ..., incarnation: _Optional[str] = ..., agent_version: _Optional[str] = ..., versions: _Optional[_Mapping[str, str]] = ..., gpus: _Optional[_Iterable[_Union[GpuInfo, _Mapping]]] = ..., topology_json: _Optional[str] = ..., api_version: _Optional[int] = ..., simulated: _Optional[bool] = ..., backend: _Optional[str] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
     __slots__ = ("session_id", "acked_seq", "api_version", "heartbeat_interval_s", "max_inflight")

@@ -14,8 +14,6 @@ from gpuhealth.cli.agent import command
 @pytest.mark.parametrize(
     ("args", "needle"),
     [
-        (["--listen", "nowhere"], "'nowhere' is not host:port"),
-        (["--listen", "127.0.0.1:99999"], "a port from 0 to 65535"),
         (["--nvml-snapshot", "/nonexistent/rec.json"], "/nonexistent/rec.json"),
         (["--config", "/nonexistent/agent.yaml"], "cannot read"),
     ],
@@ -23,6 +21,21 @@ from gpuhealth.cli.agent import command
 def test_bad_input_is_one_line_and_exit_3(args: list[str], needle: str) -> None:
     result = CliRunner().invoke(command, args)
     assert result.exit_code == 3, result.output
+    assert needle in result.output
+    assert "Traceback" not in result.output
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["--listen", "nowhere"], "Invalid value for '--listen': 'nowhere' is not host:port"),
+        (["--listen", "127.0.0.1:99999"], "a port from 0 to 65535"),
+    ],
+)
+def test_a_bad_flag_value_is_a_usage_error(args: list[str], needle: str) -> None:
+    # click's 2 here; through the gpuhealth command every usage error is 64 (tests/integration/test_usage_exit_codes.py)
+    result = CliRunner().invoke(command, args)
+    assert result.exit_code == 2, result.output
     assert needle in result.output
     assert "Traceback" not in result.output
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from gpuhealth.backends.nvml_fake import FakeNvml
+from gpuhealth.backends.nvml_fake import FakeNvml, bundled_recording_path
 from gpuhealth.cli.exitcodes import exit_code
 from gpuhealth.config import Config
 from gpuhealth.diag.qualify import LEVELS, plan, verdict
@@ -67,11 +67,15 @@ def test_node_level_diag_findings_stay_on_the_node(clean: NodeReport) -> None:
     assert all(g.health is Health.HEALTHY for g in r.gpus)
 
 
-def test_skipped_diagnostics_leave_the_verdict_to_the_collectors(clean: NodeReport) -> None:
+def test_diagnostics_that_did_not_run_leave_the_node_not_judged(clean: NodeReport) -> None:
+    # Issue 33: the collectors alone are not the level the caller asked for
     skipped = [DiagOutcome("sdc", "skipped", "CUDA is not available"), DiagOutcome("busbw", "skipped", "1 GPU")]
     r = verdict(clean, skipped, "quick")
-    assert r.health is Health.HEALTHY
+    assert r.health is Health.UNKNOWN and not r.fit and r.to_dict()["node"]["judged"] is False
+    assert [g.health for g in r.gpus] == [Health.UNKNOWN, Health.UNKNOWN]
     assert "sdc skipped: CUDA is not available" in r.reasons
+    assert r.not_judged == ["sdc did not run: CUDA is not available", "busbw did not run: 1 GPU"]
+    assert [exit_code(r.health, p) for p in ("default", "slurm", "npd", "nagios")] == [3, 1, 2, 3]
     bad = _report({"1": {"TotalEccErrors_UNCORRECTED_VOLATILE": 2}})
     r = verdict(bad, skipped, "quick")
     assert r.health is Health.UNHEALTHY and r.gpus[1].health is Health.UNHEALTHY
@@ -86,11 +90,30 @@ def test_a_diagnostic_that_failed_means_the_node_was_not_checked(clean: NodeRepo
     assert verdict(bad, [DiagOutcome("sdc", "failed", "x")], "quick").health is Health.UNHEALTHY
 
 
-def test_gpus_left_out_are_named_in_the_reasons(clean: NodeReport) -> None:
+def test_gpus_left_out_are_named_in_the_reasons_and_not_judged(clean: NodeReport) -> None:
     uuid = clean.gpus[1].identity.uuid
     out = DiagOutcome("sdc", "ok", skipped_gpus={uuid: "user processes on the GPU (pids [42])"})
     r = verdict(clean, [out], "quick")
     assert "sdc left out GPU 1: user processes on the GPU (pids [42])" in r.reasons
+    assert [g.health for g in r.gpus] == [Health.HEALTHY, Health.UNKNOWN] and r.health is Health.UNKNOWN
+    assert r.gpus[1].reasons == ["not judged: sdc left it out: user processes on the GPU (pids [42])"]
+
+
+def test_busbw_on_one_gpu_does_not_apply_and_withholds_nothing() -> None:
+    backend = FakeNvml.from_file(bundled_recording_path("nvml_h100x1.json"))
+    backend.init()
+    try:
+        one = collect_once(backend, Config())
+    finally:
+        backend.shutdown()
+    peers = {"basis": "golden", "cross_checked": True, "compared": "the golden digests"}
+    ran = [DiagOutcome("sdc", "ok", result={"reference": peers}), DiagOutcome("busbw", "skipped", "needs 2 GPUs"),
+           DiagOutcome("bandwidth", "ok")]
+    assert verdict(one, ran, "standard").health is Health.HEALTHY
+    # one GPU and no golden: its SDC digests met nothing outside it
+    alone = {"basis": "none", "cross_checked": False, "compared": "nothing (one device, one run of each case, …)"}
+    r = verdict(one, [DiagOutcome("sdc", "ok", result={"reference": alone}), *ran[1:]], "standard")
+    assert r.health is Health.UNKNOWN and r.not_judged[0].startswith("sdc compared nothing (one device")
 
 
 def test_levels_grow_in_depth() -> None:

@@ -62,3 +62,21 @@ def test_a_corrupt_golden_file_is_a_clear_error(tmp_path: Path) -> None:
     store.path_for(KEY).write_text("{broken")
     with pytest.raises(GoldenError, match="not valid JSON"):
         store.load(KEY)
+
+
+def test_merge_from_an_old_place_adds_cases_keeps_both_and_refuses_contradictions(tmp_path: Path) -> None:
+    old, new = GoldenStore(tmp_path / "old"), GoldenStore(tmp_path / "new")
+    other = {**KEY, "sm_count": 114}
+    old.record(KEY, {"a": "1", "b": "2"}, source="cache")
+    old.record(other, {"a": "7"}, source="cache")
+    new.record(KEY, {"a": "1"}, source="here")
+    merged, problems = new.merge_from(old)
+    assert sorted(merged) == sorted([key_id(KEY), key_id(other)]) and problems == []
+    assert new.load(KEY) == {"a": "1", "b": "2"} and new.load(other) == {"a": "7"}
+    assert old.load(KEY) == {"a": "1", "b": "2"}  # the old copy is kept
+    assert new.merge_from(old) == ([], [])  # nothing new: nothing rewritten
+    old.record(KEY, {"c": "3"}, source="cache")
+    GoldenStore(tmp_path / "new").record(KEY, {"c": "4"}, source="here")
+    merged, problems = new.merge_from(old)
+    assert merged == [] and len(problems) == 1 and "contradicts" in problems[0] and "['c']" in problems[0]
+    assert new.load(KEY)["c"] == "4"  # never overwritten

@@ -111,9 +111,9 @@ def test_options_that_describe_one_job_are_refused_for_several(tmp_path: Path) -
     _copy(NCCL / "healthy", tmp_path / "a")
     _copy(NCCL / "hang_sleep", tmp_path / "b")
     code, out, err = _triage(str(tmp_path), "--world-size", "2")
-    assert code == 3 and out == ""
-    assert err.strip() == (f"gpuhealth triage: --world-size, --group and --stacks describe one job, but {tmp_path} "
-                           "holds 2 jobs (a, b): give one job's folder")
+    assert code == 64 and out == ""  # a usage error
+    assert err.strip().splitlines()[-1] == (f"Error: --world-size, --group and --stacks describe one job, but "
+                                            f"{tmp_path} holds 2 jobs (a, b): give one job's folder")
 
 
 def test_jobs_with_no_rank_in_common_are_told_apart_by_time(tmp_path: Path) -> None:

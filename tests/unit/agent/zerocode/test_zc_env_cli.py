@@ -35,5 +35,9 @@ def test_the_tag_defaults_to_the_slurm_job_and_the_formats_agree() -> None:
 
 
 def test_a_relative_folder_is_refused_in_words() -> None:
-    out = CliRunner().invoke(command, ["--dir", "relative/dir"])
-    assert out.exit_code == USAGE_ERROR and "absolute path" in out.output
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "gpuhealth.cli.main", "env", "--dir", "relative/dir"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == USAGE_ERROR and "absolute path" in out.stderr
