@@ -12,6 +12,7 @@ import pytest
 from commands import CLI, REPO
 
 from gpuhealth.instrument import Tracker
+from gpuhealth.instrument.timing import HostTimer
 
 GLOO = REPO / "tests" / "fixtures" / "flightrec" / "gloo_4rank"
 NCCL = REPO / "tests" / "fixtures" / "flightrec" / "nccl_4gpu"
@@ -30,10 +31,12 @@ def hook_steps(folder: Path, ranks: list[int], world: int) -> list[Path]:
     """Step records as the shipped hook writes them with no agent listening (GPUHEALTH_STEPS_JSONL)."""
     for rank in ranks:
         env = {"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": "0", "GPUHEALTH_JOB_ID": "job-part"}
-        t = Tracker(folder / "rank{rank}.jsonl", socket_path="", env=env, flush_interval_s=0.01, timing="cpu")
+        clock = [1.7e9]  # a steady clock: every rank computes 0.1 s a step (no straggler to find by chance)
+        t = Tracker(folder / "rank{rank}.jsonl", socket_path="", env=env, flush_interval_s=0.01,
+                    timer=HostTimer(clock=lambda: clock[0]))
         for _ in range(30):
             with t.step():
-                pass
+                clock[0] += 0.1
         t.close()
     return [folder / f"rank{r}.jsonl" for r in ranks]
 

@@ -26,6 +26,7 @@ from gpuhealth.flightrec.roots import assemble, with_stacks
 from gpuhealth.flightrec.running import still_running
 from gpuhealth.flightrec.stacks import main_threads
 from gpuhealth.flightrec.text import format_ranks
+from gpuhealth.flightrec.unrecorded import name_unrecorded_peers
 from gpuhealth.flightrec.waits import build_graph, find_hang_roots, unmatched_behind
 from gpuhealth.model import MAX_RANKS, Action, Finding, Severity, StepRecord
 from gpuhealth.stragglers import StragglerConfig, detect_from_durations, detect_stragglers
@@ -86,7 +87,7 @@ def _triage(
         behind = {(b.group, b.seq, b.ranks): b for r in untimed
                   if (b := unmatched_behind(groups, analysis.pairs, r, dumps)) is not None}
         roots += list(behind.values())
-    with_stacks(roots, mains)
+    with_stacks(roots, mains, groups)
     findings: list[Finding] = []
     for root in roots:
         findings += root_findings(root, groups, dumps, job, analysis.mismatches, analysis.p2p_mismatches, mains)
@@ -183,6 +184,7 @@ def analyse(groups: Mapping[str, GroupView], dumps: Mapping[int, RankDump], unre
                                                                                   if p.group == g.name])]
     graph = build_graph(groups, pairs, dumps, unreadable, world)
     hang_roots = find_hang_roots(groups, graph)
+    name_unrecorded_peers(hang_roots, groups, dumps)  # Gloo: a stuck rank may wait in an unrecorded recv
     idle = idle_seconds(dumps)
     laggards = [lg for g in groups.values() for lg in find_laggards(g, idle)]
     waiting = {r: True for r in graph.heads}
