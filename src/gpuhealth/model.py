@@ -158,6 +158,15 @@ def health_of(findings: Iterable[Finding]) -> Health:
     return Health.HEALTHY
 
 
+# Evidence key of a finding that says a check the caller asked for could not be made (a kernel log named to be
+# read that cannot be read or holds no kernel record): the node's health is then unknown, not healthy.
+COULD_NOT_CHECK = "could_not_check"
+
+
+def could_not_check(findings: Iterable[Finding]) -> bool:
+    return any(f.evidence.get(COULD_NOT_CHECK) is True for f in findings)
+
+
 def worst_action(findings: Iterable[Finding]) -> Action:
     return max((f.action for f in findings), default=Action.NONE)
 
@@ -281,5 +290,6 @@ def _world_size_of(d: Mapping[str, Any]) -> int | None:
     return world
 
 
-__all__ = ["MAX_RANKS", "Action", "Entity", "EntityKind", "Finding", "Health", "MetricKind", "RankIdentity", "Sample",
-           "Severity", "StepRecord", "health_of", "takes_node_out", "worst_action"]
+__all__ = ["COULD_NOT_CHECK", "MAX_RANKS", "Action", "Entity", "EntityKind", "Finding", "Health", "MetricKind",
+           "RankIdentity", "Sample", "Severity", "StepRecord", "could_not_check", "health_of", "takes_node_out",
+           "worst_action"]

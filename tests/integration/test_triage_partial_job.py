@@ -33,7 +33,7 @@ def hook_steps(folder: Path, ranks: list[int], world: int) -> list[Path]:
         env = {"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": "0", "GPUHEALTH_JOB_ID": "job-part"}
         clock = [1.7e9]  # a steady clock: every rank computes 0.1 s a step (no straggler to find by chance)
         t = Tracker(folder / "rank{rank}.jsonl", socket_path="", env=env, flush_interval_s=0.01,
-                    timer=HostTimer(clock=lambda: clock[0]))
+                    timer=HostTimer(clock=lambda now=clock: now[0]))
         for _ in range(30):
             with t.step():
                 clock[0] += 0.1
