@@ -94,3 +94,12 @@ def test_dev_kmsg_absent_where_the_agent_runs_is_information_not_unknown(tmp_pat
     [f] = [f for f in report.all_findings() if f.code.startswith("kmsg.")]
     assert (f.code, str(f.severity), report.health) == ("kmsg.unavailable", "info", Health.HEALTHY)
     assert "container" in f.message and "CAP_SYSLOG" not in f.message and "NVML events still count" in f.message
+
+
+def test_qualify_with_a_named_log_it_cannot_read_is_not_judged_fit(tmp_path: Path) -> None:
+    res = subprocess.run([*CLI, "qualify", "--nvml-snapshot", RECORDING, "--level", "quick", "--kmsg",
+                          str(tmp_path / "nonexistent.log"), "--json"], capture_output=True, text=True, timeout=300,
+                         check=False)
+    doc = json.loads(res.stdout)
+    assert res.returncode == 3, res.stderr[-2000:]
+    assert doc["node"]["health"] == "unknown" and doc["node"]["fit"] is False

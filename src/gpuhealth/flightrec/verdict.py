@@ -332,7 +332,7 @@ def _summary(report: TriageReport, *, steps_only: bool = False) -> str:
                         + ("step records" if steps_only else "dump"))
         if NOTHING_RECORDED in report.notes:
             gaps.append("their dumps record no collectives (the flight recorder's buffer was off?)")
-        if any(n.startswith("only rank ") for n in report.notes):
+        if any(n.startswith(LONE_RANK[:LONE_RANK.index("{")]) for n in report.notes):
             gaps.append("nothing says how many ranks the job has: one rank alone cannot show a straggler or a "
                         "hang (see the note)")
         read = "whose step records were read" if steps_only else "that dumped"
