@@ -158,6 +158,15 @@ def health_of(findings: Iterable[Finding]) -> Health:
     return Health.HEALTHY
 
 
+# Evidence key of a finding that says a check the caller asked for could not be made (a kernel log named to be
+# read that cannot be read or holds no kernel record): the node's health is then unknown, not healthy.
+COULD_NOT_CHECK = "could_not_check"
+
+
+def could_not_check(findings: Iterable[Finding]) -> bool:
+    return any(f.evidence.get(COULD_NOT_CHECK) is True for f in findings)
+
+
 def worst_action(findings: Iterable[Finding]) -> Action:
     return max((f.action for f in findings), default=Action.NONE)
 
@@ -241,6 +250,9 @@ class StepRecord:
     # One code section of the step (``compute_s`` is that section's), or None: the whole step. Offline
     # triage judges each section on its own (docs/stragglers.md).
     section: str | None = None
+    # Ranks in the job, as the rank knew it (the hook writes it): offline triage of some ranks' records
+    # then knows which ranks it lacks. None: an older hook or another producer (not said).
+    world_size: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
         d: dict[str, Any] = {
@@ -249,6 +261,8 @@ class StepRecord:
         }
         if self.section is not None:
             d["section"] = self.section
+        if self.world_size is not None:
+            d["world_size"] = self.world_size
         return d
 
     @classmethod
@@ -262,8 +276,20 @@ class StepRecord:
             start_time=float(d["start_time"]), wall_s=float(d["wall_s"]),
             compute_s=opt("compute_s"), comm_wait_s=opt("comm_wait_s"),
             section=None if d.get("section") is None else str(d["section"])[:_MAX_SECTION_NAME],
+            world_size=_world_size_of(d),
         )
 
 
-__all__ = ["MAX_RANKS", "Action", "Entity", "EntityKind", "Finding", "Health", "MetricKind", "RankIdentity", "Sample",
-           "Severity", "StepRecord", "health_of", "takes_node_out", "worst_action"]
+def _world_size_of(d: Mapping[str, Any]) -> int | None:
+    """A step record's ``world_size``: absent is None; one that cannot hold its own rank is a bad record."""
+    if d.get("world_size") is None:
+        return None
+    world = int(d["world_size"])
+    if not int(d["rank"]) < world <= MAX_RANKS:
+        raise ValueError(f"world_size {world} cannot hold rank {d['rank']} (1 … {MAX_RANKS})")
+    return world
+
+
+__all__ = ["COULD_NOT_CHECK", "MAX_RANKS", "Action", "Entity", "EntityKind", "Finding", "Health", "MetricKind",
+           "RankIdentity", "Sample", "Severity", "StepRecord", "could_not_check", "health_of", "takes_node_out",
+           "worst_action"]

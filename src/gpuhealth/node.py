@@ -39,7 +39,7 @@ from gpuhealth.collectors.runner import CollectorRun, CollectorRunner, Collector
 from gpuhealth.collectors.versions import versions_of
 from gpuhealth.config import Config
 from gpuhealth.exporters import ExportSnapshot
-from gpuhealth.model import Action, EntityKind, Finding, Health, Severity, health_of, worst_action
+from gpuhealth.model import Action, EntityKind, Finding, Health, Severity, could_not_check, health_of, worst_action
 
 
 def make_backend(snapshot: str | Path | None) -> NvmlBackend:
@@ -129,7 +129,8 @@ class NodeReport:
         findings = self.all_findings()
         if not findings and not self.gpus:
             return Health.UNKNOWN
-        if not self.nvml_up and not any(f.severity is Severity.CRITICAL for f in findings):
+        unchecked = not self.nvml_up or could_not_check(findings)  # a check asked for could not be made
+        if unchecked and not any(f.severity is Severity.CRITICAL for f in findings):
             return Health.UNKNOWN
         return health_of(findings)
 

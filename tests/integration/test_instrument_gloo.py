@@ -274,7 +274,7 @@ def test_gloo_job_falls_back_to_jsonl_without_agent(sock_dir: Path, tmp_path: Pa
         lines = (tmp_path / "steps" / f"rank{rank}.jsonl").read_text().splitlines()
         records = [StepRecord.from_dict(json.loads(line)) for line in lines]
         assert [r.step for r in records] == list(range(n))
-        assert all(r.rank == rank and r.job_id == "job-jsonl" for r in records)
+        assert all(r.rank == rank and r.job_id == "job-jsonl" and r.world_size == world for r in records)
         assert all(r.wall_s >= 0.01 and r.compute_s is not None and r.comm_wait_s is not None for r in records)
     # The files are what `gpuhealth triage --steps` reads: it finds the rank doing 2x the compute.
     from gpuhealth.cli.triage import read_steps

@@ -20,9 +20,9 @@ from gpuhealth.cli.main import COMMANDS, cli
 
 # The modules others build on, and exactly what each offers.
 PUBLIC: dict[str, set[str]] = {
-    "gpuhealth.model": {"MAX_RANKS", "Action", "Entity", "EntityKind", "Finding", "Health", "MetricKind",
-                        "RankIdentity", "Sample", "Severity", "StepRecord", "health_of", "takes_node_out",
-                        "worst_action"},
+    "gpuhealth.model": {"COULD_NOT_CHECK", "MAX_RANKS", "Action", "Entity", "EntityKind", "Finding", "Health",
+                        "MetricKind", "RankIdentity", "Sample", "Severity", "StepRecord", "could_not_check",
+                        "health_of", "takes_node_out", "worst_action"},
     "gpuhealth.flightrec.verdict": {"VERDICTS", "RootCause", "RootKind", "TriageReport", "Verdict", "triage"},
     "gpuhealth.flightrec.report": {"Blocked", "RootCause", "RootKind", "TriageReport", "Verdict"},
     "gpuhealth.config": {"AgentConfig", "CollectorsConfig", "Config", "ConfigError", "CoordinatorConfig",

@@ -36,6 +36,15 @@ _XID = re.compile(r"NVRM: Xid \((?:PCI:)?(?P<pci>[0-9A-Fa-f]{4,8}:[0-9A-Fa-f]{2}
 _SXID = re.compile(r"nvidia-nvswitch(?P<switch>\d+): SXid \((?:PCI:)?(?P<pci>[0-9A-Fa-f]{4,8}:[0-9A-Fa-f]{2}:"
                    r"[0-9A-Fa-f]{2}(?:\.[0-7])?)\): (?P<code>\d+), (?P<severity>Fatal|Non-fatal)(?:, (?P<msg>.*))?$",
                    re.IGNORECASE)
+# What a kernel-log record looks like in a text log, besides /dev/kmsg's own "<prio>,<seq>,<usec>,…;":
+# dmesg ("[   12.345678] …", dmesg -T "[Tue Dec  8 02:10:03 2026] …"), syslog and journalctl -k
+# ("Dec  8 02:10:03 host kernel: …", ISO "2026-12-08T02:10:03.123+00:00 host kernel: …"), and a bare NVIDIA
+# driver line ("NVRM: …", "nvidia-nvswitch3: …", as saved by hand or in a scenario).
+_TEXT_RECORD = re.compile(
+    r"^(?:\[\s*\d+\.\d+\]"
+    r"|\[[A-Z][a-z]{2} [A-Z][a-z]{2} [ \d]\d \d\d:\d\d:\d\d \d{4}\]"
+    r"|(?:[A-Z][a-z]{2} [ \d]\d \d\d:\d\d:\d\d|\d{4}-\d\d-\d\d[T ]\d\d:\d\d:\d\d\S*) \S+ kernel: "
+    r"|\s*(?:NVRM|nvidia-nvswitch\d*|nvidia-modeset|nvidia-uvm|nvidia):)")
 _PID = re.compile(r"^pid=(?P<pid>'?<unknown>'?|\d+)(?:, name=(?P<name>[^,]*))?(?:, (?P<msg>.*))?$")
 
 
@@ -72,6 +81,13 @@ class KmsgSource(Protocol):
     @property
     def description(self) -> str: ...
 
+    @property
+    def named(self) -> bool:
+        """A log someone named to be read (``--kmsg``, ``collectors.kmsg_path``): one that cannot be read, or
+        holds no kernel record, leaves the XID check undone. Not so for /dev/kmsg, whose absence or refusal
+        is the environment's (a container, no CAP_SYSLOG): NVML events still count."""
+        ...
+
     def read_new(self) -> list[KmsgRecord]:
         """Records that appeared since the last call (everything kept, on the first call)."""
         ...
@@ -89,6 +105,12 @@ def parse_record(raw: str) -> KmsgRecord:
         return KmsgRecord(text=line)
     text = line[m.end():].split("\n", 1)[0]  # drop " KEY=value" continuation lines
     return KmsgRecord(text=text, seq=int(m.group(2)), usec_since_boot=int(m.group(3)))
+
+
+def is_kernel_record(rec: KmsgRecord) -> bool:
+    """Whether a line of a log reads as a kernel-log record (a /dev/kmsg record, a dmesg, syslog or journal
+    line, or a bare NVIDIA driver line): a log with none is no kernel log, however many lines it holds."""
+    return rec.seq is not None or _TEXT_RECORD.match(rec.text) is not None
 
 
 def parse_xid(text: str) -> ParsedXid | None:
@@ -195,6 +217,8 @@ class DevKmsg:
     def description(self) -> str:
         return self._path
 
+    named = False
+
     def _open(self) -> int:
         if self._fd is None:
             try:
@@ -245,6 +269,8 @@ class KmsgFile:
     def description(self) -> str:
         return str(self._path)
 
+    named = True
+
     def read_new(self) -> list[KmsgRecord]:
         try:
             with self._path.open("rb") as fh:
@@ -273,6 +299,8 @@ class KmsgLines:
     @property
     def description(self) -> str:
         return self._description
+
+    named = False
 
     def extend(self, lines: Iterable[str]) -> None:
         self._lines.extend(lines)

@@ -95,7 +95,8 @@ def render(report: Mapping[str, Any]) -> str:
     missing = report.get("ranks_missing") or []
     if missing:
         lines.append("")
-        lines.append(f"ranks without a dump: {_ranks(missing)}")
+        what = "a dump" if report.get("groups") or report.get("rank_identity") else "step records"
+        lines.append(f"ranks without {what}: {_ranks(missing)}")
     errors = [p for p in report.get("problems", []) if p.get("severity") == "error"]
     if errors:
         lines.append(f"{len(errors)} file(s) could not be read:")

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import json
 import os
 import re
@@ -45,14 +46,21 @@ from typing import Any
 
 from gpuhealth.backends.base import NvmlBackend, XidEvent
 from gpuhealth.backends.errors import NvmlError
-from gpuhealth.backends.kmsg import KmsgUnavailable, SxidEvent, boot_time, sxid_events, xid_events
+from gpuhealth.backends.kmsg import (
+    KmsgUnavailable,
+    SxidEvent,
+    boot_time,
+    is_kernel_record,
+    sxid_events,
+    xid_events,
+)
 from gpuhealth.catalog.thresholds import default_thresholds, thresholds_from
 from gpuhealth.catalog.xid import XidInfo, xid_info
 from gpuhealth.catalog.xid_nvlink import NVLINK_XIDS, decode_nvlink
 from gpuhealth.catalog.xid_policy import XidPolicy
 from gpuhealth.collectors.base import CollectContext, CollectError, History, Lane, Observations
 from gpuhealth.collectors.presence import PciView, pci_view
-from gpuhealth.model import Action, Entity, EntityKind, Finding, MetricKind, Sample, Severity
+from gpuhealth.model import COULD_NOT_CHECK, Action, Entity, EntityKind, Finding, MetricKind, Sample, Severity
 
 DEDUP_S = 10.0  # NVML event and kernel-log line of one XID arrive within this of each other
 # Kernel-log times are boot time + offset, and "boot time" is recomputed per read: the same line read
@@ -65,6 +73,10 @@ _MAX_EVENTS_PER_POLL = 256
 RECENT_KEPT = 64  # occurrence times kept per (GPU, XID): enough for any count-in-window rule
 VIEW_RESCAN_S = 60.0  # the PCI walk behind an unmatched address is redone at most this often (as presence's)
 SXID_RETENTION_S = 86400.0
+# Why /dev/kmsg could not be read, by errno: the remedy differs (a permission, or a device not there at all).
+_KMSG_WHY = {errno.EACCES: " (needs root or CAP_SYSLOG where kernel.dmesg_restrict=1)",
+             errno.EPERM: " (needs root or CAP_SYSLOG where kernel.dmesg_restrict=1)",
+             errno.ENOENT: " (no such device here: a container without /dev/kmsg mounted?)"}
 
 
 @dataclass(slots=True)
@@ -431,6 +443,8 @@ class XidCollector:
         self._saved_changes = -1
         self._saved_extra: Any = None
         self._kmsg_cursor: int | None = None  # newest /dev/kmsg record counted, this boot
+        self._kmsg_lines = 0  # lines read from the kernel log so far, and how many read as kernel records
+        self._kmsg_records = 0
         self._sxids: dict[tuple[str, int], dict[str, Any]] = {}  # (switch PCI, SXid) → what was seen
         self._new_sxids: list[SxidEvent] = []
         self._view: tuple[float, PciView] | None = None  # when read, and the bus as this view sees it
@@ -555,10 +569,19 @@ class XidCollector:
         if kmsg_state.startswith("unavailable"):
             # Without the kernel log, XIDs from before this process started are invisible (NVML only
             # reports events that happen while it listens): say so, without changing health.
+            code = obs.node.get("kmsg_errno")
+            why = _KMSG_WHY.get(code, "") if isinstance(code, int) else ""
             out.append(Finding(
                 code="kmsg.unavailable", severity=Severity.INFO, entity=Entity.node(ctx.node_name),
-                message=f"kernel log {kmsg_state}: earlier XIDs are not visible (needs root or CAP_SYSLOG)",
+                message=f"kernel log {kmsg_state}: earlier XIDs are not visible{why}; NVML events still count",
                 action=Action.NONE, evidence={"kmsg": kmsg_state}, source=self.name,
+            ))
+        elif kmsg_state.startswith(("unreadable", "unparsed")):
+            # A log named to be read that gives no kernel record: the XIDs it holds are unknown, not absent.
+            out.append(Finding(
+                code="kmsg.unreadable", severity=Severity.WARNING, entity=Entity.node(ctx.node_name),
+                message=f"kernel log {kmsg_state}: its XIDs could not be checked",
+                action=Action.NONE, evidence={"kmsg": kmsg_state, COULD_NOT_CHECK: True}, source=self.name,
             ))
         policy = thresholds_from(ctx).xid
         for entry in obs.node.get("active", []):
@@ -652,14 +675,25 @@ class XidCollector:
         if ctx.kmsg is None:
             obs.node["kmsg"] = "none"
             return []
+        named = bool(getattr(ctx.kmsg, "named", False))
         try:
             records = ctx.kmsg.read_new()
         except KmsgUnavailable as exc:
-            # Not permitted or absent: XIDs still come from NVML. Say so once, as data, not a failure.
+            if named:  # the log someone asked to be read: the XID check they asked for is not made
+                obs.node["kmsg"] = f"unreadable: {exc.strerror or exc}"
+                return []
+            # /dev/kmsg absent or refused (a container, no CAP_SYSLOG): XIDs still come from NVML. Say so
+            # once, as data, not a failure.
             obs.node["kmsg"] = f"unavailable: {exc.strerror or exc}"
+            obs.node["kmsg_errno"] = exc.errno
             obs.unsupported.add((None, "kmsg"))
             return []
         obs.node["kmsg"] = getattr(ctx.kmsg, "description", "kmsg")
+        self._kmsg_lines += len(records)
+        self._kmsg_records += sum(1 for r in records if is_kernel_record(r))
+        if named and not self._kmsg_records:  # random bytes, another file, an empty one: not a clean log
+            obs.node["kmsg"] = (f"unparsed: {obs.node['kmsg']} holds {self._kmsg_lines} line(s), none of them a "
+                                "kernel-log record" if self._kmsg_lines else f"unparsed: {obs.node['kmsg']} is empty")
         # SXids live only in this process (a switch has no reset to remember): every record of this boot
         # read, the first read after a restart or a one-shot's included, rebuilds them.
         self._new_sxids = sxid_events(records, now=ctx.now)

@@ -28,7 +28,16 @@ from typing import Any
 
 from gpuhealth.config import Config
 from gpuhealth.diag.runner import DiagOutcome, DiagRunner
-from gpuhealth.model import EntityKind, Finding, Health, Severity, health_of, takes_node_out, worst_action
+from gpuhealth.model import (
+    EntityKind,
+    Finding,
+    Health,
+    Severity,
+    could_not_check,
+    health_of,
+    takes_node_out,
+    worst_action,
+)
 from gpuhealth.node import NodeReport
 
 MiB = 1 << 20
@@ -190,8 +199,8 @@ def verdict(report: NodeReport, diagnostics: Sequence[DiagOutcome], level: str, 
     if not report.gpus and not everything:
         health = Health.UNKNOWN
         reasons.insert(0, "no GPU found")
-    if unchecked and health is not Health.UNHEALTHY:
-        health = Health.UNKNOWN
+    if (unchecked or could_not_check(everything)) and health is not Health.UNHEALTHY:
+        health = Health.UNKNOWN  # a diagnostic, or a check asked for (a named kernel log), could not be made
     not_judged += [f"GPU {i}: {why}" for i, whys in sorted(gpus_left_out.items()) for why in whys]
     if not_judged and health is not Health.UNHEALTHY:
         health = Health.UNKNOWN  # the level's diagnostics did not all run: the collectors alone are not this level

@@ -13,7 +13,7 @@ from typing import Any
 
 from gpuhealth.collectors.base import GpuIdentity
 from gpuhealth.collectors.runner import CollectorStatus
-from gpuhealth.model import Finding, Health, Sample, Severity, health_of
+from gpuhealth.model import Finding, Health, Sample, Severity, could_not_check, health_of
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,8 +58,10 @@ class ExportSnapshot(NodeFacts):
         return health_of(self.gpu_findings(gpu))
 
     def node_health(self) -> Health:
-        """UNKNOWN while NVML is down unless a critical finding says unhealthy (``NodeReport.health``)."""
-        if not self.nvml_up and not any(f.severity is Severity.CRITICAL for f in self.findings):
+        """UNKNOWN while NVML is down, or a check asked for could not be made, unless a critical finding says
+        unhealthy (``NodeReport.health``)."""
+        unchecked = not self.nvml_up or could_not_check(self.findings)
+        if unchecked and not any(f.severity is Severity.CRITICAL for f in self.findings):
             return Health.UNKNOWN
         return health_of(self.findings)
 

@@ -17,6 +17,7 @@ from gpuhealth.flightrec.p2p import P2PMismatch
 from gpuhealth.flightrec.report import RootCause, RootKind
 from gpuhealth.flightrec.stacks import MainThread
 from gpuhealth.flightrec.text import format_ranks
+from gpuhealth.flightrec.unrecorded import posted_peers
 from gpuhealth.model import Action, Entity, EntityKind, Finding, Severity
 
 SOURCE = "flightrec"
@@ -150,6 +151,7 @@ def _root_findings(root: RootCause, groups: Mapping[str, GroupView], dumps: Mapp
             f"{describe(info)} was enqueued by every rank and completed by none of {format_ranks(root.ranks)}: "
             "GPU or network stall (check the GPUs and links of these ranks)")
         return [Finding(code, Severity.CRITICAL, _job(job), msg, Action.CHECK_JOB, ev, SOURCE)]
+    peers = posted_peers(root, groups)
     for rank in root.ranks:
         d = dumps.get(rank)
         ev = {**info, **base, "rank": rank, "host": d.host if d else None}
@@ -164,6 +166,10 @@ def _root_findings(root: RootCause, groups: Mapping[str, GroupView], dumps: Mapp
             ev["ahead_ranks"] = list(root.waiting_ranks)
             ev.pop("waiting_ranks", None)
         msg = _message(root, rank, info)
+        if rank in peers:  # it posted the collective: named for an unrecorded send/recv it went on without
+            msg = (f"rank {rank} went on to {describe(info)} without the send/recv it ran before each earlier one "
+                   f"(Gloo does not record them); rank(s) {format_ranks([r for r in root.ranks if r not in peers])}, "
+                   "which never reached it, may be waiting for that op")
         out.append(Finding(code, sev, Entity.rank(rank), msg, action, ev, SOURCE))
     return out
 

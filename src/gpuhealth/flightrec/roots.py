@@ -23,6 +23,7 @@ from gpuhealth.flightrec.p2p import P2PMismatch
 from gpuhealth.flightrec.report import RootCause, RootKind
 from gpuhealth.flightrec.stacks import MainThread
 from gpuhealth.flightrec.text import format_ranks
+from gpuhealth.flightrec.unrecorded import posted_peers
 
 _NEVER = 1 << 62
 _RANKLESS = frozenset({RootKind.GPU_STALL, RootKind.CIRCULAR})
@@ -174,13 +175,16 @@ def signature_text(sig: Signature | None) -> str:
 _NOT_POSTED = frozenset({RootKind.HOST_STUCK, RootKind.P2P_UNMATCHED, RootKind.TIMED_OUT})
 
 
-def with_stacks(roots: Sequence[RootCause], mains: Mapping[int, MainThread]) -> None:
+def with_stacks(roots: Sequence[RootCause], mains: Mapping[int, MainThread],
+                groups: Mapping[str, GroupView] | None = None) -> None:
     """Correct roots with live stacks: of several ranks that "never posted" an op, those whose main thread
     is inside torch.distributed are waiting in communication the flight recorder does not show (Gloo records
     no send/recv), not stuck on the host — they are consequences, not culprits."""
     if not mains:
         return
     for root in roots:
+        if groups is not None and _settle_unrecorded_peers(root, mains, groups):
+            continue
         if root.kind not in _NOT_POSTED or len(root.ranks) < 2:
             continue
         busy = {r: fn for r in root.ranks if (m := mains.get(r)) is not None and (fn := m.in_communication())}
@@ -197,3 +201,33 @@ def with_stacks(roots: Sequence[RootCause], mains: Mapping[int, MainThread]) -> 
                     f"torch.distributed ({', '.join(calls)}): waiting in communication the flight recorder did not "
                     "record (Gloo records no send/recv), held up by the rank(s) above")
         root.decided_by = "stacks"
+
+
+def _settle_unrecorded_peers(root: RootCause, mains: Mapping[int, MainThread], groups: Mapping[str, GroupView]
+                             ) -> bool:
+    """A root naming a rank that never posted the collective together with peers that went on without their
+    unrecorded send/recv (``unrecorded.name_unrecorded_peers``): the stuck ranks' stacks decide. Blocked in
+    torch.distributed (a recv, a send), they wait for the peers, who are the culprits; anywhere else, they
+    are stuck on the host and the peers merely wait for them in the collective."""
+    peers = posted_peers(root, groups)
+    stuck = [r for r in root.ranks if r not in peers]
+    if not peers or not stuck or any(r not in mains for r in stuck):
+        return False
+    busy = {r: fn for r in stuck if (fn := mains[r].in_communication())}
+    if busy and len(busy) == len(stuck):
+        root.ranks = tuple(peers)
+        root.affected_ranks = tuple(sorted({*root.affected_ranks, *stuck}))
+        root.why = (f"rank(s) {format_ranks(stuck)} never posted {root.what or 'the collective'}, but their stacks "
+                    f"show them blocked in torch.distributed ({', '.join(sorted(set(busy.values())))}): waiting for a "
+                    f"send/recv the flight recorder does not record (Gloo). Rank(s) {format_ranks(peers)} went on "
+                    "without their usual unrecorded op(s): the side the others wait for")
+    elif not busy:
+        root.ranks = tuple(stuck)
+        root.waiting_ranks = tuple(sorted({*root.waiting_ranks, *peers}))
+        root.why = (f"rank(s) {format_ranks(stuck)} never posted {root.what or 'the collective'} and are in no "
+                    "communication call (live stacks): stuck on the host (Python code, data loading, a sleep, a "
+                    "deadlock outside torch.distributed)")
+    else:
+        return False
+    root.decided_by = "stacks"
+    return True

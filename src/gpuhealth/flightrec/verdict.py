@@ -26,6 +26,7 @@ from gpuhealth.flightrec.roots import assemble, with_stacks
 from gpuhealth.flightrec.running import still_running
 from gpuhealth.flightrec.stacks import main_threads
 from gpuhealth.flightrec.text import format_ranks
+from gpuhealth.flightrec.unrecorded import name_unrecorded_peers
 from gpuhealth.flightrec.waits import build_graph, find_hang_roots, unmatched_behind
 from gpuhealth.model import MAX_RANKS, Action, Finding, Severity, StepRecord
 from gpuhealth.stragglers import StragglerConfig, detect_from_durations, detect_stragglers
@@ -86,7 +87,7 @@ def _triage(
         behind = {(b.group, b.seq, b.ranks): b for r in untimed
                   if (b := unmatched_behind(groups, analysis.pairs, r, dumps)) is not None}
         roots += list(behind.values())
-    with_stacks(roots, mains)
+    with_stacks(roots, mains, groups)
     findings: list[Finding] = []
     for root in roots:
         findings += root_findings(root, groups, dumps, job, analysis.mismatches, analysis.p2p_mismatches, mains)
@@ -107,7 +108,9 @@ def _triage(
     # What an operator reads first is the most severe finding: keep the root order within a severity.
     findings.sort(key=lambda f: -int(f.severity))
 
-    world = world or (max((s.rank for s in steps or ()), default=-1) + 1)
+    # The world: what the dumps and the job say, and what the ranks' own step records say (the hook writes it).
+    world = max(world, max((s.world_size or 0 for s in steps or ()), default=0),
+                max((s.rank for s in steps or ()), default=-1) + 1)
     # Without dumps, the ranks are those that sent step records.
     seen = sorted(dumps) if dumps else sorted({s.rank for s in steps or ()})
     missing = sorted(set(range(world)) - set(seen) - set(unreadable)) if (seen or unreadable) else []
@@ -115,6 +118,12 @@ def _triage(
     blank = bool(dumps) and not steps and _nothing_recorded(dumps, groups)
     if blank and verdict is Verdict.HEALTHY:
         verdict = Verdict.INCOMPLETE  # no entry, no progress: nothing says the job is healthy
+    # One rank is not a job: a straggler needs peers and a hang the group's members. Unless something
+    # names the world (a pg_config's members, --world-size, the step records' world_size), one rank's
+    # evidence cannot tell a one-rank job from one rank of many (Gloo dumps record no membership).
+    lone = len(set(seen) | set(unreadable)) == 1 and not _world_named(dumps, job, steps)
+    if lone and verdict is Verdict.HEALTHY:
+        verdict = Verdict.INCOMPLETE
     report = TriageReport(
         verdict=verdict, summary="", findings=findings, ranks_seen=seen, ranks_missing=missing,
         groups=[g.to_dict() for g in groups.values()], roots=roots, problems=list(loaded.problems),
@@ -122,6 +131,11 @@ def _triage(
     )
     if blank:
         report.notes.append(NOTHING_RECORDED)
+    if lone:
+        report.notes.append(LONE_RANK.format(rank=format_ranks([*seen, *unreadable])))
+    if dumps and steps and (short := sorted(set(range(world)) - {s.rank for s in steps})):
+        report.notes.append(f"step records of rank(s) {format_ranks(short)} were not given: a straggler among them "
+                            "would not show")
     if running is not None:
         report.notes.append(running.note())
     report.notes += [UNTIMED_STALL.format(what=r.what or f"collective #{r.seq} of group {r.group}",
@@ -129,7 +143,7 @@ def _triage(
     if any(d.tail_only for d in dumps.values()):
         report.notes.append(f"large job: read the newest entries of each dump only (≥{tail_used} per rank, "
                             "more where a group's frontier needed it); older history was not compared")
-    report.summary = _summary(report)
+    report.summary = _summary(report, steps_only=not dumps and bool(steps))
     return report
 
 
@@ -170,6 +184,7 @@ def analyse(groups: Mapping[str, GroupView], dumps: Mapping[int, RankDump], unre
                                                                                   if p.group == g.name])]
     graph = build_graph(groups, pairs, dumps, unreadable, world)
     hang_roots = find_hang_roots(groups, graph)
+    name_unrecorded_peers(hang_roots, groups, dumps)  # Gloo: a stuck rank may wait in an unrecorded recv
     idle = idle_seconds(dumps)
     laggards = [lg for g in groups.values() for lg in find_laggards(g, idle)]
     waiting = {r: True for r in graph.heads}
@@ -195,6 +210,19 @@ def _unreadable_ranks(loaded: LoadResult) -> list[int]:
 NOTHING_RECORDED = ("the dumps record no collectives: the flight recorder's buffer was off (TORCH_FR_BUFFER_SIZE, "
                     "older torch TORCH_NCCL_TRACE_BUFFER_SIZE, unset or 0) or the job had run none; set it at "
                     "launch (gpuhealth env prints it) and dump again")
+
+
+LONE_RANK = ("only rank {rank}'s evidence, and nothing in it says how many ranks the job has (Gloo dumps and step "
+             "records of older hooks do not): a straggler needs its peers and a hang the group's members, so neither "
+             "was judged; give every rank's dumps or step records, or --world-size N (1 if the job has one rank)")
+
+
+def _world_named(dumps: Mapping[int, RankDump], job: Mapping[str, Any], steps: Sequence[StepRecord] | None) -> bool:
+    """Whether anything beyond the ranks held says how many ranks the job has: the job's description, a
+    pg_config that lists members (NCCL; Gloo's is empty), or the step records' own ``world_size``."""
+    return (bool(job.get("world_size"))
+            or any(cfg.ranks for d in dumps.values() for cfg in d.pg_config.values())
+            or any(s.world_size for s in steps or ()))
 
 
 def _nothing_recorded(dumps: Mapping[int, RankDump], groups: Mapping[str, GroupView]) -> bool:
@@ -278,7 +306,7 @@ def _verdict(roots: Sequence[RootCause], findings: Sequence[Finding], dumps: Map
     return Verdict.HEALTHY
 
 
-def _summary(report: TriageReport) -> str:
+def _summary(report: TriageReport, *, steps_only: bool = False) -> str:
     v = report.verdict
     head = report.headline
     first = next((r for r in report.roots if r.kind is not RootKind.BEHIND), None)
@@ -300,10 +328,15 @@ def _summary(report: TriageReport) -> str:
         if report.ranks_unreadable:
             gaps.append(f"rank(s) {format_ranks(report.ranks_unreadable)} left a dump that could not be read")
         if report.ranks_missing:
-            gaps.append(f"rank(s) {format_ranks(report.ranks_missing)} left no dump")
+            gaps.append(f"rank(s) {format_ranks(report.ranks_missing)} left no "
+                        + ("step records" if steps_only else "dump"))
         if NOTHING_RECORDED in report.notes:
             gaps.append("their dumps record no collectives (the flight recorder's buffer was off?)")
-        return (f"INCOMPLETE: no fault in the {len(report.ranks_seen)} rank(s) that dumped; " + "; ".join(gaps))
+        if any(n.startswith(LONE_RANK[:LONE_RANK.index("{")]) for n in report.notes):
+            gaps.append("nothing says how many ranks the job has: one rank alone cannot show a straggler or a "
+                        "hang (see the note)")
+        read = "whose step records were read" if steps_only else "that dumped"
+        return f"INCOMPLETE: no fault in the {len(report.ranks_seen)} rank(s) {read}; " + "; ".join(gaps)
     return f"HEALTHY: {len(report.ranks_seen)} rank(s), no stuck, mismatched or straggling rank"
 
 

@@ -350,7 +350,7 @@ class Tracker:
     def _submit(self, t: StepTiming) -> None:
         ident = self.identity
         self._link.submit(StepRecord(ident.job_id, ident.rank, t.step, t.start_time, t.wall_s, t.compute_s,
-                                     t.comm_wait_s))
+                                     t.comm_wait_s, world_size=ident.world_size))
 
     def _wrapper(self, name: str, original: Callable[..., Any]) -> Callable[..., Any]:
         async_capable = name in _ASYNC_CAPABLE

@@ -315,7 +315,8 @@ def section_steps(world: int, iters: int, sections: Sequence[str], seconds: Call
 
 def scaled_steps(factors: Sequence[float], iters: int, base: float, seed: int, cv: float = 0.05,
                  onset: int = 0) -> list[dict[str, Any]]:
-    """Whole-step records: rank r computes ``base × factors[r]`` (from ``onset`` on; before it, ``base``)."""
+    """Whole-step records: rank r computes ``base × factors[r]`` (from ``onset`` on; before it, ``base``). Each
+    carries the job's world size, as the hook writes it (one rank's records alone are no job without it)."""
     rng = random.Random(seed)
     out = []
     t = 1.7e9
@@ -324,7 +325,7 @@ def scaled_steps(factors: Sequence[float], iters: int, base: float, seed: int, c
         wall = max(comp) + 0.1 * base
         for r, c in enumerate(comp):
             out.append({"job_id": "peer", "rank": r, "step": i, "start_time": t, "wall_s": wall, "compute_s": c,
-                        "comm_wait_s": wall - c})
+                        "comm_wait_s": wall - c, "world_size": len(factors)})
         t += wall
     return out
 

@@ -333,3 +333,21 @@ def test_nvml_that_never_starts_takes_the_node_out_only_when_the_driver_is_at_fa
     assert finding["code"] == NVML_UNAVAILABLE and finding["action"] == action
     assert (report["node"]["health"], report["node"]["action"]) == (health, action)
     assert agent.snapshot().node_health() is Health[health.upper()]
+
+
+def test_a_named_kernel_log_the_agent_cannot_read_leaves_the_node_unknown(agents: list[Agent], clock: Any,
+                                                                          tmp_path: Any) -> None:
+    """collectors.kmsg_path names a log that is not there (issue 33): the XID check is not made, so /health and
+    /metrics say unknown, not healthy (a scenario's own kernel lines are not that log)."""
+    from gpuhealth.collectors.xid import XidCollector
+
+    cfg = fast_config(kmsg_path=str(tmp_path / "kern.log"))
+    agent = _start(agents, Agent(cfg, _scenario_backend(clock, []), collectors=[XidCollector(event_thread=False)],
+                                 extensions=[], notifier=QUIET))
+    wait_for(lambda: agent.node_report()["findings"], what="kmsg.unreadable")
+    report = agent.node_report()
+    assert [f["code"] for f in report["findings"]] == ["kmsg.unreadable"]
+    assert report["node"]["health"] == "unknown" and agent.snapshot().node_health() is Health.UNKNOWN
+    (tmp_path / "kern.log").write_text("[    1.000000] Linux version 6.8.0\n")  # the log appears: judged again
+    wait_for(lambda: not agent.node_report()["findings"], what="the kernel log read")
+    assert agent.node_report()["node"]["health"] == "healthy"

@@ -463,3 +463,20 @@ def test_real_nccl_dumps_from_the_hook_triage_to_the_right_rank() -> None:
     codes = {(f.code, int(f.evidence["rank"])) for f in report.findings}
     assert ("collective.missing_rank", 1) in codes and ("rank.straggler", 1) in codes
     assert report.identity == {0: "filename", 1: "filename"}  # the rank comes from the hook's file name
+
+
+def test_jsonl_records_carry_the_world_size(tmp_path: Path) -> None:
+    # Offline triage of some ranks' records then knows which ranks it lacks (issue 33).
+    out = tmp_path / "r.jsonl"
+    t = Tracker(out, socket_path="", env=ENV, flush_interval_s=0.01)
+    with t.step():
+        pass
+    t.close()
+    (rec,) = read_jsonl(out)
+    assert (rec.rank, rec.world_size) == (2, 4)
+    # A record whose world cannot hold its rank is a bad line, not a smaller world.
+    with pytest.raises(ValueError):
+        StepRecord.from_dict({**rec.to_dict(), "world_size": 2})
+    # Records of older hooks (no world_size) still read.
+    legacy = {k: v for k, v in rec.to_dict().items() if k != "world_size"}
+    assert StepRecord.from_dict(legacy).world_size is None
