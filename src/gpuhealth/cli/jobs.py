@@ -18,9 +18,9 @@ from gpuhealth.cli._coordinator_client import CoordinatorClientError, coordinato
 def command(job_id: str, address: str | None, config_path: str | None, token: str | None,
             token_file: str | None, tls_cert: str | None,
             tls_key: str | None, tls_ca: str | None, as_json: bool) -> None:
-    """List jobs (or one JOB_ID) known to the coordinator. Exit 0 when none is hung or straggling,
-    1 when one is, 3 when the coordinator could not be asked (or the config is bad, or it does not
-    know JOB_ID)."""
+    """List jobs (or one JOB_ID) known to the coordinator. Exit 0 when none is hung, straggling, slowed in its
+    communication or waiting on a node cut off, 1 when one is, 3 when the coordinator could not be asked (or the
+    config is bad, or it does not know JOB_ID)."""
     try:
         addr, tok, tls = resolve(config_path, address, token, tls_cert, tls_key, tls_ca, token_file)
     except CoordinatorClientError as exc:
@@ -41,7 +41,8 @@ def command(job_id: str, address: str | None, config_path: str | None, token: st
         click.echo(json.dumps(doc, indent=2, sort_keys=True))
     else:
         _render(jobs)
-    troubled = any(j.get("state") == "hung" or j.get("stragglers") for j in jobs)
+    troubled = any(j.get("state") == "hung" or j.get("stragglers") or j.get("comm_slow") or j.get("cut_off")
+                   for j in jobs)
     sys.exit(1 if troubled else 0)
 
 
