@@ -303,13 +303,14 @@ class CutOff:
 
 
 def cut_off_nodes(job_nodes: Mapping[str, list[int]], heard_at: Mapping[str, float], progress_at: float, now: float,
-                  silent_after_s: float, step_s: float | None) -> list[CutOff]:
+                  silent_after_s: float, step_s: float | None, heard_every_s: float) -> list[CutOff]:
     """Nodes of a job whose agent and ranks went silent together while the others wait.
 
     A node is cut off when its agent has said nothing for ``silent_after_s`` while at least one other node of
     the job is still heard, no rank of the job progressed since about when it went quiet (its last word came
-    no later than a few steps after the job's last progress: the job stopped because of it, not before it),
-    and the job has been stalled for at least that long too."""
+    no later than a few steps after the job's last progress: the job stopped because of it, not before it;
+    and no earlier than one ``heard_every_s`` — its heartbeat — before it: an agent silent long before the
+    stall says nothing about this one), and the job has been stalled for at least that long too."""
     stalled = now - progress_at
     if stalled < silent_after_s or len(job_nodes) < 2:
         return []
@@ -319,7 +320,8 @@ def cut_off_nodes(job_nodes: Mapping[str, list[int]], heard_at: Mapping[str, flo
     if not alive:
         return []  # nobody heard: the coordinator's own network, not a node's
     return [CutOff(n, quiet, stalled, sorted(job_nodes[n])) for n, quiet in sorted(heard.items())
-            if quiet >= silent_after_s and heard_at.get(n, -math.inf) <= progress_at + slack]
+            if quiet >= silent_after_s
+            and progress_at - heard_every_s - slack <= heard_at.get(n, -math.inf) <= progress_at + slack]
 
 
 def cut_off_verdict(job_id: str, cuts: Sequence[CutOff], waiting: Sequence[str], created_at: float,

@@ -42,7 +42,7 @@ from gpuhealth.coordinator.fleet import (
     version_drift,
 )
 from gpuhealth.coordinator.jobs import HangCheck, JobState, JobTable, OnlineStragglerDetector
-from gpuhealth.coordinator.multinode import comm_slow_verdict, cut_off_nodes, cut_off_verdict, localise
+from gpuhealth.coordinator.multinode import CutOff, comm_slow_verdict, cut_off_nodes, cut_off_verdict, localise
 from gpuhealth.coordinator.requests import PendingRequest, sdc_digests_of
 from gpuhealth.coordinator.screening import (
     LEVELS,
@@ -684,8 +684,8 @@ class Coordinator:
             self._judge_comm(job)
             self._judge_cut_off(job, mono)
             check = job.hang_check(mono, self.settings.hang_k, self.settings.hang_floor_s)
-            if check is not None and self._quiet_nodes(job, mono, self.settings.heartbeat_interval_s + 2.0):
-                check = None  # a node missed its heartbeat: wait for the cut-off judgement, not an incomplete triage
+            if check is not None and self._cut_off(job, mono, self.settings.heartbeat_interval_s + 2.0):
+                check = None  # a node missed its heartbeat as the job stopped: wait for the cut-off judgement
             if check is not None and job.job_id not in self.investigating:
                 job.hang_open = True
                 job.hangs += 1
@@ -708,8 +708,9 @@ class Coordinator:
             by_node.setdefault(p.node, []).append(rank)
         return by_node
 
-    def _quiet_nodes(self, job: JobState, mono: float, quiet_s: float) -> list[str]:
-        return [n for n in self._job_ranks_by_node(job) if mono - self.heard_at.get(n, -math.inf) >= quiet_s]
+    def _cut_off(self, job: JobState, mono: float, silent_after_s: float) -> list[CutOff]:
+        return cut_off_nodes(self._job_ranks_by_node(job), self.heard_at, job.progress_at, mono, silent_after_s,
+                             job.typical_step_s(), self.settings.heartbeat_interval_s)
 
     def _judge_comm(self, job: JobState) -> None:
         """``job.comm_slow``: communication grew against the job's own best pace while compute held; a verdict
@@ -739,8 +740,7 @@ class Coordinator:
         The hang this causes is explained by it: no evidence is asked of a node nobody can reach."""
         if job.finished or not job.progress_at:
             return
-        cuts = cut_off_nodes(self._job_ranks_by_node(job), self.heard_at, job.progress_at, mono,
-                             self.silent_after_s, job.typical_step_s())
+        cuts = self._cut_off(job, mono, self.silent_after_s)
         names = [c.node for c in cuts]
         if not cuts:
             if job.cut_off:

@@ -131,14 +131,16 @@ def test_a_node_whose_wait_stands_apart_since_the_slowdown_is_named() -> None:
 def test_cut_off_needs_silence_a_stalled_job_and_others_heard() -> None:
     ranks = {"n0": [0, 1], "n1": [2, 3], "n2": [4, 5]}
     heard = {"n0": 199.0, "n1": 100.0, "n2": 198.0}
-    cuts = cut_off_nodes(ranks, heard, progress_at=99.5, now=200.0, silent_after_s=27.0, step_s=0.1)
+    cuts = cut_off_nodes(ranks, heard, progress_at=99.5, now=200.0, silent_after_s=27.0, step_s=0.1, heard_every_s=10)
     assert [c.node for c in cuts] == ["n1"] and cuts[0].ranks == [2, 3]
     # Not yet silent long enough; or the job still progresses; or nobody is heard (the coordinator's network).
-    assert cut_off_nodes(ranks, heard, 99.5, 120.0, 27.0, 0.1) == []
-    assert cut_off_nodes(ranks, heard, 195.0, 200.0, 27.0, 0.1) == []
-    assert cut_off_nodes(ranks, dict.fromkeys(ranks, 100.0), 99.5, 200.0, 27.0, 0.1) == []
+    assert cut_off_nodes(ranks, heard, 99.5, 120.0, 27.0, 0.1, 10) == []
+    assert cut_off_nodes(ranks, heard, 195.0, 200.0, 27.0, 0.1, 10) == []
+    assert cut_off_nodes(ranks, dict.fromkeys(ranks, 100.0), 99.5, 200.0, 27.0, 0.1, 10) == []
     # A node that went quiet long after the job had stalled did not stop it: a hang's, not a cut-off.
-    assert cut_off_nodes(ranks, {**heard, "n1": 150.0}, 99.5, 200.0, 27.0, 0.1) == []
+    assert cut_off_nodes(ranks, {**heard, "n1": 150.0}, 99.5, 200.0, 27.0, 0.1, 10) == []
+    # An agent silent since long before the stall (dead, or its node gone an hour ago) says nothing about it.
+    assert cut_off_nodes(ranks, {**heard, "n1": 50.0}, 99.5, 200.0, 27.0, 0.1, 10) == []
     doc = cut_off_verdict("j", cuts, ["n0", "n2"], 1.0, 41)
     assert doc["nodes"] == ["n1"] and doc["cause"] == "network" and doc["culprits"] == [2, 3]
     assert doc["summary"].startswith("cut_off: node n1 lost its network")
