@@ -14,7 +14,8 @@ traffic or towards one peer; ``cut`` takes its link down (``ip link``), ``restor
 
 Everything it makes carries the prefix ``gh31a<pid base 36>-<n>`` (parallel runs and other users of this box
 never collide; a later instance removes what a dead process left behind) and is removed by ``close`` —
-also at interpreter exit (``atexit``), so a failing test leaves nothing. Needs root, ``ip`` and ``tc``.
+also at interpreter exit (``atexit``), so a failing test leaves nothing; the processes it starts get SIGTERM
+when it dies (PR_SET_PDEATHSIG), even by SIGKILL. Needs root, ``ip`` and ``tc``.
 """
 
 from __future__ import annotations
@@ -94,6 +95,9 @@ def remove_stale(prefix: str = PREFIX) -> list[str]:
     for line in sh("ip", "netns", "list", check=False).stdout.splitlines():
         name = line.split()[0] if line.split() else ""
         if name.startswith(prefix) and dead(name):
+            for pid in sh("ip", "netns", "pids", name, check=False).stdout.split():
+                with contextlib.suppress(ProcessLookupError, ValueError):
+                    os.kill(int(pid), signal.SIGKILL)  # an agent or rank a killed run of this harness started
             sh("ip", "netns", "del", name, check=False)
             removed.append(name)
     for line in sh("ip", "-o", "link", "show", check=False).stdout.splitlines():
@@ -115,6 +119,15 @@ def _free_subnet() -> str:
     raise RuntimeError("no free 10.231.x.0/24 for the cluster's bridge")
 
 
+def _die_with_parent() -> None:
+    """In the child before exec: SIGTERM when the process that started it dies (a test run killed with SIGKILL
+    runs no atexit; its agents, ranks and coordinator must not outlive it). Kept across ``ip netns exec``."""
+    import ctypes
+
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
 class Process:
     """A process this cluster started (in a namespace or not), its output in a log file."""
 
@@ -124,7 +137,8 @@ class Process:
         self._log = log.open("ab")
         cmd = ["ip", "netns", "exec", ns, *args] if ns else list(args)
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                     env={**os.environ, **(env or {})}, start_new_session=True)
+                                     env={**os.environ, **(env or {})}, start_new_session=True,
+                                     preexec_fn=_die_with_parent)
 
     def log(self) -> str:
         with contextlib.suppress(ValueError):  # closed once stopped: the file is all there is
