@@ -3,8 +3,11 @@
 
 from __future__ import annotations
 
+import asyncio
 import random
+from pathlib import Path
 
+from gpuhealth.config import CoordinatorConfig
 from gpuhealth.coordinator.jobs import JobState
 from gpuhealth.coordinator.multinode import (
     CommSettings,
@@ -14,6 +17,8 @@ from gpuhealth.coordinator.multinode import (
     cut_off_verdict,
     localise,
 )
+from gpuhealth.coordinator.service import Coordinator
+from gpuhealth.coordinator.store import Store
 from gpuhealth.model import Entity, EntityKind, Finding, RankIdentity, Severity
 from gpuhealth.proto.convert import StepColumns
 
@@ -144,3 +149,68 @@ def test_cut_off_needs_silence_a_stalled_job_and_others_heard() -> None:
     doc = cut_off_verdict("j", cuts, ["n0", "n2"], 1.0, 41)
     assert doc["nodes"] == ["n1"] and doc["cause"] == "network" and doc["culprits"] == [2, 3]
     assert doc["summary"].startswith("cut_off: node n1 lost its network")
+
+
+class _Mono:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_the_service_names_a_cut_off_node_instead_of_investigating_a_hang(tmp_path: Path) -> None:
+    """Hang floor 15 s, heartbeat 10 s: a node silent since the job stopped holds the hang investigation back
+    (before: after 15 s an "incomplete" hang asking that node for evidence), and at 27 s it is cut off."""
+    mono = _Mono()
+    coord = Coordinator(Store(tmp_path / "c.db"), CoordinatorConfig(hang_floor_s=15.0, hang_k=10.0,
+                                                                    evidence_dir=str(tmp_path / "ev")),
+                        monotonic=mono)
+    job = coord.jobs.get("j", mono())
+    for r in range(6):
+        job.add_identity(NODES[r // 2], RankIdentity("j", r, 6, "h", 100 + r, local_rank=r % 2), mono())
+    for s in range(50):
+        mono.now += 0.1
+        _step(job, s, 0.05)
+        job.progress_at = mono.now
+        for n in NODES[:3]:
+            coord.heard_at[n] = mono.now
+    stop = mono.now
+    for t in range(1, 40):  # n1 is never heard again; n0 and n2 heartbeat every 10 s; nobody progresses
+        mono.now = stop + t
+        if t % 10 == 0:
+            coord.heard_at["n0"] = coord.heard_at["n2"] = mono.now
+        coord.tick()
+        assert not coord.investigating and coord.counters.hangs == 0, t  # no hang investigation at all
+        if t < 27:
+            assert coord.store.verdicts("j") == [], t
+    (doc,) = coord.store.verdicts("j")
+    assert doc["kind"] == "cut_off" and doc["nodes"] == ["n1"] and doc["culprits"] == [2, 3]
+    assert job.cut_off == ["n1"] and job.hang_open
+    coord.heard_at["n1"] = mono.now  # heard again: no longer cut off
+    coord.tick()
+    assert job.cut_off == []
+
+
+def test_without_a_silent_node_a_stalled_job_is_still_a_hang(tmp_path: Path) -> None:
+    mono = _Mono()
+    coord = Coordinator(Store(tmp_path / "c.db"), CoordinatorConfig(hang_floor_s=10.0, evidence_timeout_s=1.0,
+                                                                    evidence_dir=str(tmp_path / "ev")),
+                        monotonic=mono)
+    job = coord.jobs.get("j", mono())
+    for r in range(6):
+        job.add_identity(NODES[r // 2], RankIdentity("j", r, 6, "h", 100 + r), mono())
+    for s in range(50):
+        _step(job, s, 0.05)
+    job.progress_at = mono.now
+    for _t in range(1, 12):
+        mono.now += 1
+        for n in NODES[:3]:
+            coord.heard_at[n] = mono.now  # every agent heard: the job hung by itself
+
+        async def tick() -> None:
+            coord.tick()
+            await asyncio.sleep(0)
+
+        asyncio.run(tick())
+    assert coord.counters.hangs == 1 and job.cut_off == []
