@@ -83,7 +83,7 @@ class CoordinatorCollector(Collector):
                                      "pace while a job.slowdown is open (every rank slower together: never a "
                                      "straggler); 1 otherwise.", labels=["job_id"])
         comm = GaugeMetricFamily(p + "job_comm_slow_ratio", "The job's communication time per step (collective wait) "
-                                 "against its own best pace while a job.comm_slow is open (compute held); 1 "
+                                 "against its own baseline while a job.comm_slow is open (compute held); 1 "
                                  "otherwise.", labels=["job_id"])
         cut = GaugeMetricFamily(p + "job_nodes_cut_off", "Nodes of the job judged cut off (node.cut_off: agent and "
                                 "ranks silent together while the other ranks wait).", labels=["job_id"])

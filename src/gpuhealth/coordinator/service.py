@@ -713,7 +713,7 @@ class Coordinator:
                              job.typical_step_s(), self.settings.heartbeat_interval_s)
 
     def _judge_comm(self, job: JobState) -> None:
-        """``job.comm_slow``: communication grew against the job's own best pace while compute held; a verdict
+        """``job.comm_slow``: communication grew against the job's own baseline while compute held; a verdict
         naming the node(s) the evidence explains it by, or the candidates and a probe to run."""
         episode, opened = job.comm.judge()
         if episode is None:
