@@ -34,7 +34,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         yield c
 
 
-def _wait_steps(c: Cluster, job_id: str, steps: int, timeout: float = 90.0) -> dict[str, Any]:
+def _wait_steps(c: Cluster, job_id: str, steps: int, timeout: float = 150.0) -> dict[str, Any]:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         doc = c.job_doc(job_id)
