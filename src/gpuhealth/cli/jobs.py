@@ -18,9 +18,10 @@ from gpuhealth.cli._coordinator_client import CoordinatorClientError, coordinato
 def command(job_id: str, address: str | None, config_path: str | None, token: str | None,
             token_file: str | None, tls_cert: str | None,
             tls_key: str | None, tls_ca: str | None, as_json: bool) -> None:
-    """List jobs (or one JOB_ID) known to the coordinator. Exit 0 when no running job is hung or straggling
-    (a finished job's verdicts are history: shown, not an alarm), 1 when one is, 3 when the coordinator could not
-    be asked (or the config is bad, or it does not know JOB_ID)."""
+    """List jobs (or one JOB_ID) known to the coordinator. Exit 0 when no running job is hung, straggling,
+    slowed in its communication or waiting on a node cut off (a finished job's verdicts are history: shown, not
+    an alarm), 1 when one is, 3 when the coordinator could not be asked (or the config is bad, or it does not know
+    JOB_ID)."""
     try:
         addr, tok, tls = resolve(config_path, address, token, tls_cert, tls_key, tls_ca, token_file)
     except CoordinatorClientError as exc:
@@ -45,10 +46,12 @@ def command(job_id: str, address: str | None, config_path: str | None, token: st
 
 
 def needs_a_look(job: dict[str, Any]) -> bool:
-    """A job hung or straggling now. A finished job's straggler or hang is history: shown, not an alarm."""
+    """A job hung, straggling, slowed in its communication or waiting on a node cut off, now. A finished job's
+    verdicts are history: shown, not an alarm."""
     if job.get("state") == "finished":
         return False
-    return job.get("state") == "hung" or bool(job.get("stragglers"))
+    return (job.get("state") == "hung" or bool(job.get("stragglers")) or bool(job.get("comm_slow"))
+            or bool(job.get("cut_off")))
 
 
 def _render(jobs: list[dict[str, Any]]) -> None:

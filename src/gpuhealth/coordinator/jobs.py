@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from gpuhealth.coordinator.multinode import CommWatch
 from gpuhealth.model import Finding, RankIdentity
 from gpuhealth.proto.convert import StepColumns
 
@@ -84,6 +85,9 @@ class JobState:
     detector: OnlineStragglerDetector | None = None
     new_detector: Callable[[], OnlineStragglerDetector] | None = None  # a fresh one for a restarted run
     restarts: int = 0
+    comm: CommWatch = field(default_factory=CommWatch)  # communication against its own best pace, per node
+    comm_verdict: dict[str, Any] | None = None  # the open job.comm_slow episode's verdict
+    cut_off: list[str] = field(default_factory=list)  # nodes judged cut off while the job waits
 
     # -- ingest ----------------------------------------------------------------------------------
 
@@ -92,7 +96,10 @@ class JobState:
             self.world_size = identity.world_size
             if self.detector is not None:
                 self.detector.set_world_size(identity.world_size)
+            self.comm.world_size = identity.world_size
         self.placements[identity.rank] = Placement(node, identity)
+        if identity.rank >= 0:
+            self.comm.place(identity.rank, node)
         self.live_ranks.setdefault(node, set()).add(identity.rank)
         if not self.first_seen:
             self.first_seen = now
@@ -132,12 +139,19 @@ class JobState:
             self.step_samples.extend(cols.wall_s[::stride])
         if self.detector is not None:
             self.detector.feed(cols, now)
+        self.comm.feed(cols.rank, cols.step, cols.wall_s, cols.compute_s, cols.comm_wait_s)
 
     def _restart(self) -> None:
         """A new run under the same job id: its steps count as progress (no false hang) and its
         stragglers are judged afresh (the old detector would ignore steps it has already judged)."""
         self.restarts += 1
         self.stragglers.clear()
+        fresh = CommWatch(self.comm.settings)  # a new run's pace is its own; where ranks run still holds
+        fresh.world_size = self.world_size
+        for rank, placement in self.placements.items():
+            if rank >= 0:
+                fresh.place(rank, placement.node)
+        self.comm, self.comm_verdict = fresh, None
         if self.new_detector is not None:
             self.detector = self.new_detector()
             if self.world_size:
@@ -208,6 +222,10 @@ class JobState:
             "state": "finished" if self.finished else ("hung" if self.hang_open else "running"),
             "hangs": self.hangs,
             "stragglers": sorted(self.stragglers),
+            "comm_slow": None if self.comm_verdict is None else {
+                k: self.comm_verdict.get(k) for k in ("ratio", "nodes", "candidates", "basis", "since_step",
+                                                      "probe_advised", "summary")},
+            "cut_off": list(self.cut_off),
             "slowdown": None if self.slowdown is None else {
                 "ratio": self.slowdown.evidence.get("ratio_to_history"),
                 "since_step": self.slowdown.evidence.get("onset_step"), "message": self.slowdown.message},

@@ -90,6 +90,11 @@ class CoordinatorCollector(Collector):
         slowdown = GaugeMetricFamily(p + "job_slowdown_ratio", "The whole job's step compute against its own best "
                                      "pace while a job.slowdown is open (every rank slower together: never a "
                                      "straggler); 1 otherwise.", labels=["job_id"])
+        comm = GaugeMetricFamily(p + "job_comm_slow_ratio", "The job's communication time per step (collective wait) "
+                                 "against its own baseline while a job.comm_slow is open (compute held); 1 "
+                                 "otherwise.", labels=["job_id"])
+        cut = GaugeMetricFamily(p + "job_nodes_cut_off", "Nodes of the job judged cut off (node.cut_off: agent and "
+                                "ranks silent together while the other ranks wait).", labels=["job_id"])
         hangs = CounterMetricFamily(p + "job_hangs", "Hangs detected per job.", labels=["job_id"])
         stalled = GaugeMetricFamily(p + "job_seconds_since_progress", "Seconds since any rank finished a step.",
                                     labels=["job_id"])
@@ -104,9 +109,11 @@ class CoordinatorCollector(Collector):
                 scores.add_metric([jid, str(rank)], score)
             stragglers.add_metric([jid], job["stragglers"])
             slowdown.add_metric([jid], job.get("slowdown_ratio", 1.0))
+            comm.add_metric([jid], job.get("comm_slow_ratio", 1.0))
+            cut.add_metric([jid], job.get("nodes_cut_off", 0))
             hangs.add_metric([jid], job["hangs"])
             stalled.add_metric([jid], job["stalled_s"])
-        yield from (records, quant, scores, stragglers, slowdown, hangs, stalled)
+        yield from (records, quant, scores, stragglers, slowdown, comm, cut, hangs, stalled)
         hangs_total = CounterMetricFamily(p + "hangs", "Hangs detected, all jobs.")
         hangs_total.add_metric([], s.get("hangs", 0))
         yield hangs_total

@@ -42,6 +42,7 @@ from gpuhealth.coordinator.fleet import (
     version_drift,
 )
 from gpuhealth.coordinator.jobs import HangCheck, JobState, JobTable, OnlineStragglerDetector
+from gpuhealth.coordinator.multinode import CutOff, comm_slow_verdict, cut_off_nodes, cut_off_verdict, localise
 from gpuhealth.coordinator.requests import PendingRequest, sdc_digests_of
 from gpuhealth.coordinator.screening import (
     LEVELS,
@@ -167,6 +168,7 @@ class Coordinator:
         self._rotation_planned = -float("inf")
         self._rotation_soon = False
         self._foreign_logged: dict[str, float] = {}  # node -> when its foreign screens were last logged
+        self.heard_at: dict[str, float] = {}  # node -> when its agent last said anything (monotonic)
         self._load()
 
     # -- lifecycle -------------------------------------------------------------------------------
@@ -310,6 +312,7 @@ class Coordinator:
         """Write one record (idempotent by seq) into the open group commit; it is acknowledged when
         the group commits (``flush_group``: at most ``GROUP_COMMIT_S`` later)."""
         seq = rec.seq
+        self.heard_at[session.node] = self.mono()
         if seq == 0:
             raise StreamRejected(grpc.StatusCode.INVALID_ARGUMENT, "record without a seq (seqs start at 1)")
         if seq <= session.received:
@@ -445,6 +448,7 @@ class Coordinator:
         view = self.nodes.setdefault(session.node, NodeView(session.node))
         view.health = msg.health or "unknown"
         view.last_seen = self.clock()
+        self.heard_at[session.node] = self.mono()
         live: dict[str, list[int]] = {}
         for lr in msg.live:
             live[lr.job_id] = list(lr.ranks)
@@ -457,6 +461,7 @@ class Coordinator:
         pending.add(session.node, msg)
 
     def stream_opened(self, session: Session) -> None:
+        self.heard_at[session.node] = self.mono()
         session.connected = True
         session.ack_sent = -1
         self.nodes.setdefault(session.node, NodeView(session.node)).connected = True
@@ -681,7 +686,11 @@ class Coordinator:
                 continue
             if job.detector is not None or job.discovered_only:
                 self._update_stragglers(job)
+            self._judge_comm(job)
+            self._judge_cut_off(job, mono)
             check = job.hang_check(mono, self.settings.hang_k, self.settings.hang_floor_s)
+            if check is not None and self._cut_off(job, mono, self.settings.heartbeat_interval_s + 2.0):
+                check = None  # a node missed its heartbeat as the job stopped: wait for the cut-off judgement
             if check is not None and job.job_id not in self.investigating:
                 job.hang_open = True
                 job.hangs += 1
@@ -690,6 +699,67 @@ class Coordinator:
                 log.warning("job %s: no rank progressed for %.1f s (threshold %.1f s): collecting evidence",
                             job.job_id, check.stalled_s, check.threshold_s)
                 self._spawn(self._investigate_hang(job, check), f"hang-{job.job_id}")
+
+    # -- multi-node judgement (coordinator/multinode.py) --------------------------------------------
+
+    @property
+    def silent_after_s(self) -> float:
+        """A node's agent silent this long (2.5 heartbeats and a margin) while its job waits: cut off."""
+        return 2.5 * self.settings.heartbeat_interval_s + 2.0
+
+    def _job_ranks_by_node(self, job: JobState) -> dict[str, list[int]]:
+        by_node: dict[str, list[int]] = {}
+        for rank, p in job.placements.items():
+            by_node.setdefault(p.node, []).append(rank)
+        return by_node
+
+    def _cut_off(self, job: JobState, mono: float, silent_after_s: float) -> list[CutOff]:
+        return cut_off_nodes(self._job_ranks_by_node(job), self.heard_at, job.progress_at, mono, silent_after_s,
+                             job.typical_step_s(), self.settings.heartbeat_interval_s)
+
+    def _judge_comm(self, job: JobState) -> None:
+        """``job.comm_slow``: communication grew against the job's own baseline while compute held; a verdict
+        naming the node(s) the evidence explains it by, or the candidates and a probe to run."""
+        episode, opened = job.comm.judge()
+        if episode is None:
+            if job.comm_verdict is not None:
+                log.info("job %s: communication back to its pace", job.job_id)
+            job.comm_verdict = None
+            return
+        if not opened and job.comm_verdict is not None:
+            job.comm_verdict.update(ratio=round(episode.ratio, 3), comm_s=round(episode.comm_s, 6),
+                                    at_step=episode.at_step)
+            return
+        nodes = sorted(self._job_ranks_by_node(job))
+        if len(nodes) < 2:
+            return  # one node: no network between its ranks that this judges (job.slowdown and stragglers do)
+        where = localise(nodes, {n: v.findings for n in nodes if (v := self.nodes.get(n)) is not None}, episode,
+                         job.comm.settings)
+        doc = comm_slow_verdict(job.job_id, episode, where, self.clock())
+        job.comm_verdict = doc
+        self.record_verdict(job.job_id, "comm_slow", doc)
+        log.warning("job %s: %s", job.job_id, doc["summary"])
+
+    def _judge_cut_off(self, job: JobState, mono: float) -> None:
+        """``node.cut_off``: a node whose agent and ranks went silent together while the job's other ranks wait.
+        The hang this causes is explained by it: no evidence is asked of a node nobody can reach."""
+        if job.finished or not job.progress_at:
+            return
+        cuts = self._cut_off(job, mono, self.silent_after_s)
+        names = [c.node for c in cuts]
+        if not cuts:
+            if job.cut_off:
+                log.info("job %s: node(s) %s heard again", job.job_id, ", ".join(job.cut_off))
+            job.cut_off = []
+            return
+        if set(names) <= set(job.cut_off):
+            return  # the same episode
+        job.cut_off = sorted(set(job.cut_off) | set(names))
+        job.hang_open = True  # the stall is explained; a new step ends it like any hang
+        waiting = [n for n in self._job_ranks_by_node(job) if n not in job.cut_off]
+        doc = cut_off_verdict(job.job_id, cuts, waiting, self.clock(), max(job.last_step.values(), default=None))
+        self.record_verdict(job.job_id, "cut_off", doc)
+        log.warning("job %s: %s", job.job_id, doc["summary"])
 
     def _reported_hangs(self, node: str, findings: list[Finding]) -> None:
         """Hangs an agent judged itself: its zero-code watcher names a rank of its own that NCCL RAS shows
@@ -1009,6 +1079,9 @@ class Coordinator:
                 "stragglers": len(job.stragglers), "hangs": job.hangs, "records": job.records,
                 "slowdown_ratio": float(job.slowdown.evidence.get("ratio_to_history") or 1.0)
                 if job.slowdown is not None else 1.0,
+                "comm_slow_ratio": float(job.comm_verdict.get("ratio") or 1.0) if job.comm_verdict is not None
+                else 1.0,
+                "nodes_cut_off": len(job.cut_off),
                 "stalled_s": mono - job.progress_at if job.progress_at else 0.0,
             })
         c = self.counters
