@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -41,7 +40,8 @@ def _worker(cfg: dict[str, Any]) -> None:
     from gpuhealth.instrument import Tracker
 
     rank = int(os.environ["RANK"])
-    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+    dist.init_process_group("gloo", init_method=os.environ["TEST_RENDEZVOUS"], rank=rank,
+                            world_size=int(os.environ["WORLD_SIZE"]), timeout=timedelta(seconds=60))
     torch.manual_seed(0)
     # Three layers and a small bucket cap: several gradient buckets per step, as in a real model.
     model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.ReLU(), torch.nn.Linear(256, 256),
@@ -68,21 +68,15 @@ def _worker(cfg: dict[str, Any]) -> None:
     dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _run(tmp: Path, *, hook: bool, straggler: bool) -> tuple[list[StepRecord], list[float]]:
     tmp.mkdir()
     cfg = {"out": str(tmp / "steps{rank}.jsonl"), "params": str(tmp / "params{rank}.json"), "hook": hook,
            "straggler": straggler}
-    port = _free_port()
+    rendezvous = f"file://{tmp / 'rendezvous'}"  # no port picked before it is bound
     procs = []
     for rank in range(WORLD):
         env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(WORLD), "LOCAL_RANK": str(rank),
-               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "GPUHEALTH_JOB_ID": "ddp",
+               "TEST_RENDEZVOUS": rendezvous, "GPUHEALTH_JOB_ID": "ddp",
                "OMP_NUM_THREADS": "1"}
         procs.append(subprocess.Popen([sys.executable, str(HERE), "worker", json.dumps(cfg)], env=env,
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
