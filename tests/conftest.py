@@ -3,6 +3,7 @@ spread over pytest-xdist workers (``scripts/test.sh``, docs/testing.md)."""
 
 from __future__ import annotations
 
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -41,14 +42,14 @@ def h100_recording() -> Path:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """In an xdist worker: the files that hold ``slow`` tests first. ``--dist loadfile
+    """In an xdist worker: the files that hold ``slow`` tests first, the most first. ``--dist loadfile
     --no-loadscope-reorder`` hands whole files to workers in this order, so no long file starts last and
     runs alone at the end. (Files, not ``xdist_group``: pytest 9.2 ignores the node-id suffix xdist 3.8's
     loadgroup relies on, pytest-dev/pytest-xdist#1386, and spreads a group's tests over all workers.)"""
     if not hasattr(config, "workerinput"):
         return
-    slow_files = {_file(item) for item in items if item.get_closest_marker("slow") is not None}
-    items.sort(key=lambda item: _file(item) not in slow_files)  # stable: a file's own order is kept
+    slow = Counter(_file(item) for item in items if item.get_closest_marker("slow") is not None)
+    items.sort(key=lambda item: -slow[_file(item)])  # stable: a file's own order is kept
 
 
 def _file(item: pytest.Item) -> str:

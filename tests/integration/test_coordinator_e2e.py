@@ -246,6 +246,7 @@ def test_straggler_flagged_within_10_steps_with_its_gpu_finding(cluster: Cluster
         _kill(procs)
 
 
+@pytest.mark.slow
 @pytest.mark.integration
 @pytest.mark.timeout(150)
 def test_hang_verdict_names_the_rank_with_fr_evidence_and_stack(cluster: Cluster) -> None:
@@ -288,6 +289,7 @@ def test_hang_verdict_names_the_rank_with_fr_evidence_and_stack(cluster: Cluster
         _kill(procs)
 
 
+@pytest.mark.slow
 @pytest.mark.integration
 @pytest.mark.timeout(150)
 def test_healthy_run_produces_nothing(cluster: Cluster) -> None:

@@ -89,6 +89,7 @@ def _run(tmp: Path, *, hook: bool, straggler: bool) -> tuple[list[StepRecord], l
     return records, params
 
 
+@pytest.mark.slow
 def test_ddp_hook_times_the_gradient_wait_and_names_the_straggler(tmp_path: Path) -> None:
     records, params = _run(tmp_path / "hook", hook=True, straggler=True)
     assert len(records) == WORLD * STEPS
@@ -109,6 +110,7 @@ def test_ddp_hook_times_the_gradient_wait_and_names_the_straggler(tmp_path: Path
     assert params[0] == pytest.approx(default_params[0], rel=1e-9, abs=1e-9)
 
 
+@pytest.mark.slow
 def test_without_the_hook_ddp_hides_the_straggler_from_step_records(tmp_path: Path) -> None:
     # Why the hook exists: wall and "compute" are the same on every rank, since all wait inside backward.
     records, _ = _run(tmp_path / "plain", hook=False, straggler=True)

@@ -143,6 +143,7 @@ def sock_dir() -> Any:
         yield Path(d)
 
 
+@pytest.mark.slow
 @pytest.mark.integration
 @pytest.mark.timeout(180)
 def test_gloo_job_steps_straggler_dump_and_stacks(sock_dir: Path, tmp_path: Path) -> None:
@@ -253,6 +254,7 @@ def test_gloo_job_steps_straggler_dump_and_stacks(sock_dir: Path, tmp_path: Path
     assert not sock.exists()
 
 
+@pytest.mark.slow
 @pytest.mark.integration
 @pytest.mark.timeout(120)
 def test_gloo_job_falls_back_to_jsonl_without_agent(sock_dir: Path, tmp_path: Path) -> None:

@@ -43,18 +43,20 @@ def test_every_mark_the_tests_use_is_registered() -> None:
     assert "--strict-markers" in ini["addopts"]  # a misspelt mark fails collection, not silently nothing
 
 
-def test_files_with_slow_tests_are_handed_out_first(tmp_path: Path) -> None:
-    """One worker runs the files in the order the scheduler hands them out: the file with a slow test
-    first, each file's own tests in their order."""
+def test_files_with_the_most_slow_tests_are_handed_out_first(tmp_path: Path) -> None:
+    """One worker runs the files in the order the scheduler hands them out: the files with the most slow
+    tests first, each file's own tests in their order."""
     (tmp_path / "conftest.py").write_text((REPO / "tests" / "conftest.py").read_text())
     (tmp_path / "pytest.ini").write_text("[pytest]\nmarkers =\n    slow: slow\n")
     (tmp_path / "test_a.py").write_text("def test_a1():\n    pass\n\n\ndef test_a2():\n    pass\n")
     (tmp_path / "test_b.py").write_text("import pytest\n\n\ndef test_b1():\n    pass\n\n\n"
                                         "@pytest.mark.slow\ndef test_b2():\n    pass\n")
+    (tmp_path / "test_c.py").write_text("import pytest\n\n\n@pytest.mark.slow\n@pytest.mark.parametrize('i', [1, 2])\n"
+                                        "def test_c(i):\n    pass\n")
     out = subprocess.run([sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider", "-n", "1", "--dist",
                           "loadfile", "--no-loadscope-reorder", "-o", "addopts="], cwd=tmp_path,
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stdout + out.stderr
-    ran = re.findall(r"PASSED (test_\w\.py::test_\w\d)", out.stdout)
-    assert ran == ["test_b.py::test_b1", "test_b.py::test_b2", "test_a.py::test_a1", "test_a.py::test_a2"], \
-        out.stdout
+    ran = re.findall(r"PASSED (test_\w\.py::test_\w\d?(?:\[\d\])?)", out.stdout)
+    assert ran == ["test_c.py::test_c[1]", "test_c.py::test_c[2]", "test_b.py::test_b1", "test_b.py::test_b2",
+                   "test_a.py::test_a1", "test_a.py::test_a2"], out.stdout
