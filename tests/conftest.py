@@ -1,8 +1,10 @@
-"""Shared fixtures: the bundled real recordings and a steppable clock for scenario time."""
+"""Shared fixtures: the bundled real recordings and a steppable clock for scenario time; how the suite is
+spread over pytest-xdist workers (``scripts/test.sh``, docs/testing.md)."""
 
 from __future__ import annotations
 
 import os
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -54,3 +56,18 @@ def _own_user_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
         os.environ.pop("XDG_CACHE_HOME", None)
     else:
         os.environ["XDG_CACHE_HOME"] = saved
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """In an xdist worker: the files that hold ``slow`` tests first, the most first. ``--dist loadfile
+    --no-loadscope-reorder`` hands whole files to workers in this order, so no long file starts last and
+    runs alone at the end. (Files, not ``xdist_group``: pytest 9.2 ignores the node-id suffix xdist 3.8's
+    loadgroup relies on, pytest-dev/pytest-xdist#1386, and spreads a group's tests over all workers.)"""
+    if not hasattr(config, "workerinput"):
+        return
+    slow = Counter(_file(item) for item in items if item.get_closest_marker("slow") is not None)
+    items.sort(key=lambda item: -slow[_file(item)])  # stable: a file's own order is kept
+
+
+def _file(item: pytest.Item) -> str:
+    return item.nodeid.split("::", 1)[0]

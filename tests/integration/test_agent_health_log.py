@@ -1,8 +1,8 @@
 """The journal tells a health change: a real ``gpuhealth agent --scenario`` subprocess, its log read back.
 
 faulty_node.yaml: GPU 1 throttled (warning) and GPU 3's PCIe link at x8 (critical) from the start, then
-XID 79 on GPU 5 one second in. Each is one line naming the finding (code, entity, message, action); the
-sweeps after add nothing. A GPU reset clears the XID: the recovery is one line too.
+XID 79 on GPU 5 one second in (here LATER_S in). Each is one line naming the finding (code, entity, message,
+action); the sweeps after add nothing. A GPU reset clears the XID: the recovery is one line too.
 """
 
 from __future__ import annotations
@@ -20,6 +20,12 @@ import yaml
 
 GPUHEALTH = str(Path(sys.executable).parent / "gpuhealth")
 SCENARIO = Path(__file__).parents[1] / "fixtures" / "scenarios" / "faulty_node.yaml"
+
+
+# Scenario time starts when the agent builds its fake NVML; the first sweep after it can take seconds on a
+# loaded machine (four test workers on two cores). Events come this late so that the first sweep is over
+# by then, and the change they make is a change from what it saw.
+LATER_S = 6.0
 
 
 def _config(tmp_path: Path) -> Path:
@@ -64,7 +70,12 @@ def _run_agent(tmp_path: Path, scenario: Path, until: Any, settle_s: float) -> l
 
 @pytest.mark.integration
 def test_an_xid_that_takes_a_gpu_out_is_one_log_line_with_its_finding(tmp_path: Path) -> None:
-    changes = _run_agent(tmp_path, SCENARIO, lambda c: any("xid.79" in r["codes"] for r in c), settle_s=3.0)
+    doc = yaml.safe_load(SCENARIO.read_text())
+    [xid_event] = doc["events"]
+    xid_event["at"] = LATER_S  # faulty_node.yaml's XID, later (above)
+    scenario = tmp_path / "faulty_node.yaml"
+    scenario.write_text(yaml.safe_dump(doc))
+    changes = _run_agent(tmp_path, scenario, lambda c: any("xid.79" in r["codes"] for r in c), settle_s=3.0)
     by_subject: dict[str, list[dict[str, Any]]] = {}
     for rec in changes:
         by_subject.setdefault(rec["subject"], []).append(rec)
@@ -91,8 +102,8 @@ def test_an_xid_that_takes_a_gpu_out_is_one_log_line_with_its_finding(tmp_path: 
 def test_the_recovery_after_a_gpu_reset_is_one_log_line(tmp_path: Path) -> None:
     scenario = tmp_path / "reset.yaml"
     scenario.write_text(yaml.safe_dump({"recording": "nvml_h200x2.json", "events": [
-        {"at": 1, "type": "xid", "gpu": 0, "xid": 79, "detail": "GPU has fallen off the bus."},
-        {"at": 2, "type": "lost", "gpu": 0}, {"at": 3, "type": "restore", "gpu": 0}]}))
+        {"at": LATER_S, "type": "xid", "gpu": 0, "xid": 79, "detail": "GPU has fallen off the bus."},
+        {"at": LATER_S + 1, "type": "lost", "gpu": 0}, {"at": LATER_S + 2, "type": "restore", "gpu": 0}]}))
     changes = _run_agent(tmp_path, scenario, lambda c: any(r["health"] == "healthy" for r in c), settle_s=2.0)
     gpu0 = [r for r in changes if r["subject"] != "node"]
     assert [(r["was"], r["health"]) for r in gpu0] == [("healthy", "unhealthy"), ("unhealthy", "healthy")]

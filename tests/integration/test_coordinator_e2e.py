@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -45,7 +44,8 @@ def _worker(cfg: dict[str, Any]) -> None:
     from gpuhealth.instrument import Tracker
 
     rank = int(os.environ["RANK"])
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=timedelta(seconds=120))
+    dist.init_process_group("gloo", init_method=os.environ["TEST_RENDEZVOUS"], rank=rank, world_size=WORLD,
+                            timeout=timedelta(seconds=120))
     tracker = Tracker(flush_interval_s=0.1)
     grad = torch.ones(1024)
     for step in range(cfg["steps"]):
@@ -174,19 +174,13 @@ def cluster() -> Iterator[Cluster]:
             coord.stop()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _launch(cluster: Cluster, job_id: str, cfg: dict[str, Any]) -> list[subprocess.Popen[bytes]]:
-    port = _free_port()
+    rendezvous = f"file://{cluster.tmp / f'{job_id}.rendezvous'}"  # no port picked before it is bound
     procs = []
     for rank in range(WORLD):
         node = cluster.nodes["n1" if rank < 2 else "n2"]
         env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(WORLD), "LOCAL_RANK": str(rank % 2),
-               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "TORCH_FR_BUFFER_SIZE": "2000",
+               "TEST_RENDEZVOUS": rendezvous, "TORCH_FR_BUFFER_SIZE": "2000",
                "GPUHEALTH_SOCKET": str(node.sock), "GPUHEALTH_JOB_ID": job_id, "PYTHONUNBUFFERED": "1"}
         log = open(cluster.tmp / f"{job_id}-rank{rank}.log", "wb")  # noqa: SIM115 - closed with the process
         procs.append(subprocess.Popen([sys.executable, str(HERE), "worker", json.dumps(cfg)], env=env,
@@ -252,6 +246,7 @@ def test_straggler_flagged_within_10_steps_with_its_gpu_finding(cluster: Cluster
         _kill(procs)
 
 
+@pytest.mark.slow
 @pytest.mark.integration
 @pytest.mark.timeout(150)
 def test_hang_verdict_names_the_rank_with_fr_evidence_and_stack(cluster: Cluster) -> None:
@@ -294,6 +289,7 @@ def test_hang_verdict_names_the_rank_with_fr_evidence_and_stack(cluster: Cluster
         _kill(procs)
 
 
+@pytest.mark.slow
 @pytest.mark.integration
 @pytest.mark.timeout(150)
 def test_healthy_run_produces_nothing(cluster: Cluster) -> None:

@@ -60,6 +60,7 @@ def _start_coordinator(port: int, db: Path, ready: Path) -> tuple[subprocess.Pop
     return proc, int(json.loads(ready.read_text())["grpc_port"])
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_sigkill_and_restart_loses_no_acknowledged_record(tmp_path: Path) -> None:
     db, ready = tmp_path / "coord.db", tmp_path / "ready.json"

@@ -15,6 +15,7 @@ import pytest
 from procs import running
 
 
+@pytest.mark.slow
 @pytest.mark.integration
 def test_demo_runs_simulated_and_finds_the_slow_rank(tmp_path) -> None:  # type: ignore[no-untyped-def]
     out = subprocess.run(
@@ -114,6 +115,7 @@ def _ctrl_c(command: list[str], tmp: Path, *, when: str, ignore_sigint: bool = F
             demo.wait()
 
 
+@pytest.mark.slow
 @pytest.mark.integration
 def test_ctrl_c_stops_the_demo_cleanly_every_time(tmp_path: Path) -> None:
     """Issue 26: Ctrl-C (SIGINT to the whole process group: the demo and every child at once) printed

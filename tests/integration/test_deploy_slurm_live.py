@@ -136,6 +136,7 @@ def live_agent(tmp_path: Path) -> Any:
         agent.stop()
 
 
+@pytest.mark.slow
 def test_a_rate_fault_only_the_agent_sees_drains_through_health_check_and_prolog(
         env: dict[str, str], live_agent: Any, tmp_path: Path) -> None:
     # The same scenario checked once from its start is healthy: the errors come later, and a rate

@@ -29,6 +29,7 @@ def _run(tmp_path: Path, *extra: str) -> tuple[list, dict]:
     return split_quick(outcome)
 
 
+@pytest.mark.slow
 def test_one_warm_rank_per_device_runs_every_diagnostic_with_its_own_judgement(tmp_path: Path) -> None:
     (sdc, busbw, bandwidth), phases = _run(tmp_path)
     assert [(o.diag, o.status) for o in (sdc, busbw, bandwidth)] == [("sdc", "ok"), ("busbw", "ok"),
@@ -55,6 +56,7 @@ def test_a_corrupting_device_is_named_and_its_reruns_come_from_its_own_rank(tmp_
     assert all(len(f.evidence["reruns"]) == 2 for f in bad)
 
 
+@pytest.mark.slow
 def test_the_same_cases_and_digests_as_the_standalone_sdc(tmp_path: Path) -> None:
     (sdc, _, _), _ = _run(tmp_path)
     alone = subprocess.run([sys.executable, "-m", "gpuhealth.diag", "sdc", "--device", "cpu", "--cpu-peers", "3"],

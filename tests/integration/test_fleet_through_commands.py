@@ -30,6 +30,7 @@ def _coordinator(tmp_path: Path, **extra: Any) -> Coordinator:
     return Coordinator(tmp_path / "coordinator", cfg)
 
 
+@pytest.mark.slow
 def test_fleet_names_the_gpu_behind_a_degraded_link(tmp_path: Path) -> None:
     coord = _coordinator(tmp_path)
     agent = None

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -41,7 +40,8 @@ def _worker(cfg: dict[str, Any]) -> None:
     from gpuhealth.instrument import Tracker
 
     rank = int(os.environ["RANK"])
-    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+    dist.init_process_group("gloo", init_method=os.environ["TEST_RENDEZVOUS"], rank=rank,
+                            world_size=int(os.environ["WORLD_SIZE"]), timeout=timedelta(seconds=60))
     torch.manual_seed(0)
     # Three layers and a small bucket cap: several gradient buckets per step, as in a real model.
     model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.ReLU(), torch.nn.Linear(256, 256),
@@ -68,21 +68,15 @@ def _worker(cfg: dict[str, Any]) -> None:
     dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _run(tmp: Path, *, hook: bool, straggler: bool) -> tuple[list[StepRecord], list[float]]:
     tmp.mkdir()
     cfg = {"out": str(tmp / "steps{rank}.jsonl"), "params": str(tmp / "params{rank}.json"), "hook": hook,
            "straggler": straggler}
-    port = _free_port()
+    rendezvous = f"file://{tmp / 'rendezvous'}"  # no port picked before it is bound
     procs = []
     for rank in range(WORLD):
         env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(WORLD), "LOCAL_RANK": str(rank),
-               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "GPUHEALTH_JOB_ID": "ddp",
+               "TEST_RENDEZVOUS": rendezvous, "GPUHEALTH_JOB_ID": "ddp",
                "OMP_NUM_THREADS": "1"}
         procs.append(subprocess.Popen([sys.executable, str(HERE), "worker", json.dumps(cfg)], env=env,
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
@@ -95,6 +89,7 @@ def _run(tmp: Path, *, hook: bool, straggler: bool) -> tuple[list[StepRecord], l
     return records, params
 
 
+@pytest.mark.slow
 def test_ddp_hook_times_the_gradient_wait_and_names_the_straggler(tmp_path: Path) -> None:
     records, params = _run(tmp_path / "hook", hook=True, straggler=True)
     assert len(records) == WORLD * STEPS
@@ -115,6 +110,7 @@ def test_ddp_hook_times_the_gradient_wait_and_names_the_straggler(tmp_path: Path
     assert params[0] == pytest.approx(default_params[0], rel=1e-9, abs=1e-9)
 
 
+@pytest.mark.slow
 def test_without_the_hook_ddp_hides_the_straggler_from_step_records(tmp_path: Path) -> None:
     # Why the hook exists: wall and "compute" are the same on every rank, since all wait inside backward.
     records, _ = _run(tmp_path / "plain", hook=False, straggler=True)

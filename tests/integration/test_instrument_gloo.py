@@ -1,14 +1,14 @@
 """Real multi-process PyTorch Gloo jobs instrumented with ``Tracker``, talking to a real ``RankHub``.
 
 The workers are this file run as a script (``python test_instrument_gloo.py worker …``), one process
-per rank, like torchrun would start them (RANK/WORLD_SIZE/MASTER_* in the environment).
+per rank, like torchrun would start them (RANK/WORLD_SIZE in the environment), meeting at a ``file://``
+rendezvous in the test's folder (no port picked before it is bound).
 """
 
 from __future__ import annotations
 
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -57,7 +57,8 @@ def _worker_job(rank: int, cfg: dict[str, Any]) -> None:
 
     from gpuhealth.instrument import Tracker
 
-    dist.init_process_group("gloo", rank=rank, world_size=cfg["world"], timeout=timedelta(seconds=90))
+    dist.init_process_group("gloo", init_method=os.environ["TEST_RENDEZVOUS"], rank=rank, world_size=cfg["world"],
+                            timeout=timedelta(seconds=90))
     tracker = Tracker(flush_interval_s=0.1)
     tracker.wrap_collectives()
     grad = torch.ones(4096)
@@ -88,19 +89,13 @@ def _worker_main(argv: list[str]) -> int:
 # -- test side -----------------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _launch(world: int, cfg: dict[str, Any], env_extra: dict[str, str], logdir: Path) -> list[subprocess.Popen[bytes]]:
-    port = _free_port()
+    rendezvous = f"file://{logdir / 'rendezvous'}"  # no port picked before it is bound
     procs = []
     for rank in range(world):
         env = {
             **os.environ, **env_extra, "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
-            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "TORCH_FR_BUFFER_SIZE": "2000",
+            "TEST_RENDEZVOUS": rendezvous, "TORCH_FR_BUFFER_SIZE": "2000",
             "PYTHONUNBUFFERED": "1",
         }
         log = open(logdir / f"rank{rank}.log", "wb")  # noqa: SIM115 - closed when the process ends
@@ -148,6 +143,7 @@ def sock_dir() -> Any:
         yield Path(d)
 
 
+@pytest.mark.slow
 @pytest.mark.integration
 @pytest.mark.timeout(180)
 def test_gloo_job_steps_straggler_dump_and_stacks(sock_dir: Path, tmp_path: Path) -> None:
@@ -258,6 +254,7 @@ def test_gloo_job_steps_straggler_dump_and_stacks(sock_dir: Path, tmp_path: Path
     assert not sock.exists()
 
 
+@pytest.mark.slow
 @pytest.mark.integration
 @pytest.mark.timeout(120)
 def test_gloo_job_falls_back_to_jsonl_without_agent(sock_dir: Path, tmp_path: Path) -> None:

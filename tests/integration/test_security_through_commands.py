@@ -64,6 +64,7 @@ def _start_error(tmp_path: Path, sections: dict[str, Any], *args: str, env: dict
     return lines[0]
 
 
+@pytest.mark.slow
 def test_refusals_at_start_are_one_line_naming_the_key(tmp_path: Path) -> None:
     db = str(tmp_path / "c.db")
     # The defaults: 0.0.0.0:9500 with no authentication.
@@ -316,6 +317,7 @@ def test_mutual_tls_through_the_command(tmp_path: Path) -> None:
         coord.stop()
 
 
+@pytest.mark.slow
 def test_queries_find_their_token_in_files(tmp_path: Path) -> None:
     cfg = write_config(tmp_path / "c.yaml", {"coordinator": {"listen": "127.0.0.1:0", "metrics_listen": "off",
                                                              "db_path": str(tmp_path / "c.db"),

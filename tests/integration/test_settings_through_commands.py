@@ -691,6 +691,7 @@ def test_every_observed_value_differs_from_its_default() -> None:
             assert getattr(getattr(cfg, section), field) != o.value, key
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("source", ["file", "env"])
 @pytest.mark.parametrize("run", sorted(RUNS))
 def test_settings_take_effect_through_the_command(run: str, source: str, tmp_path: Path, cleanup: Cleanup) -> None:

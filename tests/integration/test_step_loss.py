@@ -13,6 +13,7 @@ from step_loss import measure
 pytestmark = pytest.mark.integration
 
 
+@pytest.mark.slow
 def test_step_records_survive_sigkill(tmp_path: Path) -> None:
     result = measure(tmp_path, ranks=4, rate_per_rank=200.0, kills=3, every_s=2.5)
     assert result.sent > 5000, result  # the ranks really streamed through the kills

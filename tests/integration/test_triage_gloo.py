@@ -58,6 +58,7 @@ def _codes(rep: TriageReport) -> list[tuple[str, object]]:
     return [(f.code, f.evidence.get("rank")) for f in rep.findings]
 
 
+@pytest.mark.slow
 def test_every_rank_dumped(jobs: dict[str, Path]) -> None:
     for mode, folder in jobs.items():
         launcher = json.loads((folder / "launcher.json").read_text())

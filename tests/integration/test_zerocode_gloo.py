@@ -175,6 +175,7 @@ def test_a_job_without_ras_or_pipe_variables_is_listed_and_says_why(tmp_path: Pa
         closed.close()
 
 
+@pytest.mark.slow
 def test_a_hang_the_agent_judged_reaches_the_coordinator_with_every_dump_stacks_and_verdict(
         hung_job: tuple[TorchrunJob, FakeRas, dict[int, int]], tmp_path: Path) -> None:
     """The agent's own RAS judgement (``rank.stuck``) opens the coordinator's hang investigation of a job
