@@ -35,7 +35,10 @@ Any local process that may open the socket can talk to it, so what it can cost a
 - Identity: the kernel says who connected (``SO_PEERCRED``: pid, uid). A hello for a job whose ranks
   here run as another user is refused unless the caller's environment (or Slurm cgroup) names that
   job; a rank held by a live connection is not taken over (a restarted rank's old connection is
-  gone, or is the same process's). Step records count only for the connection's own job and rank.
+  gone, or is the same process's) except by a verified claim (``claim_verified``: kernel evidence —
+  the Slurm cgroup, or the uid of the job's verified ranks) from an unverified one. Each identity says
+  whether it is verified; the coordinator lets no unverified claim move a verified rank or count as
+  progress. Step records count only for the connection's own job and rank.
 """
 
 from __future__ import annotations
@@ -133,6 +136,28 @@ def process_names_job(pid: int, job_id: str, proc: Path = Path("/proc")) -> bool
     except OSError:
         return False
     return re.search(rf"/job_{re.escape(job_id)}(/|$)", cgroups, re.MULTILINE) is not None
+
+
+def cgroup_names_job(pid: int | None, job_id: str, proc: Path = Path("/proc")) -> bool:
+    """Kernel evidence that process ``pid`` is job ``job_id``'s: its cgroup, which slurmd made and only root
+    can move a process into (``…/job_<id>/…``). Its environment is no evidence: any process sets its own."""
+    if not pid:
+        return False  # no pid we can see (no hostPID): no cgroup to read
+    try:
+        cgroups = (proc / str(pid) / "cgroup").read_text(errors="replace")[:65536]
+    except OSError:
+        return False
+    return re.search(rf"/job_{re.escape(job_id)}(/|$)", cgroups, re.MULTILINE) is not None
+
+
+def claim_verified(peer: PeerCredentials, job_id: str, verified_uids: set[int],
+                   proc: Path = Path("/proc")) -> bool:
+    """Is a claim to ``job_id`` from ``peer`` backed by the kernel? Its Slurm cgroup names the job, or it runs
+    as the (non-root) uid of the job's verified ranks here (``verified_uids``): that user's own process.
+    Root is no evidence (every container's root may be uid 0)."""
+    if peer.uid is not None and peer.uid != 0 and peer.uid in verified_uids:
+        return True
+    return cgroup_names_job(peer.pid, job_id, proc)
 
 
 class _Trimmer:
@@ -874,23 +899,28 @@ class RankHub:
             # The kernel's word, not the hello's: the pid py-spy is pointed at must be the caller's own
             # (and SO_PEERCRED gives it in the agent's PID namespace, which is the one py-spy needs).
             ident = dataclasses.replace(ident, pid=conn.peer.pid)
-        verified = bool(conn.peer.pid) and process_names_job(conn.peer.pid or 0, ident.job_id)
         key = (ident.job_id, ident.rank)
         with self._lock:
             holder = self._by_rank.get(key)
-            owners = {c.peer.uid for (job, _), c in self._by_rank.items()
-                      if job == ident.job_id and c is not conn and c.peer.uid is not None}
+            others = [c for (job, _), c in self._by_rank.items() if job == ident.job_id and c is not conn]
+        owners = {c.peer.uid for c in others if c.peer.uid is not None}
+        # Kernel evidence makes a claim verified (the coordinator lets only those place a rank over another's
+        # and count as progress); the environment only lets another user's process join, unverified.
+        verified = claim_verified(conn.peer, ident.job_id,
+                                  {c.peer.uid for c in others if c.job_verified and c.peer.uid is not None})
+        named = verified or (bool(conn.peer.pid) and process_names_job(conn.peer.pid or 0, ident.job_id))
+        ident = dataclasses.replace(ident, verified=verified)
         evict = None
         if holder is not None and holder is not conn:
             if _gone(holder) or (holder.peer.pid is not None and holder.peer.pid == conn.peer.pid):
                 evict = holder  # a restarted rank's old connection, or the same process reconnecting
-            elif verified and not holder.job_verified and holder.peer.uid != conn.peer.uid:
-                evict = holder  # the job's own process takes its rank back from an impostor
+            elif verified and not holder.job_verified:
+                evict = holder  # the job's own process takes its rank back from an unverified claimer
             else:
                 self._refuse(conn, ident, f"rank {ident.rank} of job {ident.job_id} is connected already (pid "
                                           f"{holder.peer.pid}); a live rank is not taken over")
                 return
-        if owners and conn.peer.uid not in owners and conn.peer.uid != 0 and not verified and (
+        if owners and conn.peer.uid not in owners and conn.peer.uid != 0 and not named and (
                 evict is None or evict.peer.uid in owners):
             self._refuse(conn, ident, f"job {ident.job_id}'s ranks here run as uid {sorted(owners)}, and this "
                                       f"process (uid {conn.peer.uid}) does not name the job in its environment")

@@ -104,7 +104,7 @@ def identity_to_pb(i: RankIdentity) -> pb.RankIdentity:
     return pb.RankIdentity(
         job_id=i.job_id, rank=i.rank, world_size=i.world_size, host=i.host, pid=i.pid,
         local_rank=-1 if i.local_rank is None else i.local_rank, gpu_uuid=i.gpu_uuid or "",
-        gpu_index=-1 if i.gpu_index is None else i.gpu_index, found_by=i.found_by,
+        gpu_index=-1 if i.gpu_index is None else i.gpu_index, found_by=i.found_by, verified=i.verified,
     )
 
 
@@ -119,6 +119,7 @@ def identity_from_pb(m: pb.RankIdentity) -> RankIdentity:
         local_rank=None if m.local_rank < 0 else m.local_rank, gpu_uuid=m.gpu_uuid or None,
         gpu_index=None if m.gpu_index < 0 else m.gpu_index,
         found_by="discovered" if m.found_by == "discovered" else "hook",  # empty (older agents): the hook
+        verified=m.verified,  # older agents never say: unverified
     )
 
 
