@@ -255,7 +255,8 @@ class RankHub:
                  max_dump_bytes: int = 32 * 1024 * 1024, max_inflight_dump_bytes: int = 64 * 1024 * 1024,
                  max_connections: int = 1024, max_buffered_bytes: int = 64 * 1024 * 1024,
                  hello_timeout_s: float = 10.0, line_timeout_s: float = 30.0,
-                 max_connections_per_uid: int | None = None, max_connections_per_pid: int = 64) -> None:
+                 max_connections_per_uid: int | None = None, max_connections_per_pid: int = 64,
+                 max_connections_per_job: int = 64, max_unidentified_per_uid: int = 32) -> None:
         self.socket_path = Path(socket_path)
         # Whatever connects: open connections, bytes of unfinished lines over all of them, and how long a
         # connection may stay silent about who it is, or keep a line unfinished (a rank's line is
@@ -265,6 +266,11 @@ class RankHub:
         # flood from one user leaves slots for everyone else's ranks.
         self.max_connections_per_uid = max_connections_per_uid or max(1, max_connections // 4)
         self.max_connections_per_pid = max_connections_per_pid
+        # Where the kernel gives no pid (an agent without hostPID: SO_PEERCRED says 0), processes of one uid
+        # cannot be told apart, so one uid's connections are shared by the job they claim instead: at most
+        # this many per job, this many before their hello, and a full share gives way (see _make_room).
+        self.max_connections_per_job = max_connections_per_job
+        self.max_unidentified_per_uid = max_unidentified_per_uid
         self._held: dict[tuple[str, int], int] = {}  # ("uid"|"pid", id) -> connections open
         self.max_buffered_bytes = max_buffered_bytes
         self.hello_timeout_s = hello_timeout_s
@@ -299,7 +305,8 @@ class RankHub:
                        "listener_errors": 0, "unknown_messages": 0, "late_replies": 0, "foreign_replies": 0,
                        "dump_budget_refusals": 0, "refused_connections": 0, "refused_hellos": 0,
                        "foreign_records": 0, "hello_timeouts": 0, "line_timeouts": 0, "budget_pauses": 0,
-                       "refused_over_share": 0, "refused_before_hello": 0, "unexpected_lines": 0}
+                       "refused_over_share": 0, "refused_before_hello": 0, "unexpected_lines": 0,
+                       "displaced_over_share": 0}
 
     # -- lifecycle ----------------------------------------------------------------------------------
 
@@ -428,7 +435,8 @@ class RankHub:
                    MetricKind.COUNTER),
             Sample("agent_rank_socket_refusals", float(st["refused_connections"] + st["refused_hellos"]
                                                        + st["hello_timeouts"] + st["line_timeouts"]
-                                                       + st["refused_over_share"] + st["refused_before_hello"]),
+                                                       + st["refused_over_share"] + st["refused_before_hello"]
+                                                       + st["displaced_over_share"]),
                    "Rank-socket connections the agent closed: over the connection cap or one user's or process's "
                    "share, a hello claiming a live rank or another user's job, anything but a hello first, no hello "
                    "in time, a line left unfinished (docs/security.md)",
@@ -605,6 +613,12 @@ class RankHub:
                 self._warn(f"rank socket: cannot accept: {exc}")
                 return
             peer = peer_credentials(sock)
+            displaced = self._make_room(peer)
+            if displaced is not None:
+                self._warn(f"rank socket: uid {peer.uid} is at its share; closing its connection for rank "
+                           f"{displaced.identity.rank if displaced.identity else '?'} of the job holding most "
+                           "of its connections, to let a new one in")
+                self._drop(displaced)
             with self._lock:
                 why = self._over_share(peer)
                 if why:
@@ -631,6 +645,42 @@ class RankHub:
             return f"uid {peer.uid} holds {self.max_connections_per_uid} connections, its share"
         if peer.pid is not None and self._held.get(("pid", peer.pid), 0) >= self.max_connections_per_pid:
             return f"pid {peer.pid} holds {self.max_connections_per_pid} connections, its share"
+        if peer.pid is None and peer.uid is not None and sum(
+                1 for c in self._conns if c.identity is None and c.peer.uid == peer.uid
+        ) >= self.max_unidentified_per_uid:
+            return f"uid {peer.uid} has {self.max_unidentified_per_uid} connections that have not said hello"
+        return ""
+
+    def _make_room(self, peer: PeerCredentials) -> _Conn | None:
+        """A connection of ``peer``'s uid to close so that ``peer`` gets a slot, or None. Only where the kernel
+        gives no pid and the uid's share is full: the newest connection of the job that holds most of the uid's
+        connections (at least two) gives way — a flood into a few job ids cannot keep out another rank of
+        the same uid (without pids, one uid is every process of every pod that runs as it)."""
+        if peer.pid is not None or peer.uid is None:
+            return None
+        with self._lock:
+            if self._held.get(("uid", peer.uid), 0) < self.max_connections_per_uid:
+                return None
+            groups: dict[str, list[_Conn]] = {}
+            for c in self._conns:
+                if c.peer.uid == peer.uid and c.identity is not None:
+                    groups.setdefault(c.identity.job_id, []).append(c)
+            biggest = max(groups.values(), key=len, default=[])
+            if len(biggest) < 2:
+                return None
+            self._stats["displaced_over_share"] += 1
+            return max(biggest, key=lambda c: c.opened)
+
+    def _over_job_share(self, conn: _Conn, job_id: str) -> str:
+        """Why ``conn`` (no pid known) may not claim a rank of ``job_id``, or "" (lock held): one uid's
+        connections to one job are bounded, as one process's are where pids are known."""
+        if conn.peer.pid is not None:
+            return ""
+        held = sum(1 for (job, _), c in self._by_rank.items()
+                   if job == job_id and c is not conn and c.peer.uid == conn.peer.uid)
+        if held >= self.max_connections_per_job:
+            return (f"uid {conn.peer.uid} holds {self.max_connections_per_job} connections to job {job_id}, its "
+                    "share where the kernel gives no pid")
         return ""
 
     def _take_share(self, conn: _Conn, n: int) -> None:
@@ -903,6 +953,10 @@ class RankHub:
         with self._lock:
             holder = self._by_rank.get(key)
             others = [c for (job, _), c in self._by_rank.items() if job == ident.job_id and c is not conn]
+            over = self._over_job_share(conn, ident.job_id)
+        if over:
+            self._refuse(conn, ident, over)
+            return
         owners = {c.peer.uid for c in others if c.peer.uid is not None}
         # Kernel evidence makes a claim verified (the coordinator lets only those place a rank over another's
         # and count as progress); the environment only lets another user's process join, unverified.
