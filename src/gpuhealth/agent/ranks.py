@@ -138,6 +138,18 @@ def process_names_job(pid: int, job_id: str, proc: Path = Path("/proc")) -> bool
     return re.search(rf"/job_{re.escape(job_id)}(/|$)", cgroups, re.MULTILINE) is not None
 
 
+def _dump_of(rank: int, res: Any, folder: str | None) -> bytes | bytearray | str | Exception:
+    """A rank's answer to a dump request: its bytes (taken out of the reply), a file's path, or an Exception."""
+    if isinstance(res, Exception):
+        return res
+    if isinstance(res.get("data"), bytes | bytearray):
+        data: bytes | bytearray = res.pop("data")
+        return data
+    if folder and isinstance(res.get("path"), str):
+        return str(res["path"])
+    return RankRequestError(f"rank {rank} replied without a dump")
+
+
 def cgroup_names_job(pid: int | None, job_id: str, proc: Path = Path("/proc")) -> bool:
     """Kernel evidence that process ``pid`` is job ``job_id``'s: its cgroup, which slurmd made and only root
     can move a process into (``…/job_<id>/…``). Its environment is no evidence: any process sets its own."""
@@ -228,7 +240,10 @@ class _Waiter:
     rank: int
     done: threading.Event = field(default_factory=threading.Event)
     result: Any = None
-    chunks: list[bytes] = field(default_factory=list)  # an inline dump, as it arrives
+    # An inline dump, as it arrives: one buffer grown in place (a large realloc moves pages, it does not copy
+    # them), handed on as it is — a list of chunks joined at the end held the dump twice.
+    chunks: bytearray = field(default_factory=bytearray)
+    received: int = 0  # chunks appended
     size: int = 0
     answered: queue.SimpleQueue[str] | None = None  # where _finish says "done" (the request's queue)
     rid: str = ""
@@ -454,7 +469,7 @@ class RankHub:
 
     def request_dump(
         self, job_id: str, rank: int | None, out_dir: str | None = None, timeout_s: float = 30.0
-    ) -> dict[int, bytes | str | Exception]:
+    ) -> dict[int, bytes | bytearray | str | Exception]:
         """Ask ranks (all of the job's ranks on this node when ``rank`` is None) for their flight
         recorder. Each answers with the dump's bytes, sent inline over the socket (at most
         ``max_dump_bytes``, checked against the length and SHA-256 the rank states); a hook older than
@@ -465,23 +480,16 @@ class RankHub:
 
     def iter_dumps(
         self, job_id: str, rank: int | None, out_dir: str | None = None, timeout_s: float = 30.0
-    ) -> Iterator[tuple[int, bytes | str | Exception]]:
+    ) -> Iterator[tuple[int, bytes | bytearray | str | Exception]]:
         """``request_dump``, one rank at a time as each answers: a caller that ships and drops each
         dump holds one in memory, not the whole job's."""
         # Absolute: the rank resolves the folder from its own working directory, not the agent's.
         folder = os.path.abspath(out_dir) if out_dir else None
         for r, res in self._request_iter(job_id, rank, timeout_s, lambda rid: protocol.dump_fr_request(rid, folder)):
-            if isinstance(res, Exception):
-                out: bytes | str | Exception = res
-            elif isinstance(res.get("data"), bytes):
-                out = res["data"]
-            elif folder and isinstance(res.get("path"), str):
-                out = res["path"]
-            else:
-                out = RankRequestError(f"rank {r} replied without a dump")
+            # Yielded without a local name: a suspended generator's locals stay alive, and the caller must
+            # hold the only reference to the dump while it ships it.
+            yield r, _dump_of(r, res, folder)
             del res
-            yield r, out
-            del out  # nothing of this dump is kept while the next one is awaited
 
     def request_stacks(
         self, job_id: str, rank: int | None, timeout_s: float = 10.0
@@ -905,7 +913,7 @@ class RankHub:
             if w is None or w.conn is not conn:
                 self._stats["late_replies" if w is None else "foreign_replies"] += 1
                 return
-            if index != len(w.chunks):
+            if index != w.received:
                 error: Exception | None = RankRequestError(f"rank {w.rank}: dump chunk {index} arrived out of order")
             elif w.size + len(data) > self.max_dump_bytes:
                 error = RankRequestError(f"rank {w.rank}: the dump is over the {self.max_dump_bytes}-byte limit")
@@ -914,7 +922,8 @@ class RankHub:
                                            f"{self.max_inflight_dump_bytes}-byte budget; ask again for this rank")
                 self._stats["dump_budget_refusals"] += 1
             else:
-                w.chunks.append(data)
+                w.chunks += data
+                w.received += 1
                 w.size += len(data)
                 self._inflight += len(data)
                 error = None
@@ -929,8 +938,7 @@ class RankHub:
             w = self._waiters.get(rid)
             if w is None or w.conn is not conn:
                 return dict(msg)  # _finish counts it as late or foreign
-            data = b"".join(w.chunks)
-            w.chunks.clear()  # the bytes stay charged to the budget (w.size) until the caller is done with them
+            data, w.chunks = w.chunks, bytearray()  # still charged to the budget (w.size) until the caller is done
         if msg.get("bytes") != len(data) or msg.get("sha256") != hashlib.sha256(data).hexdigest():
             with self._lock:
                 self._drop_chunks(w)
@@ -941,7 +949,8 @@ class RankHub:
     def _drop_chunks(self, w: _Waiter) -> None:
         """Forget a waiter's buffered chunks (call with the lock held)."""
         self._inflight -= w.size
-        w.chunks.clear()
+        w.chunks = bytearray()
+        w.received = 0
         w.size = 0
 
     def _on_hello(self, conn: _Conn, ident: RankIdentity) -> None:

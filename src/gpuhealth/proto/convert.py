@@ -211,3 +211,35 @@ def steps_from_pb(m: pb.StepBatch, world_size: int | None = None) -> StepColumns
         if comm is not None:
             _check_durations(comm, "comm_wait_s", allow_nan=True)
     return StepColumns(m.job_id, rank, step, start, wall, comp, comm)
+
+
+# -- a request's result with a large payload, serialised once -------------------------------------
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while True:
+        low, n = n & 0x7F, n >> 7
+        if n:
+            out.append(low | 0x80)
+        else:
+            out.append(low)
+            return bytes(out)
+
+
+def _len_field(number: int, size: int) -> bytes:
+    return _varint(number << 3 | 2) + _varint(size)
+
+
+def result_message_wire(result: pb.RequestResult, payload: bytes | bytearray) -> bytes:
+    """``AgentMessage(result=result with payload)`` as it goes on the wire, built with ONE copy of
+    ``payload`` (a dump of up to 32 MiB): building the messages (``payload=`` copies it, ``result=``
+    copies the result again) and then serialising them made three. Protobuf takes a message's fields
+    in any order, so the payload field is appended to the rest of the result."""
+    head = result.SerializeToString()  # the result without its payload: small
+    inner = len(head) + len(_len_field(_PAYLOAD_FIELD, len(payload))) + len(payload)
+    return b"".join((_len_field(_RESULT_FIELD, inner), head, _len_field(_PAYLOAD_FIELD, len(payload)), payload))
+
+
+_RESULT_FIELD = pb.AgentMessage.DESCRIPTOR.fields_by_name["result"].number
+_PAYLOAD_FIELD = pb.RequestResult.DESCRIPTOR.fields_by_name["payload"].number
