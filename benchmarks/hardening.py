@@ -588,6 +588,7 @@ def agent_dumps(source: Path, work: Path) -> dict[str, Any]:
     from test_agent_dump_memory import RANKS
 
     env = {"PYTHONPATH": str(source / "src")}
+    work.mkdir(parents=True, exist_ok=True)
     sock_dir = Path(tempfile.mkdtemp(prefix="gh-dumps-", dir="/tmp"))
     coord = Coordinator(work / "coordinator", write_config(work / "coordinator.yaml", {"coordinator": {
         "listen": "127.0.0.1:0", "metrics_listen": "off", "db_path": str(work / "c.db"),
