@@ -34,8 +34,20 @@ the shipped commands:
 8. **Half-open requests on the coordinator's metrics port** — 2,000 connections send a request line and
    part of the headers: the coordinator's threads and RSS, and how long it holds them.
 
+Issue 30 (``--round 30``; ``--before`` defaults to ``1466299``, the tree before its items 5, 7, 8 and 9):
+
+9. **An agent passing tenants' dumps on** (``dumps``) — a real ``gpuhealth coordinator`` and ``gpuhealth agent``
+   (simulated node), two ranks answering a dump request with 32 MiB pickles inline, ``gpuhealth triage --job``:
+   the agent's VmHWM before and after the triage (the chart's limit is 256 Mi).
+10. **One archive as one input** (``archive``) — ``gpuhealth triage`` on a zip of six 60 MiB JSON dumps: its peak
+    RSS, under ``--triage-cap``.
+11. **The rank socket's share without peer pids** (``share``) — the hub in its own PID namespace (an agent pod
+    without ``hostPID``: pid 0 for every peer), one process sends 300 hellos to one job: how many it holds,
+    and whether another process of the same user, and one of another user, get in.
+
     .venv/bin/python benchmarks/hardening.py [--before d4c7f54] [--after HEAD] [--json OUT]
     .venv/bin/python benchmarks/hardening.py --round 24 [--before 84accc1] [--json OUT]
+    .venv/bin/python benchmarks/hardening.py --round 30 [--before 1466299] [--sections dumps,archive,share]
 """
 
 from __future__ import annotations
@@ -568,6 +580,154 @@ def round_24(args: argparse.Namespace, results: dict[str, Any]) -> None:
                 source, Path(work) / f"ho-{name}", args.half_open)
 
 
+# ------------------------------------------------------------------------------------------- issue 30
+def agent_dumps(source: Path, work: Path) -> dict[str, Any]:
+    """Two ranks' 32 MiB inline dumps through a real agent to a live triage: the agent's VmHWM."""
+    from commands import SCENARIO as FAULTY
+    from commands import Agent, Coordinator, metric_value, run_cli, until, write_config
+    from test_agent_dump_memory import RANKS
+
+    env = {"PYTHONPATH": str(source / "src")}
+    work.mkdir(parents=True, exist_ok=True)
+    sock_dir = Path(tempfile.mkdtemp(prefix="gh-dumps-", dir="/tmp"))
+    coord = Coordinator(work / "coordinator", write_config(work / "coordinator.yaml", {"coordinator": {
+        "listen": "127.0.0.1:0", "metrics_listen": "off", "db_path": str(work / "c.db"),
+        "evidence_dir": str(work / "evidence"), "tick_s": 0.2}}), env)
+    procs: list[Any] = [coord]
+    ranks = None
+    try:
+        address = coord.address()
+        sock = sock_dir / "agent.sock"
+        agent = Agent(work / "agent", write_config(work / "agent.yaml", {
+            "agent": {"nvml_snapshot": str(FAULTY), "listen": "127.0.0.1:0", "node_name": "dump-node",
+                      "coordinator": address, "socket_path": str(sock), "state_dir": str(work / "state"),
+                      "pod_resources_socket": str(work / "no-kubelet.sock")},
+            "diag": {"enabled": False}}), env)
+        procs.append(agent)
+        agent.wait_ready()
+        until(sock.exists, 30, "the rank socket")
+        ranks = subprocess.Popen([sys.executable, "-c", RANKS, str(sock)], stdin=subprocess.PIPE,
+                                 stdout=subprocess.PIPE, text=True, env=_env(source))
+        assert ranks.stdout is not None and ranks.stdout.readline().strip() == "ready"
+        until(lambda: metric_value(agent.get("/metrics"), "gpuhealth_agent_rank_step_records_total") == 10, 30,
+              "the ranks' steps")
+        until(lambda: "dumps" in run_cli("jobs", "--coordinator", address, "--json", env=env).stdout, 30, "the job")
+        before = _status_kib(agent.proc.pid, "VmHWM")
+        res = run_cli("triage", "--job", "dumps", "--coordinator", address, "--json", env=env, timeout=120)
+        shipped = sum(1 for p in (work / "evidence").rglob("*") if p.is_file() and p.stat().st_size > 30 * MiB)
+        return {"agent_vmhwm_before_mib": before >> 10,
+                "agent_vmhwm_after_mib": _status_kib(agent.proc.pid, "VmHWM") >> 10,
+                "dumps_at_coordinator": shipped, "triage_rc": res.returncode}
+    finally:
+        if ranks is not None:
+            ranks.kill()
+            ranks.wait(10)
+        for p in reversed(procs):
+            p.stop()
+        subprocess.run(["rm", "-rf", str(sock_dir)], check=False)
+
+
+def archive_of_six(trees: dict[str, Path], work: Path, cap: int) -> dict[str, Any]:
+    import zipfile
+
+    sys.path.insert(0, str(REPO / "tests" / "unit" / "flightrec"))
+    from frbuild import dump, entry
+
+    one = entry(1, sizes=[[1000 + j] for j in range(60_000)], out_sizes=[[7]])
+    n = 60 * MiB // len(json.dumps(one, separators=(",", ":")))
+    text = json.dumps(dump([{**one, "record_id": i, "collective_seq_id": i + 1} for i in range(n)]),
+                      separators=(",", ":")).encode()
+    folder = work / "zip6"
+    folder.mkdir(parents=True)
+    with zipfile.ZipFile(folder / "dumps.zip", "w", zipfile.ZIP_DEFLATED, compresslevel=1) as z:
+        for r in range(6):
+            z.writestr(f"rank{r}.json", text)
+    out: dict[str, Any] = {"zip_mib": round((folder / "dumps.zip").stat().st_size / MiB, 1),
+                           "member_mib": round(len(text) / MiB, 1)}
+    for name, source in trees.items():
+        print(f"[{name}] triage a zip of six 60 MiB JSON dumps ...", file=sys.stderr, flush=True)
+        out[name] = _peak_run(["triage", str(folder), "--json"], _env(source), cap)
+    return out
+
+
+_SHARE = r"""
+import json, os, socket, sys, time
+from gpuhealth.instrument import protocol
+from gpuhealth.model import RankIdentity, StepRecord
+path, uid, job, n = sys.argv[1], int(sys.argv[2]), sys.argv[3], int(sys.argv[4])
+os.setgid(uid)
+os.setuid(uid)
+socks = []
+for i in range(n):
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.connect(path)
+    try:
+        s.sendall(protocol.encode(protocol.hello(RankIdentity(job, i, max(n, 2), "h", os.getpid()))))
+    except OSError:
+        pass
+    socks.append(s)
+print("done", flush=True)
+sys.stdin.read()
+"""
+
+
+def share_without_pids(source: Path) -> dict[str, Any]:
+    sock_dir = Path(tempfile.mkdtemp(prefix="gh-share-", dir="/tmp"))
+    os.chmod(sock_dir, 0o755)
+    path = sock_dir / "a.sock"
+    hub = subprocess.Popen(["unshare", "--pid", "--fork", "--mount-proc", sys.executable, str(HUB_HOST), str(path),
+                            json.dumps({"hello_timeout_s": 60.0})], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                           text=True, env=_env(source))
+    procs: list[subprocess.Popen[str]] = []
+    try:
+        assert hub.stdout is not None and hub.stdout.readline().strip() == "ready"
+
+        def run(uid: int, job: str, n: int) -> None:
+            p = subprocess.Popen([sys.executable, "-c", _SHARE, str(path), str(uid), job, str(n)],
+                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=_env(source))
+            procs.append(p)
+            assert p.stdout is not None and p.stdout.readline().strip() == "done"
+            time.sleep(2.0)  # judged
+
+        run(65534, "flood", 300)
+        held = sum(1 for r in _hub_stats(hub)["ranks_list"] if r["job_id"] == "flood")
+        run(65534, "same-user", 1)
+        run(65533, "other-user", 1)
+        jobs = {r["job_id"] for r in _hub_stats(hub)["ranks_list"]}
+        return {"flood_hellos": 300, "flood_held": held, "same_user_rank_in": "same-user" in jobs,
+                "other_user_rank_in": "other-user" in jobs}
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait(10)
+        assert hub.stdin is not None
+        with contextlib.suppress(OSError):
+            hub.stdin.write("quit\n")
+            hub.stdin.flush()
+        try:
+            hub.wait(10)
+        except subprocess.TimeoutExpired:
+            hub.kill()
+        subprocess.run(["rm", "-rf", str(sock_dir)], check=False)
+
+
+def round_30(args: argparse.Namespace, results: dict[str, Any]) -> None:
+    before_rev = args.before if args.before != "d4c7f54" else "1466299"
+    results["before"] = before_rev
+    sections = set(args.sections.split(",")) if args.sections != "triage,coordinator,socket,metrics" else {
+        "dumps", "archive", "share"}
+    with tree(before_rev) as before, tree(args.after) as after, tempfile.TemporaryDirectory() as work:
+        trees = {"before": before, "after": after}
+        for name, source in trees.items() if "dumps" in sections else ():
+            print(f"[{name}] two ranks' 32 MiB dumps through the agent ...", file=sys.stderr, flush=True)
+            results.setdefault("agent_dumps", {})[name] = agent_dumps(source, Path(work) / f"d-{name}")
+        if "archive" in sections:
+            results["archive_of_six"] = archive_of_six(trees, Path(work), args.triage_cap)
+        for name, source in trees.items() if "share" in sections else ():
+            print(f"[{name}] rank socket share without pids ...", file=sys.stderr, flush=True)
+            results.setdefault("share_without_pids", {})[name] = share_without_pids(source)
+
+
 # ------------------------------------------------------------------------------------------------ main
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -579,7 +739,7 @@ def main() -> None:
     ap.add_argument("--sockets", type=int, default=1000, help="slowloris sockets (default 1000)")
     ap.add_argument("--attack-s", type=float, default=10.0, help="seconds of slowloris (default 10)")
     ap.add_argument("--json", type=Path, help="also write the figures here")
-    ap.add_argument("--round", choices=("17", "24"), default="17",
+    ap.add_argument("--round", choices=("17", "24", "30"), default="17",
                     help="which issue's attacks: 17 (default) or 24 (then --before defaults to 84accc1)")
     ap.add_argument("--triage-cap", type=int, default=3 << 30, help="address-space cap of each triage run (3 GiB)")
     ap.add_argument("--half-open", type=int, default=2000, help="half-open requests on the coordinator (2,000)")
@@ -591,8 +751,8 @@ def main() -> None:
     machine = f"{platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}"
     results: dict[str, Any] = {"machine": machine, "date": time.strftime("%Y-%m-%d"), "before": args.before,
                                "after": args.after}
-    if args.round == "24":
-        round_24(args, results)
+    if args.round in ("24", "30"):
+        (round_24 if args.round == "24" else round_30)(args, results)
         print(json.dumps(results, indent=1))
         if args.json:
             args.json.write_text(json.dumps(results, indent=1) + "\n")

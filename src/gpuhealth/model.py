@@ -212,12 +212,15 @@ class RankIdentity:
     gpu_uuid: str | None = None
     gpu_index: int | None = None
     found_by: str = "hook"  # "hook" | "discovered"
+    # The agent saw kernel evidence that the process belongs to the job (docs/security.md, "who is a rank"):
+    # an unverified claim never moves a verified rank nor counts as the job's progress at the coordinator.
+    verified: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "job_id": self.job_id, "rank": self.rank, "world_size": self.world_size, "host": self.host,
             "pid": self.pid, "local_rank": self.local_rank, "gpu_uuid": self.gpu_uuid,
-            "gpu_index": self.gpu_index, "found_by": self.found_by,
+            "gpu_index": self.gpu_index, "found_by": self.found_by, "verified": self.verified,
         }
 
     @classmethod

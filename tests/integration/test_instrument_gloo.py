@@ -212,7 +212,7 @@ def test_gloo_job_steps_straggler_dump_and_stacks(sock_dir: Path, tmp_path: Path
         assert sorted(dumps) == list(range(WORLD)), dumps
         last_enqueued: dict[int, int] = {}
         for r, data in dumps.items():
-            assert isinstance(data, bytes), (r, data)  # sent over the socket, no shared folder
+            assert isinstance(data, bytes | bytearray), (r, data)  # sent over the socket, no shared folder
             (dump_dir / f"rank{r}.json").write_bytes(data)
             dump = json.loads(data)
             assert dump["version"].startswith("2.")

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from slurm_cgroup import SlurmCgroup
 
 from gpuhealth.instrument import protocol
 from gpuhealth.model import RankIdentity, StepRecord
@@ -227,13 +228,14 @@ for line in sys.stdin:
 
 class RankProcess:
     def __init__(self, path: Path, job: str, rank: int, *, uid: int | None = None,
-                 env: dict[str, str] | None = None) -> None:
+                 env: dict[str, str] | None = None, cgroup: SlurmCgroup | None = None) -> None:
         clean = {k: v for k, v in os.environ.items() if k not in ("GPUHEALTH_JOB_ID", "SLURM_JOB_ID",
                                                                    "TORCHELASTIC_RUN_ID")}
         self.proc = subprocess.Popen([sys.executable, "-c", RANK_SCRIPT, str(path), job, str(rank),
                                       str(-1 if uid is None else uid)],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                                     env={**clean, **(env or {})})
+                                     env={**clean, **(env or {})},
+                                     preexec_fn=None if cgroup is None else cgroup.enter())
         assert self.proc.stdout is not None and self.proc.stdout.readline().strip() == "sent"
 
     def do(self, line: str) -> None:
@@ -286,6 +288,7 @@ NOBODY = 65534
 def test_another_user_cannot_join_a_job_unless_its_environment_names_it(sock_dir: Path) -> None:
     hub = HubProcess(sock_dir / "a.sock")
     procs: list[RankProcess] = []
+    cgroup: SlurmCgroup | None = None
     try:
         owner = RankProcess(sock_dir / "a.sock", "j", 0)  # the job's rank 0 runs as root
         procs.append(owner)
@@ -298,11 +301,17 @@ def test_another_user_cannot_join_a_job_unless_its_environment_names_it(sock_dir
         member = RankProcess(sock_dir / "a.sock", "j", 1, uid=NOBODY, env={"GPUHEALTH_JOB_ID": "j"})
         procs.append(member)
         until(lambda: _pids(hub).get(("j", 1)) == member.proc.pid, 10, "a rank whose environment names the job")
-        # An impostor of another user got to a rank first; the job's own process takes it back.
+        # An impostor of another user got to a rank first; its environment is no evidence, so a process
+        # naming the job only in its own environment cannot take the rank, but the job's own process (in the
+        # job's Slurm cgroup: kernel evidence) takes it back.
         impostor = RankProcess(sock_dir / "a.sock", "k", 0, uid=NOBODY)
         procs.append(impostor)
         until(lambda: _pids(hub).get(("k", 0)) == impostor.proc.pid, 10, "the impostor connected")
-        real = RankProcess(sock_dir / "a.sock", "k", 0, env={"SLURM_JOB_ID": "k"})
+        claimer = RankProcess(sock_dir / "a.sock", "k", 0, env={"SLURM_JOB_ID": "k"})
+        procs.append(claimer)
+        assert "a live rank is not taken over" in claimer.read()["said"]
+        cgroup = SlurmCgroup("k", 0)
+        real = RankProcess(sock_dir / "a.sock", "k", 0, cgroup=cgroup)
         procs.append(real)
         until(lambda: _pids(hub).get(("k", 0)) == real.proc.pid, 10, "the job's own process took rank 0 back")
         assert impostor.read()["closed"]
@@ -310,6 +319,8 @@ def test_another_user_cannot_join_a_job_unless_its_environment_names_it(sock_dir
         for p in procs:
             p.kill()
         hub.stop()
+        if cgroup is not None:
+            cgroup.remove()
 
 
 def test_records_count_only_for_the_senders_own_job_and_rank(sock_dir: Path) -> None:
@@ -492,7 +503,7 @@ def test_one_user_cannot_take_every_slot_of_the_agent(agent: Any, sock_dir: Path
             assert p.stdout is not None and p.stdout.readline().strip() == "done"
         until(lambda: _counter(agent, "agent_job_ranks_connected", '{job_id="flood"}') == 256, 20,
               "the user's share connected")
-        assert _counter(agent, "agent_rank_socket_refusals_total") == 1024 - 256
+        until(lambda: _counter(agent, "agent_rank_socket_refusals_total") == 1024 - 256, 20, "the refusals counted")
         real = RankProcess(sock, "real", 0)  # root's rank: another user
         real.do("steps real 0 1")
         until(lambda: _counter(agent, "agent_rank_step_records_total") == 1, 20, "the real rank's record")

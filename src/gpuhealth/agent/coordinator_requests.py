@@ -32,12 +32,13 @@ from gpuhealth.agent.ranks import DumpBudgetExceeded
 from gpuhealth.config import Config
 from gpuhealth.model import RankIdentity
 from gpuhealth.proto import gpuhealth_v1_pb2 as pb
+from gpuhealth.proto.convert import result_message_wire
 from gpuhealth.runtime.dropbox import DropBox
 
 log = logging.getLogger("gpuhealth.agent.coordinator")
 
 # Queues a result for the coordinator; may return an event set once it is on the wire.
-Emit = Callable[[pb.RequestResult], object]
+Emit = Callable[[pb.RequestResult | bytes], object]  # bytes: an AgentMessage on its wire (result_message_wire)
 
 _DEVICE = re.compile(r"cpu|cuda(:\d+(,cuda:\d+)*)?")  # the only parameter a diagnostic request passes on
 MAX_DUMP_BYTES = 32 * 1024 * 1024  # as RankHub's cap; under the gRPC message limit with room for the envelope
@@ -50,7 +51,7 @@ class RankSource(Protocol):
     def ranks(self, job_id: str | None = None) -> list[RankIdentity]: ...
 
     def iter_dumps(self, job_id: str, rank: int | None, out_dir: str | None = None, timeout_s: float = 30.0
-                   ) -> Iterator[tuple[int, bytes | str | Exception]]: ...
+                   ) -> Iterator[tuple[int, bytes | bytearray | str | Exception]]: ...
 
     def request_stacks(self, job_id: str, rank: int | None, timeout_s: float = 10.0
                        ) -> dict[int, dict[str, Any] | Exception]: ...
@@ -129,40 +130,48 @@ class RequestExecutor:
         deadline = time.monotonic() + timeout
         busy: list[int] = []  # ranks refused for the agent's dump memory budget: asked again, one at a time
 
-        def ship(rank: int, res: bytes | str | Exception, *, may_retry: bool) -> None:
+        def ship(rank: int, res: bytes | bytearray | str | Exception, *, may_retry: bool) -> object:
+            """Queue the rank's answer; what emit returned (the dump's written event) or None."""
             if isinstance(res, DumpBudgetExceeded) and may_retry:
                 busy.append(rank)
-                return
+                return None
             if isinstance(res, Exception):
                 emit(pb.RequestResult(request_id=req.request_id, rank=rank, ok=False,
                                       error=f"{type(res).__name__}: {res}", format="fr_json"))
-                return
+                return None
             try:
                 fmt = "fr_json"
-                if isinstance(res, bytes) and res[:1] == PICKLE_PROTO:
+                if isinstance(res, bytes | bytearray) and res[:1] == PICKLE_PROTO:
                     data, fmt = _looks_like_pickle(res), "fr_pickle"  # NCCL's own dump, through the rank's FIFO
-                elif isinstance(res, bytes):
+                elif isinstance(res, bytes | bytearray):
                     data = _looks_like_json_object(res)
                 elif box is not None:
                     data = _read_json_file(Path(res), box, f"rank{rank}.json")
                 else:  # it was not asked to write a file
                     raise ValueError(f"the rank answered with a file ({res}) where an inline dump was asked for")
-                written = emit(pb.RequestResult(request_id=req.request_id, rank=rank, ok=True, payload=data,
-                                                format=fmt))
+                # Serialised once, straight from the rank's bytes (building the messages copied it three times).
+                wire = result_message_wire(pb.RequestResult(request_id=req.request_id, rank=rank, ok=True,
+                                                            format=fmt), data)
                 del data
-                # Wait until it is on the wire before taking the next: dumps do not pile up in the send queue
-                # behind a slow link (past the deadline it stays queued and the next one is taken anyway).
-                if isinstance(written, threading.Event):
-                    written.wait(max(0.0, deadline - time.monotonic()))
+                return emit(wire)
             except (OSError, ValueError) as exc:
                 emit(pb.RequestResult(request_id=req.request_id, rank=rank, ok=False, error=str(exc),
                                       format="fr_json"))
+                return None
+
+        def settle(written: object) -> None:
+            # Wait until it is on the wire before taking the next: dumps do not pile up in the send queue
+            # behind a slow link (past the deadline it stays queued and the next one is taken anyway). The
+            # caller has dropped its copy of the dump by then: only the queued message holds it.
+            if isinstance(written, threading.Event):
+                written.wait(max(0.0, deadline - time.monotonic()))
 
         # Each dump is shipped as soon as it arrives and dropped: the agent holds one, not the job's.
         for rank, res in self.ranks.iter_dumps(req.job_id, None if req.rank < 0 else req.rank, out_dir,
                                                timeout_s=timeout):
-            ship(rank, res, may_retry=True)
+            written = ship(rank, res, may_retry=True)
             del res
+            settle(written)
         for rank in busy:
             left = deadline - time.monotonic()
             if left <= 0:  # the coordinator stops listening at its deadline: say so instead of answering late
@@ -170,8 +179,9 @@ class RequestExecutor:
                                         "was left to ask again"), may_retry=False)
                 continue
             for r, res in self.ranks.iter_dumps(req.job_id, rank, out_dir, timeout_s=left):
-                ship(r, res, may_retry=False)
+                written = ship(r, res, may_retry=False)
                 del res
+                settle(written)
 
     # ------------------------------------------------------------------ stacks
     def stacks(self, req: pb.AgentRequest, emit: Emit) -> None:
@@ -237,7 +247,7 @@ def _safe(text: str) -> str:
     return "".join(c if c.isalnum() or c in "._-" else "_" for c in text)[:80] or "_"
 
 
-def _read_json_file(path: Path, box: DropBox, name: str) -> bytes:
+def _read_json_file(path: Path, box: DropBox, name: str) -> bytes | bytearray:
     """The dump a rank says it wrote — only if it is the file we asked for (``name`` in ``box``): any local
     process can speak on the rank socket, and must not make the agent read (and ship) some other file it
     can reach. Read through the box's descriptor: no link is followed."""
@@ -246,7 +256,7 @@ def _read_json_file(path: Path, box: DropBox, name: str) -> bytes:
     return _looks_like_json_object(box.read(name, MAX_DUMP_BYTES))
 
 
-def _looks_like_json_object(data: bytes) -> bytes:
+def _looks_like_json_object(data: bytes | bytearray) -> bytes | bytearray:
     """A hook's dump travels as JSON only: garbage is refused here already. A cheap check (the coordinator
     parses it with its safe loader): parsing a 30 MB dump here would cost the agent ~10× that in
     memory, and deeply nested input would not even parse (RecursionError)."""
@@ -263,7 +273,7 @@ def _looks_like_json_object(data: bytes) -> bytes:
     return data
 
 
-def _looks_like_pickle(data: bytes) -> bytes:
+def _looks_like_pickle(data: bytes | bytearray) -> bytes | bytearray:
     """A flight-recorder pickle as NCCL writes it (protocol 2+ framing, ending in STOP). Shipped as bytes:
     the coordinator reads it with the analyser's plain-data unpickler, which refuses every global."""
     if len(data) > MAX_DUMP_BYTES:

@@ -107,7 +107,7 @@ class CoordinatorStream:
         self._stop_event: asyncio.Event | None = None
         self._wake: asyncio.Event | None = None
         # (result, set once it is written): a dump's sender waits for that, so dumps do not pile up here
-        self._results: asyncio.Queue[tuple[pb.RequestResult, threading.Event]] | None = None
+        self._results: asyncio.Queue[tuple[pb.RequestResult | bytes, threading.Event]] | None = None
         self.connected = threading.Event()
         self._heartbeat_s = settings.heartbeat_s or 10.0
 
@@ -151,8 +151,9 @@ class CoordinatorStream:
             self._screens.extend(results)
         self._poke()
 
-    def emit(self, result: pb.RequestResult) -> threading.Event:
-        """Queue a result for the coordinator; the event is set once it is written to the stream."""
+    def emit(self, result: pb.RequestResult | bytes) -> threading.Event:
+        """Queue a result for the coordinator (a message, or an ``AgentMessage`` already on its wire form:
+        ``convert.result_message_wire``, one copy of a large dump); the event is set once it is written."""
         written = threading.Event()
         loop, results, wake = self._loop, self._results, self._wake
         if loop is None or results is None or wake is None:
@@ -378,8 +379,10 @@ class CoordinatorStream:
         while not self._stop_event.is_set() and not reader.done():
             while not self._results.empty():
                 result, written = self._results.get_nowait()
-                await call.write(pb.AgentMessage(result=result).SerializeToString())
+                wire = result if isinstance(result, bytes) else pb.AgentMessage(result=result).SerializeToString()
                 del result
+                await call.write(wire)
+                del wire
                 written.set()
             if time.monotonic() >= next_beat:
                 await call.write(pb.AgentMessage(health=self._heartbeat(self.spool.stats())).SerializeToString())

@@ -35,7 +35,10 @@ Any local process that may open the socket can talk to it, so what it can cost a
 - Identity: the kernel says who connected (``SO_PEERCRED``: pid, uid). A hello for a job whose ranks
   here run as another user is refused unless the caller's environment (or Slurm cgroup) names that
   job; a rank held by a live connection is not taken over (a restarted rank's old connection is
-  gone, or is the same process's). Step records count only for the connection's own job and rank.
+  gone, or is the same process's) except by a verified claim (``claim_verified``: kernel evidence —
+  the Slurm cgroup, or the uid of the job's verified ranks) from an unverified one. Each identity says
+  whether it is verified; the coordinator lets no unverified claim move a verified rank or count as
+  progress. Step records count only for the connection's own job and rank.
 """
 
 from __future__ import annotations
@@ -135,6 +138,40 @@ def process_names_job(pid: int, job_id: str, proc: Path = Path("/proc")) -> bool
     return re.search(rf"/job_{re.escape(job_id)}(/|$)", cgroups, re.MULTILINE) is not None
 
 
+def _dump_of(rank: int, res: Any, folder: str | None) -> bytes | bytearray | str | Exception:
+    """A rank's answer to a dump request: its bytes (taken out of the reply), a file's path, or an Exception."""
+    if isinstance(res, Exception):
+        return res
+    if isinstance(res.get("data"), bytes | bytearray):
+        data: bytes | bytearray = res.pop("data")
+        return data
+    if folder and isinstance(res.get("path"), str):
+        return str(res["path"])
+    return RankRequestError(f"rank {rank} replied without a dump")
+
+
+def cgroup_names_job(pid: int | None, job_id: str, proc: Path = Path("/proc")) -> bool:
+    """Kernel evidence that process ``pid`` is job ``job_id``'s: its cgroup, which slurmd made and only root
+    can move a process into (``…/job_<id>/…``). Its environment is no evidence: any process sets its own."""
+    if not pid:
+        return False  # no pid we can see (no hostPID): no cgroup to read
+    try:
+        cgroups = (proc / str(pid) / "cgroup").read_text(errors="replace")[:65536]
+    except OSError:
+        return False
+    return re.search(rf"/job_{re.escape(job_id)}(/|$)", cgroups, re.MULTILINE) is not None
+
+
+def claim_verified(peer: PeerCredentials, job_id: str, verified_uids: set[int],
+                   proc: Path = Path("/proc")) -> bool:
+    """Is a claim to ``job_id`` from ``peer`` backed by the kernel? Its Slurm cgroup names the job, or it runs
+    as the (non-root) uid of the job's verified ranks here (``verified_uids``): that user's own process.
+    Root is no evidence (every container's root may be uid 0)."""
+    if peer.uid is not None and peer.uid != 0 and peer.uid in verified_uids:
+        return True
+    return cgroup_names_job(peer.pid, job_id, proc)
+
+
 class _Trimmer:
     """Hands freed heap memory back to the OS (glibc ``malloc_trim``): without it, the megabytes a burst
     of partial lines took stay in the agent's RSS after they are freed. A no-op elsewhere."""
@@ -208,7 +245,10 @@ class _Waiter:
     rank: int
     done: threading.Event = field(default_factory=threading.Event)
     result: Any = None
-    chunks: list[bytes] = field(default_factory=list)  # an inline dump, as it arrives
+    # An inline dump, as it arrives: one buffer grown in place (a large realloc moves pages, it does not copy
+    # them), handed on as it is — a list of chunks joined at the end held the dump twice.
+    chunks: bytearray = field(default_factory=bytearray)
+    received: int = 0  # chunks appended
     size: int = 0
     answered: queue.SimpleQueue[str] | None = None  # where _finish says "done" (the request's queue)
     rid: str = ""
@@ -235,7 +275,8 @@ class RankHub:
                  max_dump_bytes: int = 32 * 1024 * 1024, max_inflight_dump_bytes: int = 64 * 1024 * 1024,
                  max_connections: int = 1024, max_buffered_bytes: int = 64 * 1024 * 1024,
                  hello_timeout_s: float = 10.0, line_timeout_s: float = 30.0,
-                 max_connections_per_uid: int | None = None, max_connections_per_pid: int = 64) -> None:
+                 max_connections_per_uid: int | None = None, max_connections_per_pid: int = 64,
+                 max_connections_per_job: int = 64, max_unidentified_per_uid: int = 32) -> None:
         self.socket_path = Path(socket_path)
         # Whatever connects: open connections, bytes of unfinished lines over all of them, and how long a
         # connection may stay silent about who it is, or keep a line unfinished (a rank's line is
@@ -245,6 +286,11 @@ class RankHub:
         # flood from one user leaves slots for everyone else's ranks.
         self.max_connections_per_uid = max_connections_per_uid or max(1, max_connections // 4)
         self.max_connections_per_pid = max_connections_per_pid
+        # Where the kernel gives no pid (an agent without hostPID: SO_PEERCRED says 0), processes of one uid
+        # cannot be told apart, so one uid's connections are shared by the job they claim instead: at most
+        # this many per job, this many before their hello, and a full share gives way (see _make_room).
+        self.max_connections_per_job = max_connections_per_job
+        self.max_unidentified_per_uid = max_unidentified_per_uid
         self._held: dict[tuple[str, int], int] = {}  # ("uid"|"pid", id) -> connections open
         self.max_buffered_bytes = max_buffered_bytes
         self.hello_timeout_s = hello_timeout_s
@@ -279,7 +325,8 @@ class RankHub:
                        "listener_errors": 0, "unknown_messages": 0, "late_replies": 0, "foreign_replies": 0,
                        "dump_budget_refusals": 0, "refused_connections": 0, "refused_hellos": 0,
                        "foreign_records": 0, "hello_timeouts": 0, "line_timeouts": 0, "budget_pauses": 0,
-                       "refused_over_share": 0, "refused_before_hello": 0, "unexpected_lines": 0}
+                       "refused_over_share": 0, "refused_before_hello": 0, "unexpected_lines": 0,
+                       "displaced_over_share": 0}
 
     # -- lifecycle ----------------------------------------------------------------------------------
 
@@ -408,7 +455,8 @@ class RankHub:
                    MetricKind.COUNTER),
             Sample("agent_rank_socket_refusals", float(st["refused_connections"] + st["refused_hellos"]
                                                        + st["hello_timeouts"] + st["line_timeouts"]
-                                                       + st["refused_over_share"] + st["refused_before_hello"]),
+                                                       + st["refused_over_share"] + st["refused_before_hello"]
+                                                       + st["displaced_over_share"]),
                    "Rank-socket connections the agent closed: over the connection cap or one user's or process's "
                    "share, a hello claiming a live rank or another user's job, anything but a hello first, no hello "
                    "in time, a line left unfinished (docs/security.md)",
@@ -426,7 +474,7 @@ class RankHub:
 
     def request_dump(
         self, job_id: str, rank: int | None, out_dir: str | None = None, timeout_s: float = 30.0
-    ) -> dict[int, bytes | str | Exception]:
+    ) -> dict[int, bytes | bytearray | str | Exception]:
         """Ask ranks (all of the job's ranks on this node when ``rank`` is None) for their flight
         recorder. Each answers with the dump's bytes, sent inline over the socket (at most
         ``max_dump_bytes``, checked against the length and SHA-256 the rank states); a hook older than
@@ -437,23 +485,16 @@ class RankHub:
 
     def iter_dumps(
         self, job_id: str, rank: int | None, out_dir: str | None = None, timeout_s: float = 30.0
-    ) -> Iterator[tuple[int, bytes | str | Exception]]:
+    ) -> Iterator[tuple[int, bytes | bytearray | str | Exception]]:
         """``request_dump``, one rank at a time as each answers: a caller that ships and drops each
         dump holds one in memory, not the whole job's."""
         # Absolute: the rank resolves the folder from its own working directory, not the agent's.
         folder = os.path.abspath(out_dir) if out_dir else None
         for r, res in self._request_iter(job_id, rank, timeout_s, lambda rid: protocol.dump_fr_request(rid, folder)):
-            if isinstance(res, Exception):
-                out: bytes | str | Exception = res
-            elif isinstance(res.get("data"), bytes):
-                out = res["data"]
-            elif folder and isinstance(res.get("path"), str):
-                out = res["path"]
-            else:
-                out = RankRequestError(f"rank {r} replied without a dump")
+            # Yielded without a local name: a suspended generator's locals stay alive, and the caller must
+            # hold the only reference to the dump while it ships it.
+            yield r, _dump_of(r, res, folder)
             del res
-            yield r, out
-            del out  # nothing of this dump is kept while the next one is awaited
 
     def request_stacks(
         self, job_id: str, rank: int | None, timeout_s: float = 10.0
@@ -595,6 +636,12 @@ class RankHub:
                 self._warn(f"rank socket: cannot accept: {exc}")
                 return
             peer = peer_credentials(sock)
+            displaced = self._make_room(peer)
+            if displaced is not None:
+                self._warn(f"rank socket: uid {peer.uid} is at its share; closing its connection for rank "
+                           f"{displaced.identity.rank if displaced.identity else '?'} of the job holding most "
+                           "of its connections, to let a new one in")
+                self._drop(displaced)
             with self._lock:
                 why = self._over_share(peer)
                 if why:
@@ -621,6 +668,42 @@ class RankHub:
             return f"uid {peer.uid} holds {self.max_connections_per_uid} connections, its share"
         if peer.pid is not None and self._held.get(("pid", peer.pid), 0) >= self.max_connections_per_pid:
             return f"pid {peer.pid} holds {self.max_connections_per_pid} connections, its share"
+        if peer.pid is None and peer.uid is not None and sum(
+                1 for c in self._conns if c.identity is None and c.peer.uid == peer.uid
+        ) >= self.max_unidentified_per_uid:
+            return f"uid {peer.uid} has {self.max_unidentified_per_uid} connections that have not said hello"
+        return ""
+
+    def _make_room(self, peer: PeerCredentials) -> _Conn | None:
+        """A connection of ``peer``'s uid to close so that ``peer`` gets a slot, or None. Only where the kernel
+        gives no pid and the uid's share is full: the newest connection of the job that holds most of the uid's
+        connections (at least two) gives way — a flood into a few job ids cannot keep out another rank of
+        the same uid (without pids, one uid is every process of every pod that runs as it)."""
+        if peer.pid is not None or peer.uid is None:
+            return None
+        with self._lock:
+            if self._held.get(("uid", peer.uid), 0) < self.max_connections_per_uid:
+                return None
+            groups: dict[str, list[_Conn]] = {}
+            for c in self._conns:
+                if c.peer.uid == peer.uid and c.identity is not None:
+                    groups.setdefault(c.identity.job_id, []).append(c)
+            biggest = max(groups.values(), key=len, default=[])
+            if len(biggest) < 2:
+                return None
+            self._stats["displaced_over_share"] += 1
+            return max(biggest, key=lambda c: c.opened)
+
+    def _over_job_share(self, conn: _Conn, job_id: str) -> str:
+        """Why ``conn`` (no pid known) may not claim a rank of ``job_id``, or "" (lock held): one uid's
+        connections to one job are bounded, as one process's are where pids are known."""
+        if conn.peer.pid is not None:
+            return ""
+        held = sum(1 for (job, _), c in self._by_rank.items()
+                   if job == job_id and c is not conn and c.peer.uid == conn.peer.uid)
+        if held >= self.max_connections_per_job:
+            return (f"uid {conn.peer.uid} holds {self.max_connections_per_job} connections to job {job_id}, its "
+                    "share where the kernel gives no pid")
         return ""
 
     def _take_share(self, conn: _Conn, n: int) -> None:
@@ -845,7 +928,7 @@ class RankHub:
             if w is None or w.conn is not conn:
                 self._stats["late_replies" if w is None else "foreign_replies"] += 1
                 return
-            if index != len(w.chunks):
+            if index != w.received:
                 error: Exception | None = RankRequestError(f"rank {w.rank}: dump chunk {index} arrived out of order")
             elif w.size + len(data) > self.max_dump_bytes:
                 error = RankRequestError(f"rank {w.rank}: the dump is over the {self.max_dump_bytes}-byte limit")
@@ -854,7 +937,8 @@ class RankHub:
                                            f"{self.max_inflight_dump_bytes}-byte budget; ask again for this rank")
                 self._stats["dump_budget_refusals"] += 1
             else:
-                w.chunks.append(data)
+                w.chunks += data
+                w.received += 1
                 w.size += len(data)
                 self._inflight += len(data)
                 error = None
@@ -869,8 +953,7 @@ class RankHub:
             w = self._waiters.get(rid)
             if w is None or w.conn is not conn:
                 return dict(msg)  # _finish counts it as late or foreign
-            data = b"".join(w.chunks)
-            w.chunks.clear()  # the bytes stay charged to the budget (w.size) until the caller is done with them
+            data, w.chunks = w.chunks, bytearray()  # still charged to the budget (w.size) until the caller is done
         if msg.get("bytes") != len(data) or msg.get("sha256") != hashlib.sha256(data).hexdigest():
             with self._lock:
                 self._drop_chunks(w)
@@ -881,7 +964,8 @@ class RankHub:
     def _drop_chunks(self, w: _Waiter) -> None:
         """Forget a waiter's buffered chunks (call with the lock held)."""
         self._inflight -= w.size
-        w.chunks.clear()
+        w.chunks = bytearray()
+        w.received = 0
         w.size = 0
 
     def _on_hello(self, conn: _Conn, ident: RankIdentity) -> None:
@@ -889,23 +973,32 @@ class RankHub:
             # The kernel's word, not the hello's: the pid py-spy is pointed at must be the caller's own
             # (and SO_PEERCRED gives it in the agent's PID namespace, which is the one py-spy needs).
             ident = dataclasses.replace(ident, pid=conn.peer.pid)
-        verified = bool(conn.peer.pid) and process_names_job(conn.peer.pid or 0, ident.job_id)
         key = (ident.job_id, ident.rank)
         with self._lock:
             holder = self._by_rank.get(key)
-            owners = {c.peer.uid for (job, _), c in self._by_rank.items()
-                      if job == ident.job_id and c is not conn and c.peer.uid is not None}
+            others = [c for (job, _), c in self._by_rank.items() if job == ident.job_id and c is not conn]
+            over = self._over_job_share(conn, ident.job_id)
+        if over:
+            self._refuse(conn, ident, over)
+            return
+        owners = {c.peer.uid for c in others if c.peer.uid is not None}
+        # Kernel evidence makes a claim verified (the coordinator lets only those place a rank over another's
+        # and count as progress); the environment only lets another user's process join, unverified.
+        verified = claim_verified(conn.peer, ident.job_id,
+                                  {c.peer.uid for c in others if c.job_verified and c.peer.uid is not None})
+        named = verified or (bool(conn.peer.pid) and process_names_job(conn.peer.pid or 0, ident.job_id))
+        ident = dataclasses.replace(ident, verified=verified)
         evict = None
         if holder is not None and holder is not conn:
             if _gone(holder) or (holder.peer.pid is not None and holder.peer.pid == conn.peer.pid):
                 evict = holder  # a restarted rank's old connection, or the same process reconnecting
-            elif verified and not holder.job_verified and holder.peer.uid != conn.peer.uid:
-                evict = holder  # the job's own process takes its rank back from an impostor
+            elif verified and not holder.job_verified:
+                evict = holder  # the job's own process takes its rank back from an unverified claimer
             else:
                 self._refuse(conn, ident, f"rank {ident.rank} of job {ident.job_id} is connected already (pid "
                                           f"{holder.peer.pid}); a live rank is not taken over")
                 return
-        if owners and conn.peer.uid not in owners and conn.peer.uid != 0 and not verified and (
+        if owners and conn.peer.uid not in owners and conn.peer.uid != 0 and not named and (
                 evict is None or evict.peer.uid in owners):
             self._refuse(conn, ident, f"job {ident.job_id}'s ranks here run as uid {sorted(owners)}, and this "
                                       f"process (uid {conn.peer.uid}) does not name the job in its environment")

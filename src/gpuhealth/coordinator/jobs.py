@@ -88,10 +88,46 @@ class JobState:
     comm: CommWatch = field(default_factory=CommWatch)  # communication against its own best pace, per node
     comm_verdict: dict[str, Any] | None = None  # the open job.comm_slow episode's verdict
     cut_off: list[str] = field(default_factory=list)  # nodes judged cut off while the job waits
+    refused_claims: int = 0  # unverified claims to a verified rank's place (kept out)
+    unverified_records: int = 0  # step records not counted: not from a verified rank where it is placed
 
     # -- ingest ----------------------------------------------------------------------------------
 
+    def accepts(self, node: str, identity: RankIdentity) -> bool:
+        """May this claim place the rank? An unverified claim (no kernel evidence that the process is the
+        job's) never moves a rank a verified claim placed; a verified claim takes over from anyone."""
+        held = self.placements.get(identity.rank)
+        if held is None or identity.verified or not held.identity.verified:
+            return True
+        return held.node == node and held.identity.pid == identity.pid  # the verified rank, said again
+
+    @property
+    def verified(self) -> bool:
+        """Some rank of the job was placed on kernel evidence: from then on only such ranks make progress."""
+        return any(p.identity.verified for p in self.placements.values())
+
+    def counted(self, node: str, cols: StepColumns) -> StepColumns:
+        """The records of ``cols`` (sent by ``node``'s agent) that count for the job: all of them while no
+        rank is verified; else only those of verified ranks placed on that node (an intruder's steps, on
+        another node or under an unverified claim, neither hide a hang nor feed the straggler detector)."""
+        if not self.verified:
+            return cols
+        mine = {r for r, p in self.placements.items() if p.identity.verified and p.node == node}
+        keep = [i for i, r in enumerate(cols.rank) if r in mine]
+        if len(keep) == len(cols):
+            return cols
+        self.unverified_records += len(cols) - len(keep)
+
+        def pick(xs: list[Any] | None) -> Any:
+            return None if xs is None else [xs[i] for i in keep]
+
+        return StepColumns(cols.job_id, pick(cols.rank), pick(cols.step), pick(cols.start_time), pick(cols.wall_s),
+                           pick(cols.compute_s), pick(cols.comm_wait_s))
+
     def add_identity(self, node: str, identity: RankIdentity, now: float) -> None:
+        if not self.accepts(node, identity):
+            self.refused_claims += 1
+            return
         if identity.world_size > self.world_size:
             self.world_size = identity.world_size
             if self.detector is not None:
@@ -106,7 +142,13 @@ class JobState:
         if not self.progress_at:
             self.progress_at = now
 
-    def add_steps(self, cols: StepColumns, now: float) -> None:
+    def add_steps(self, cols: StepColumns, now: float, node: str | None = None) -> None:
+        """``node``: the agent that sent them (None: count them all)."""
+        if node is not None:
+            counted = self.counted(node, cols)
+            if len(counted) < len(cols) and not len(counted):
+                return
+            cols = counted
         last = self.last_step
         progressed = False
         get = last.get
@@ -221,6 +263,9 @@ class JobState:
             "seconds_since_progress": round(now - self.progress_at, 3) if self.progress_at else None,
             "state": "finished" if self.finished else ("hung" if self.hang_open else "running"),
             "hangs": self.hangs,
+            # Ranks placed on kernel evidence, and unverified claims kept from a verified rank's place.
+            "ranks_verified": sum(p.identity.verified for p in self.placements.values()),
+            "claims_ignored": self.refused_claims,
             "stragglers": sorted(self.stragglers),
             "comm_slow": None if self.comm_verdict is None else {
                 k: self.comm_verdict.get(k) for k in ("ratio", "nodes", "candidates", "basis", "since_step",

@@ -204,11 +204,11 @@ class Coordinator:
             job = self.jobs.get(rank_row.identity.job_id, mono)
             job.add_identity(rank_row.node, rank_row.identity, mono)
             job.live_ranks.clear()  # unknown until an agent says so
-        for _node, _seq, raw in self.store.step_batches(since=since):
+        for node, _seq, raw in self.store.step_batches(since=since):
             with contextlib.suppress(Exception):  # stored data was validated on the way in
                 rec = pb.AgentMessage.FromString(raw).record
                 cols = steps_from_pb(rec.steps)
-                self.jobs.get(cols.job_id, mono).add_steps(cols, mono)
+                self.jobs.get(cols.job_id, mono).add_steps(cols, mono, node)
         # What each node said last about zero-code jobs holds until it says otherwise (findings are sent only
         # when they change): a hang it reported is the episode already investigated, not a new one, and the
         # stragglers its periodic dumps found stay the job's.
@@ -329,15 +329,21 @@ class Coordinator:
                 with self.store.transaction():
                     self.store.add_step_batch(session.node, seq, cols.job_id, len(cols), raw, now)
                     self.store.set_acked(session.node, session.incarnation, seq, now)
-                self.jobs.get(cols.job_id, mono).add_steps(cols, mono)
+                self.jobs.get(cols.job_id, mono).add_steps(cols, mono, session.node)
                 self.counters.step_records += len(cols)
             elif kind == "ranks":
                 idents = [identity_from_pb(m) for m in rec.ranks.ranks]
+                # An unverified claim to a verified rank's place is kept out of memory and the store alike.
+                accepted = [i for i in idents if self.jobs.get(i.job_id, mono).accepts(session.node, i)]
+                for ident in idents:
+                    if ident not in accepted:
+                        log.warning("node %s: an unverified claim to rank %d of job %s (pid %d) is ignored: the rank "
+                                    "is placed on kernel evidence", session.node, ident.rank, ident.job_id, ident.pid)
                 self._begin_group()
                 with self.store.transaction():
-                    self.store.upsert_ranks(session.node, idents, now)
+                    self.store.upsert_ranks(session.node, accepted, now)
                     self.store.set_acked(session.node, session.incarnation, seq, now)
-                for ident in idents:
+                for ident in idents:  # (counts the ignored ones: claims_ignored)
                     self.jobs.get(ident.job_id, mono).add_identity(session.node, ident, mono)
             elif kind == "findings":
                 findings = findings_from_pb(rec.findings.findings)

@@ -84,6 +84,11 @@ MIGRATIONS: tuple[str, ...] = (
     """
     ALTER TABLE ranks ADD COLUMN found_by TEXT NOT NULL DEFAULT 'hook';
     """,
+    # 3 → 4: whether the agent saw kernel evidence tying the rank to its job (issue 30): a restarted
+    # coordinator must still not let an unverified claim move a verified rank or count as progress.
+    """
+    ALTER TABLE ranks ADD COLUMN verified INTEGER NOT NULL DEFAULT 0;
+    """,
 )
 SCHEMA_VERSION = len(MIGRATIONS)
 
@@ -346,8 +351,9 @@ class Store:
                 (i.job_id, i.world_size, now, now))
             self._db.execute(
                 "INSERT OR REPLACE INTO ranks (job_id, rank, node, host, pid, local_rank, gpu_uuid, gpu_index, seen_at,"
-                " found_by) VALUES (?,?,?,?,?,?,?,?,?,?)",
-                (i.job_id, i.rank, node, i.host, i.pid, i.local_rank, i.gpu_uuid, i.gpu_index, now, i.found_by))
+                " found_by, verified) VALUES (?,?,?,?,?,?,?,?,?,?,?)",
+                (i.job_id, i.rank, node, i.host, i.pid, i.local_rank, i.gpu_uuid, i.gpu_index, now, i.found_by,
+                 int(i.verified)))
 
     def jobs(self) -> list[tuple[str, int, float, float]]:
         with self._lock:
@@ -356,14 +362,14 @@ class Store:
 
     def ranks(self, job_id: str | None = None) -> list[RankRow]:
         with self._lock:
-            sql = "SELECT job_id, rank, node, host, pid, local_rank, gpu_uuid, gpu_index, found_by FROM ranks"
+            sql = "SELECT job_id, rank, node, host, pid, local_rank, gpu_uuid, gpu_index, found_by, verified FROM ranks"
             rows = (self._db.execute(sql + " ORDER BY job_id, rank") if job_id is None
                     else self._db.execute(sql + " WHERE job_id=? ORDER BY rank", (job_id,))).fetchall()
         out = []
         for r in rows:
             ident = RankIdentity(job_id=r[0], rank=int(r[1]), world_size=0, host=r[3], pid=int(r[4]),
                                  local_rank=r[5], gpu_uuid=r[6], gpu_index=r[7],
-                                 found_by="discovered" if r[8] == "discovered" else "hook")
+                                 found_by="discovered" if r[8] == "discovered" else "hook", verified=bool(r[9]))
             out.append(RankRow(ident, r[2]))
         return out
 

@@ -3,9 +3,11 @@
 Dumps are often shipped compressed: ``rank3.json.gz``, a zip or a tarball of the dump folder. The
 kind is told by the file's first bytes, not its name. Nothing is written to disk. A member may unpack
 to at most ``max(DECOMPRESSION_FLOOR, DECOMPRESSION_RATIO × its packed size)`` (and the loader's
-per-file limit), and a whole archive likewise (headers included), so a zip bomb is a problem line,
-not an out-of-memory: reading stops as soon as a bound is passed, and ``tarfile`` only ever reads
-through a :class:`_Bounded` stream (its PAX and long-name headers are read whole).
+per-file limit), so a zip bomb is a problem line, not an out-of-memory: reading stops as soon as a
+bound is passed, and ``tarfile`` only ever reads through a :class:`_Bounded` stream (its PAX and
+long-name headers are read whole). An archive is one input file: all its members together (after a
+nested ``.gz`` is unpacked too) unpack to at most the loader's limit for one file, so what one archive
+costs is what one dump file costs; the members past it are problem lines naming them.
 """
 
 from __future__ import annotations
@@ -134,47 +136,60 @@ def _single(path: Path, kind: str, size: int, max_file_bytes: int, wanted: Calla
 def _zip(path: Path, size: int, max_file_bytes: int, wanted: Callable[[str], bool]) -> Iterator[Member]:
     import zipfile
 
-    total_limit = max(DECOMPRESSION_FLOOR, DECOMPRESSION_RATIO * size)
-    total = 0
+    # Two bounds: what unpacking may cost (bytes inflated, kept or not: a bomb's are not) and what the
+    # members handed on may hold together (one file's worth).
+    work_limit, work = max(DECOMPRESSION_FLOOR, DECOMPRESSION_RATIO * size), 0
+    total_limit, total = _archive_limit(size, max_file_bytes), 0
     with zipfile.ZipFile(path) as zf:
         infos = [i for i in zf.infolist() if not i.is_dir() and wanted(i.filename)]
         for n, info in enumerate(infos):
             display = f"{path}!/{info.filename}"
             name = info.filename.rsplit("/", 1)[-1]
-            limit = min(allowance(info.compress_size, max_file_bytes), total_limit - total)
+            limit = min(allowance(info.compress_size, max_file_bytes), work_limit - work, total_limit - total)
             if limit <= 0:
-                why = _over(path.name, size, total_limit, "zip").args[0]
+                why = (_over(path.name, size, work_limit, "zip").args[0] if work >= work_limit
+                       else _archive_over(path.name, total_limit, "zip"))
                 for rest in infos[n:]:  # say which dumps were left unread (their ranks matter)
                     yield Member(f"{path}!/{rest.filename}", rest.filename.rsplit("/", 1)[-1], None,
                                  error=f"not read: {why}")
                 return
+            if total and info.file_size > total_limit - total:  # as declared (a lie is caught while reading)
+                yield Member(display, name, None, error=f"not read: {_archive_over(path.name, total_limit, 'zip')}")
+                continue
             try:
                 with zf.open(info) as f:
                     data = _read_bounded(f, limit, functools.partial(_member_over, info.filename, limit,
-                                                                     total_limit, total))
+                                                                     work_limit, work))
             except ArchiveError as exc:
                 yield Member(display, name, None, error=str(exc))
-                total += limit  # what unpacking it cost counts against the archive
+                work += limit  # what unpacking it cost counts against the archive
                 continue
             except Exception as exc:  # an encrypted member, an unknown method, a bad CRC…
                 yield Member(display, name, None, error=f"cannot unpack from the zip: {type(exc).__name__}: {exc}")
                 continue
-            total += len(data)
-            yield _inner(display, name, data, _zip_mtime(info), max_file_bytes)
+            work += len(data)
+            member = _inner(display, name, data, _zip_mtime(info), min(max_file_bytes, total_limit - total))
+            del data
+            total += len(member.data) if member.data is not None else 0
+            yield member
 
 
 def _tar(path: Path, stream: _Reader, size: int, max_file_bytes: int, wanted: Callable[[str], bool]
          ) -> Iterator[Member]:
     import tarfile
 
-    total_limit = max(DECOMPRESSION_FLOOR, DECOMPRESSION_RATIO * size)
-    bounded = _Bounded(stream, total_limit, lambda: _over(path.name, size, total_limit, "tar"))
+    stream_limit = max(DECOMPRESSION_FLOOR, DECOMPRESSION_RATIO * size)
+    total_limit, total = _archive_limit(size, max_file_bytes), 0
+    bounded = _Bounded(stream, stream_limit, lambda: _over(path.name, size, stream_limit, "tar"))
     with tarfile.open(fileobj=cast(IO[bytes], bounded), mode="r|") as tf:
         for ti in tf:
             if not ti.isfile() or not wanted(ti.name):
                 continue
             display = f"{path}!/{ti.name}"
             name = ti.name.rsplit("/", 1)[-1]
+            if total and total + ti.size > total_limit:
+                yield Member(display, name, None, error=f"not read: {_archive_over(path.name, total_limit, 'tar')}")
+                continue
             if ti.size > max_file_bytes:
                 yield Member(display, name, None, error=f"unpacks to {ti.size / 2**20:.0f} MiB, over the "
                                                         f"{max_file_bytes / 2**20:.0f} MiB limit for one dump")
@@ -186,7 +201,11 @@ def _tar(path: Path, stream: _Reader, size: int, max_file_bytes: int, wanted: Ca
             except ArchiveError as exc:  # the stream is spent: nothing after this member can be read
                 yield Member(display, name, None, error=str(exc))
                 return
-            yield _inner(display, name, data, int(ti.mtime * 1e9) if ti.mtime else None, max_file_bytes)
+            member = _inner(display, name, data, int(ti.mtime * 1e9) if ti.mtime else None,
+                            min(max_file_bytes, total_limit - total))
+            del data
+            total += len(member.data) if member.data is not None else 0
+            yield member
 
 
 def _inner(display: str, name: str, data: bytes, mtime_ns: int | None, max_file_bytes: int) -> Member:
@@ -208,6 +227,16 @@ def _inner(display: str, name: str, data: bytes, mtime_ns: int | None, max_file_
         return Member(display, name, None, error=f"a {kind} inside an archive is not unpacked: unpack the outer "
                                                  "archive first")
     return Member(display, name, data, mtime_ns)
+
+
+def _archive_limit(packed: int, max_file_bytes: int) -> int:
+    """What all the members of one archive may unpack to together: one file's worth."""
+    return min(max_file_bytes, max(DECOMPRESSION_FLOOR, DECOMPRESSION_RATIO * packed))
+
+
+def _archive_over(name: str, limit: int, kind: str) -> str:
+    return (f"the {kind} {name}'s members unpack to more than {limit / 2**20:.0f} MiB together, the limit for one "
+            "input file (an archive is read as one file); unpack it and pass its folder")
 
 
 def _read_bounded(f: _Reader, limit: int, over: Callable[[], ArchiveError]) -> bytes:

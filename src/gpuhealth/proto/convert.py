@@ -104,7 +104,7 @@ def identity_to_pb(i: RankIdentity) -> pb.RankIdentity:
     return pb.RankIdentity(
         job_id=i.job_id, rank=i.rank, world_size=i.world_size, host=i.host, pid=i.pid,
         local_rank=-1 if i.local_rank is None else i.local_rank, gpu_uuid=i.gpu_uuid or "",
-        gpu_index=-1 if i.gpu_index is None else i.gpu_index, found_by=i.found_by,
+        gpu_index=-1 if i.gpu_index is None else i.gpu_index, found_by=i.found_by, verified=i.verified,
     )
 
 
@@ -119,6 +119,7 @@ def identity_from_pb(m: pb.RankIdentity) -> RankIdentity:
         local_rank=None if m.local_rank < 0 else m.local_rank, gpu_uuid=m.gpu_uuid or None,
         gpu_index=None if m.gpu_index < 0 else m.gpu_index,
         found_by="discovered" if m.found_by == "discovered" else "hook",  # empty (older agents): the hook
+        verified=m.verified,  # older agents never say: unverified
     )
 
 
@@ -210,3 +211,35 @@ def steps_from_pb(m: pb.StepBatch, world_size: int | None = None) -> StepColumns
         if comm is not None:
             _check_durations(comm, "comm_wait_s", allow_nan=True)
     return StepColumns(m.job_id, rank, step, start, wall, comp, comm)
+
+
+# -- a request's result with a large payload, serialised once -------------------------------------
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while True:
+        low, n = n & 0x7F, n >> 7
+        if n:
+            out.append(low | 0x80)
+        else:
+            out.append(low)
+            return bytes(out)
+
+
+def _len_field(number: int, size: int) -> bytes:
+    return _varint(number << 3 | 2) + _varint(size)
+
+
+def result_message_wire(result: pb.RequestResult, payload: bytes | bytearray) -> bytes:
+    """``AgentMessage(result=result with payload)`` as it goes on the wire, built with ONE copy of
+    ``payload`` (a dump of up to 32 MiB): building the messages (``payload=`` copies it, ``result=``
+    copies the result again) and then serialising them made three. Protobuf takes a message's fields
+    in any order, so the payload field is appended to the rest of the result."""
+    head = result.SerializeToString()  # the result without its payload: small
+    inner = len(head) + len(_len_field(_PAYLOAD_FIELD, len(payload))) + len(payload)
+    return b"".join((_len_field(_RESULT_FIELD, inner), head, _len_field(_PAYLOAD_FIELD, len(payload)), payload))
+
+
+_RESULT_FIELD = pb.AgentMessage.DESCRIPTOR.fields_by_name["result"].number
+_PAYLOAD_FIELD = pb.RequestResult.DESCRIPTOR.fields_by_name["payload"].number

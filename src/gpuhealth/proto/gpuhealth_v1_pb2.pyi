@@ -166,7 +166,7 @@ class StepBatch(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., rank: _Optional[_Iterable[int]] = ..., step: _Optional[_Iterable[int]] = ..., start_time: _Optional[_Iterable[float]] = ..., wall_s: _Optional[_Iterable[float]] = ..., compute_s: _Optional[_Iterable[float]] = ..., comm_wait_s: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class RankIdentity(_message.Message):
-    __slots__ = ("job_id", "rank", "world_size", "host", "pid", "local_rank", "gpu_uuid", "gpu_index", "found_by")
+    __slots__ = ("job_id", "rank", "world_size", "host", "pid", "local_rank", "gpu_uuid", "gpu_index", "found_by", "verified")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -176,6 +176,7 @@ class RankIdentity(_message.Message):
     GPU_UUID_FIELD_NUMBER: _ClassVar[int]
     GPU_INDEX_FIELD_NUMBER: _ClassVar[int]
     FOUND_BY_FIELD_NUMBER: _ClassVar[int]
+    VERIFIED_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     rank: int
     world_size: int
@@ -185,7 +186,8 @@ class RankIdentity(_message.Message):
     gpu_uuid: str
     gpu_index: int
     found_by: str
-    def __init__(self, job_id: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., host: _Optional[str] = ..., pid: _Optional[int] = ..., local_rank: _Optional[int] = ..., gpu_uuid: _Optional[str] = ..., gpu_index: _Optional[int] = ..., found_by: _Optional[str] = ...) -> None: ...
+    verified: bool
+    def __init__(self, job_id: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., host: _Optional[str] = ..., pid: _Optional[int] = ..., local_rank: _Optional[int] = ..., gpu_uuid: _Optional[str] = ..., gpu_index: _Optional[int] = ..., found_by: _Optional[str] = ..., verified: _Optional[bool] = ...) -> None: ...
 
 class RankIdentities(_message.Message):
     __slots__ = ("ranks",)

@@ -12,6 +12,7 @@ import socket
 import stat
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +23,11 @@ from gpuhealth.agent.ranks import RankHub
 from gpuhealth.instrument import protocol
 from gpuhealth.model import RankIdentity
 from gpuhealth.proto import gpuhealth_v1_pb2 as pb
+
+
+def _collect(out: list[pb.RequestResult]) -> Callable[[pb.RequestResult | bytes], None]:
+    """An emit that keeps results as messages (a dump is emitted as its AgentMessage's wire bytes)."""
+    return lambda r: out.append(pb.AgentMessage.FromString(r).result if isinstance(r, bytes) else r)
 
 
 def _fake_rank(sock_path: Path, answer: Any, stop: threading.Event) -> None:
@@ -65,7 +71,7 @@ def _dump_through_link(tmp_path: Path, answer: Any) -> list[pb.RequestResult]:
     out: list[pb.RequestResult] = []
     try:
         link.requests.dump(pb.AgentRequest(request_id=7, kind=pb.DUMP_FLIGHT_RECORDER, job_id="victimjob",
-                                      rank=-1, timeout_s=5), out.append)
+                                      rank=-1, timeout_s=5), _collect(out))
     finally:
         stop.set()
         hub.stop()
@@ -197,7 +203,7 @@ def test_ranks_refused_for_the_memory_budget_are_asked_again_and_every_dump_ship
     out: list[pb.RequestResult] = []
     try:
         link.requests.dump(pb.AgentRequest(request_id=9, kind=pb.DUMP_FLIGHT_RECORDER, job_id="bigjob", rank=-1,
-                                      timeout_s=10), out.append)
+                                      timeout_s=10), _collect(out))
     finally:
         stop.set()
         hub.stop()

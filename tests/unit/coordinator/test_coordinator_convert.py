@@ -56,3 +56,18 @@ def test_bad_identities_and_findings() -> None:
         finding_from_pb(pb.Finding(code="a.b", severity="fatal", entity_kind="gpu", entity_id="x"))
     with pytest.raises(WireError, match="evidence must be a JSON object"):
         finding_from_pb(pb.Finding(code="a.b", severity="info", entity_kind="gpu", entity_id="x", evidence_json="[1]"))
+
+
+def test_a_results_wire_form_is_the_message_with_its_payload() -> None:
+    """result_message_wire (one copy of a dump) parses as AgentMessage(result=…payload…) for any length."""
+    import os
+
+    from gpuhealth.proto import gpuhealth_v1_pb2 as pb
+    from gpuhealth.proto.convert import result_message_wire
+
+    for n in (0, 1, 127, 128, 16_383, 16_384, 2 << 20):
+        payload = os.urandom(n)
+        head = pb.RequestResult(request_id=7, rank=3, ok=True, format="fr_pickle")
+        wire = result_message_wire(head, bytearray(payload))
+        expected = pb.RequestResult(request_id=7, rank=3, ok=True, format="fr_pickle", payload=payload)
+        assert pb.AgentMessage.FromString(wire) == pb.AgentMessage(result=expected), n

@@ -77,7 +77,7 @@ def test_migration_from_version_1_keeps_sdc_digests(tmp_path: Path) -> None:
         con.execute("INSERT INTO sdc_digests (gpu_uuid, key, node, digest, at) VALUES ('GPU-1', 'k', 'n1', 'aa', 1)")
         con.execute("PRAGMA user_version=1")
     s = Store(db)
-    assert s.schema_version == SCHEMA_VERSION == 3
+    assert s.schema_version == SCHEMA_VERSION == 4
     assert s.sdc_digests() == [("n1", "GPU-1", "k", "aa", 1.0)]
     with s.transaction():  # the same GPU id on another node is another vote now
         s.add_sdc_digest("n2", "GPU-1", "k", "aa", 2.0)

@@ -557,3 +557,31 @@ def test_absurd_field_values_are_capped_and_counted(tmp_path: Path, fmt: str) ->
     code, report = triage_capped(tmp_path)
     assert code == 0 and report["verdict"] == "healthy", report["summary"]
     assert len([p for p in report["problems"] if p["severity"] == "warning"]) == 2
+
+
+def _json_tensors(mib: int) -> bytes:
+    """A dump of tensor-heavy JSON entries (the most records per byte) of about ``mib`` MiB."""
+    one = entry(1, sizes=[[1000 + j] for j in range(60_000)], out_sizes=[[7]])
+    n = max(1, mib * MIB // len(json.dumps(one, separators=(",", ":"))))
+    return json.dumps(dump([{**one, "record_id": i, "collective_seq_id": i + 1} for i in range(n)]),
+                      separators=(",", ":")).encode()
+
+
+def test_an_archive_costs_triage_what_one_file_does(tmp_path: Path) -> None:
+    """Issue 30, item 8: one zip holding six 60 MiB JSON dumps took `gpuhealth triage` to 2.35 GiB (each
+    member was bounded like a file, their records added up); the ceiling is 1 GiB for one input file of any
+    format. Now an archive's members unpack to one file's limit (64 MiB) together: the first is judged, the
+    rest are problem lines naming them and the limit."""
+    text = _json_tensors(60)
+    folder = tmp_path / "dumps"
+    folder.mkdir()
+    with zipfile.ZipFile(folder / "dumps.zip", "w", zipfile.ZIP_DEFLATED, compresslevel=1) as z:
+        for r in range(6):
+            z.writestr(f"rank{r}.json", text)
+    code, report, stderr, peak = _triage_measured(folder, 3 << 30)
+    assert "Traceback" not in stderr and report is not None, stderr[-2000:]
+    assert 0 < peak < TRIAGE_CEILING, f"peak RSS {peak >> 20} MiB"
+    assert code == 3 and report["verdict"] == "incomplete"
+    errors = [p["message"] for p in report["problems"] if p["severity"] == "error"]
+    assert len(errors) == 5 and all("unpack to more than 64 MiB together" in m for m in errors), errors
+    assert report["ranks_seen"] == [0]

@@ -455,7 +455,7 @@ def test_a_dump_stays_charged_to_the_budget_until_the_caller_is_done_with_it(soc
             got[rank] = res
             time.sleep(0.3)  # shipping it takes a while
         stop.set()
-        shipped = [r for r, v in got.items() if isinstance(v, bytes)]
+        shipped = [r for r, v in got.items() if isinstance(v, bytes | bytearray)]
         refused = [r for r, v in got.items() if isinstance(v, RankRequestError) and "budget" in str(v)]
         assert sorted(shipped + refused) == [0, 1, 2, 3] and shipped and refused
         assert peak[0] <= 50_000  # never more than the budget held, answered dumps included

@@ -223,7 +223,7 @@ def test_records_reach_a_rank_hub_and_requests_are_answered(sock_path: Path, tmp
         assert "request_stacks" in names
         assert main["frames"][-1]["file"].endswith(".py") and main["frames"][-1]["line"] > 0
         dumped = hub.request_dump("job-t", 2, str(tmp_path / "fr"), timeout_s=10)[2]
-        assert isinstance(dumped, bytes), dumped  # inline: nothing written to the folder
+        assert isinstance(dumped, bytes | bytearray), dumped  # inline: nothing written to the folder
         assert not (tmp_path / "fr").exists()
         doc = json.loads(dumped)
         assert "entries" in doc or "pg_status" in doc

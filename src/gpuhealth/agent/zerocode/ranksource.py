@@ -20,7 +20,7 @@ class HookRanks(Protocol):
     def ranks(self, job_id: str | None = None) -> list[RankIdentity]: ...
 
     def iter_dumps(self, job_id: str, rank: int | None, out_dir: str | None = None, timeout_s: float = 30.0
-                   ) -> Iterator[tuple[int, bytes | str | Exception]]: ...
+                   ) -> Iterator[tuple[int, bytes | bytearray | str | Exception]]: ...
 
     def request_stacks(self, job_id: str, rank: int | None, timeout_s: float = 10.0
                        ) -> dict[int, dict[str, Any] | Exception]: ...
@@ -45,7 +45,7 @@ class CombinedRanks:
         return sorted([*hooked, *found], key=lambda i: (i.job_id, i.rank))
 
     def iter_dumps(self, job_id: str, rank: int | None, out_dir: str | None = None, timeout_s: float = 30.0
-                   ) -> Iterator[tuple[int, bytes | str | Exception]]:
+                   ) -> Iterator[tuple[int, bytes | bytearray | str | Exception]]:
         hooked = {r for j, r in self._hooked(job_id)}
         if self.hub is not None and (rank is None or rank in hooked):
             yield from self.hub.iter_dumps(job_id, rank, out_dir, timeout_s)
