@@ -21,7 +21,8 @@ from gpuhealth.runtime.webconfig import WebConfigError, WebGuard, load_web_confi
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "integration"))
 from commands import make_pki
 
-HASH = bcrypt.hashpw(b"pw", bcrypt.gensalt(rounds=4)).decode()
+# A fixed salt: the hash appears in test ids, which pytest-xdist needs equal in every worker.
+HASH = bcrypt.hashpw(b"pw", b"$2b$04$abcdefghijklmnopqrstuu").decode()
 
 
 @pytest.fixture(scope="module")
