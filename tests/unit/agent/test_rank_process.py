@@ -1,0 +1,129 @@
+"""The root part's side of the privilege split (issue 30): the channel's schema, what the root part believes of
+the rank process (nothing it cannot check), and py-spy pointed only at pids it may trace."""
+
+from __future__ import annotations
+
+import os
+import socket
+import struct
+import subprocess
+import sys
+from typing import Any
+
+import pytest
+
+from gpuhealth.agent.coordinator_requests import ExecutorSettings, RequestExecutor
+from gpuhealth.agent.rank_process import RankProcess, pid_may_be_traced
+from gpuhealth.agent.tenant_channel import TO_RANK_PROCESS, TO_ROOT, Channel, ChannelError, check
+from gpuhealth.model import RankIdentity, StepRecord
+from gpuhealth.proto import gpuhealth_v1_pb2 as pb
+
+IDENT = RankIdentity("j", 0, 2, "h", 1234).to_dict()
+
+
+@pytest.mark.parametrize("message, payload, why", [
+    ({"op": "shell", "rid": 1}, b"", "unexpected op"),
+    ({"op": "end", "rid": 1, "extra": 1}, b"", "unexpected fields"),
+    ({"op": "end", "rid": True}, b"", "not a int"),
+    ({"op": "end", "rid": "1"}, b"", "not a int"),
+    ({"op": "value", "rid": 1, "ranks": "all", "stats": None}, b"", "not a list"),
+    ({"op": "identity", "identity": IDENT}, b"x", "carries bytes"),
+    ({"op": "verify", "rid": 1, "pid": 1, "job_id": "j" * 5000}, b"", "not a str"),
+])
+def test_the_root_part_refuses_any_frame_outside_the_schema(message: dict[str, Any], payload: bytes, why: str) -> None:
+    with pytest.raises(ChannelError, match=why):
+        check(message, TO_ROOT, payload)
+
+
+def test_ops_are_one_way() -> None:
+    """The child cannot send what the root part sends (a 'dump' request), nor the root part a 'verify'."""
+    with pytest.raises(ChannelError):
+        check({"op": "dump", "rid": 1, "job_id": "j", "rank": None, "out_dir": None, "timeout_s": 1.0}, TO_ROOT, b"")
+    with pytest.raises(ChannelError):
+        check({"op": "verify", "rid": 1, "pid": 1, "job_id": "j"}, TO_RANK_PROCESS, b"")
+
+
+def test_an_oversized_frame_is_refused_before_it_is_read() -> None:
+    a, b = socket.socketpair()
+    try:
+        a.sendall(struct.pack("!II", 64, 1 << 30))  # a 1 GiB payload announced: nothing is allocated for it
+        with pytest.raises(ChannelError, match="over the channel's limits"):
+            Channel(b, TO_ROOT).receive()
+        a.sendall(struct.pack("!II", 5 << 20, 0))
+        with pytest.raises(ChannelError, match="over the channel's limits"):
+            Channel(b, TO_ROOT).receive()
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_round_trip_carries_a_dump_as_bytes() -> None:
+    a, b = socket.socketpair()
+    try:
+        msg = {"op": "answer", "rid": 3, "rank": 1, "kind": "dump", "path": None, "stacks": None, "error_type": None,
+               "error": None}
+        Channel(a, TO_RANK_PROCESS).send(msg, b"\x80\x02}q\x00.")
+        op, got, payload = Channel(b, TO_ROOT).receive()
+        assert (op, got, payload) == ("answer", msg, b"\x80\x02}q\x00.")
+    finally:
+        a.close()
+        b.close()
+
+
+def test_step_records_count_only_for_the_identity_they_come_with() -> None:
+    """A rank process that was taken over cannot put steps of another job or rank into the agent."""
+    rp = RankProcess("/nonexistent/agent.sock")
+    got: list[tuple[str, int, int]] = []
+    rp.add_listener(on_steps=lambda ident, recs: got.extend((r.job_id, r.rank, r.step) for r in recs))
+    own = StepRecord("j", 0, 5, 1.7e9, 0.1, 0.08, 0.02).to_dict()
+    other = StepRecord("other-job", 3, 9, 1.7e9, 0.1, 0.08, 0.02).to_dict()
+    rp._dispatch("steps", {"op": "steps", "identity": IDENT, "records": [own, other, {"step": "x"}]}, b"")
+    assert got == [("j", 0, 5)]
+    assert rp.stats()["rank_process_bad_records"] == 2
+    assert rp.stats()["records"] == 1
+
+
+def test_py_spy_is_pointed_only_at_a_pid_it_may_trace() -> None:
+    """A root process that does not name the job is never traced on the rank process's word; one whose own
+    environment names the job is."""
+    env = {**os.environ, "GPUHEALTH_JOB_ID": "named-job"}
+    proc = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE, env=env)
+    try:
+        owner_root = os.stat(f"/proc/{proc.pid}").st_uid == 0
+        assert pid_may_be_traced(proc.pid, "named-job")
+        assert pid_may_be_traced(proc.pid, "another-job") is (not owner_root)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert not pid_may_be_traced(2**22 + 7, "named-job")  # no such process
+
+
+class _Source:
+    """A rank source that vouches for no pid (as ``RankProcess`` for a root process)."""
+
+    def ranks(self, job_id: str | None = None) -> list[RankIdentity]:
+        return [RankIdentity("j", 0, 1, "h", 1)]
+
+    def traceable_pid(self, ident: RankIdentity) -> int | None:
+        return None
+
+    def iter_dumps(self, *a: Any, **k: Any) -> Any:
+        return iter(())
+
+    def request_stacks(self, job_id: str, rank: int | None, timeout_s: float = 10.0) -> dict[int, Any]:
+        return {0: LookupError("no hook")}
+
+
+def test_stacks_of_an_untraceable_pid_say_why_and_run_no_py_spy(tmp_path: Any) -> None:
+    marker = tmp_path / "ran"
+    fake = tmp_path / "py-spy"
+    fake.write_text(f"#!/bin/sh\ntouch {marker}\necho '[]'\n")
+    fake.chmod(0o755)
+    ex = RequestExecutor(ExecutorSettings(pyspy=True, pyspy_path=str(fake)), ranks=_Source())  # type: ignore[arg-type]
+    out: list[pb.RequestResult] = []
+    try:
+        ex.stacks(pb.AgentRequest(request_id=1, kind=pb.CAPTURE_STACKS, job_id="j", rank=-1, timeout_s=5), out.append)
+    finally:
+        ex.close()
+    assert not marker.exists()
+    assert len(out) == 1 and not out[0].ok and "not traced" in out[0].error
