@@ -24,7 +24,18 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from commands import SCENARIO, Agent, Coordinator, metric_value, run_cli, until, write_config
+from commands import (
+    SCENARIO,
+    Agent,
+    Coordinator,
+    metric_value,
+    proc_limit,
+    proc_status,
+    rank_process_of,
+    run_cli,
+    until,
+    write_config,
+)
 
 RANK_SCRIPT = r"""
 import os, sys, time
@@ -44,40 +55,6 @@ while not os.path.exists(stop):
 tracker.close()
 dist.destroy_process_group()
 """
-
-
-def _children(pid: int) -> list[int]:
-    out = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                stat = (entry / "stat").read_text()
-            except OSError:
-                continue
-            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
-                out.append(int(entry.name))
-    return out
-
-
-def _rank_process(agent_pid: int) -> int | None:
-    for pid in _children(agent_pid):
-        try:
-            if b"gpuhealth.agent.tenant_proc" in Path(f"/proc/{pid}/cmdline").read_bytes():
-                return pid
-        except OSError:
-            continue
-    return None
-
-
-def _status(pid: int) -> dict[str, str]:
-    return dict(line.split(":\t", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines() if ":\t" in line)
-
-
-def _limit(pid: int, name: str) -> str:
-    for line in Path(f"/proc/{pid}/limits").read_text().splitlines():
-        if line.startswith(name):
-            return line[len(name):].split()[0]  # the soft limit
-    raise AssertionError(f"no {name} in /proc/{pid}/limits")
 
 
 def _holders(sock: Path) -> set[int]:
@@ -119,19 +96,19 @@ def test_rank_socket_is_served_by_an_unprivileged_child_that_is_restarted(work: 
     ranks: list[subprocess.Popen[bytes]] = []
     try:
         agent.wait_ready()
-        child = until(lambda: _rank_process(agent.proc.pid), 30, "the agent's rank process")
+        child = until(lambda: rank_process_of(agent.proc.pid), 30, "the agent's rank process")
         until(lambda: f"rank process pid {child} serves" in agent.log(), 30, "the rank process serving")
-        status = _status(child)
+        status = proc_status(child)
         want_uid = "65534" if os.geteuid() == 0 else str(os.geteuid())
         assert status["Uid"].split() == [want_uid] * 4, status["Uid"]
         assert status["Gid"].split()[0] == (want_uid if os.geteuid() == 0 else str(os.getegid()))
         assert status["Groups"].strip() == ("" if os.geteuid() == 0 else status["Groups"].strip())
         assert status["NoNewPrivs"].strip() == "1"
         assert status["CapEff"].strip() == "0000000000000000"
-        assert _limit(child, "Max address space") == str(320 * 1024 * 1024)
-        assert _limit(child, "Max cpu time") == "1800"
-        assert _limit(child, "Max core file size") == "0"
-        assert _status(agent.proc.pid)["Uid"].split()[0] == str(os.geteuid())  # the root part keeps its uid
+        assert proc_limit(child, "Max address space") == str(320 * 1024 * 1024)
+        assert proc_limit(child, "Max cpu time") == "1800"
+        assert proc_limit(child, "Max core file size") == "0"
+        assert proc_status(agent.proc.pid)["Uid"].split()[0] == str(os.geteuid())  # the root part keeps its uid
 
         # Two real ranks, the hook in each.
         port = _free_port()
@@ -170,10 +147,10 @@ def test_rank_socket_is_served_by_an_unprivileged_child_that_is_restarted(work: 
         os.kill(child, signal.SIGKILL)
         until(lambda: "rank process stopped" in agent.log(), 20, "the agent's report of the dead rank process")
         assert agent.alive()
-        new = until(lambda: (p := _rank_process(agent.proc.pid)) not in (None, child) and p, 30, "a new rank process")
+        new = until(lambda: (p := rank_process_of(agent.proc.pid)) not in (None, child) and p, 30, "a new rank process")
         until(lambda: f"rank process pid {new} serves" in agent.log(), 30, "the new rank process serving")
-        assert _status(new)["NoNewPrivs"].strip() == "1"
-        assert _status(new)["Uid"].split() == [want_uid] * 4
+        assert proc_status(new)["NoNewPrivs"].strip() == "1"
+        assert proc_status(new)["Uid"].split() == [want_uid] * 4
         until(lambda: metric_value(agent.get("/metrics"), "gpuhealth_agent_rank_process_restarts_total") == 1, 20,
               "the restart on /metrics")
         before = metric_value(agent.get("/metrics"), "gpuhealth_agent_rank_step_records_total") or 0

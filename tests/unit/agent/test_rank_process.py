@@ -119,7 +119,7 @@ def test_stacks_of_an_untraceable_pid_say_why_and_run_no_py_spy(tmp_path: Any) -
     fake = tmp_path / "py-spy"
     fake.write_text(f"#!/bin/sh\ntouch {marker}\necho '[]'\n")
     fake.chmod(0o755)
-    ex = RequestExecutor(ExecutorSettings(pyspy=True, pyspy_path=str(fake)), ranks=_Source())  # type: ignore[arg-type]
+    ex = RequestExecutor(ExecutorSettings(pyspy=True, pyspy_path=str(fake)), ranks=_Source())
     out: list[pb.RequestResult] = []
     try:
         ex.stacks(pb.AgentRequest(request_id=1, kind=pb.CAPTURE_STACKS, job_id="j", rank=-1, timeout_s=5), out.append)
