@@ -103,9 +103,11 @@ class Coordinator(Proc):
 class Agent(Proc):
     """``gpuhealth agent --config FILE``; ``url`` is where its log says it serves."""
 
-    def __init__(self, work: Path, config: Path, env: Mapping[str, str] | None = None) -> None:
+    def __init__(self, work: Path, config: Path, env: Mapping[str, str] | None = None, *,
+                 argv_prefix: list[str] | None = None) -> None:
         work.mkdir(parents=True, exist_ok=True)
-        super().__init__([*CLI, "agent", "--config", str(config)], work / "agent.log", env)
+        # argv_prefix: run it under a wrapper (setpriv, to start it with fewer capabilities)
+        super().__init__([*(argv_prefix or []), *CLI, "agent", "--config", str(config)], work / "agent.log", env)
         self._url: str | None = None
 
     @property

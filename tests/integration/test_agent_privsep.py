@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -228,6 +229,41 @@ def test_the_unprivileged_rank_process_still_verifies_a_job_through_the_root_par
         rank(2, 65533, job_env=True)  # another user whose environment names the job: verified by the root part
         until(lambda: connected() == 2, 30, "the verified rank of another user")
         assert "rank process" in agent.log() and "as uid 65534" in agent.log()
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait(10)
+        agent.stop()
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("setpriv") is None, reason="needs root and setpriv")
+def test_a_root_agent_that_may_not_change_uids_still_gives_the_rank_process_no_capability(work: Path) -> None:
+    """A container running as root with CAP_SETUID/CAP_SETGID dropped (the unprivileged overlay drops them all):
+    the rank process cannot change uid, says so, and serves as uid 0 with empty capability sets and NoNewPrivs."""
+    os.chmod(work, 0o755)
+    sock = work / "run" / "agent.sock"
+    cfg = write_config(work / "agent.yaml", {
+        "agent": {"nvml_snapshot": str(SCENARIO), "listen": "127.0.0.1:0", "socket_path": str(sock),
+                  "state_dir": str(work / "state"), "pod_resources_socket": str(work / "none.sock")},
+        "diag": {"enabled": False}})
+    agent = Agent(work / "agent", cfg, argv_prefix=["setpriv", "--bounding-set=-setuid,-setgid"])
+    procs: list[subprocess.Popen[str]] = []
+    try:
+        agent.wait_ready()
+        child = until(lambda: rank_process_of(agent.proc.pid), 30, "the agent's rank process")
+        until(lambda: f"rank process pid {child} serves" in agent.log(), 30, "the rank process serving")
+        status = proc_status(child)
+        assert status["Uid"].split() == ["0"] * 4
+        assert status["CapEff"].strip() == status["CapPrm"].strip() == "0000000000000000"
+        assert status["NoNewPrivs"].strip() == "1"
+        assert "cannot change to uid 65534" in agent.log() and "runs as uid 0" in agent.log()
+        p = subprocess.Popen([sys.executable, "-c", HELLO_SCRIPT, str(sock), "capless", "0", "-1"],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        procs.append(p)
+        until(lambda: metric_value(agent.get("/metrics"), "gpuhealth_agent_rank_step_records_total") == 1, 30,
+              "the rank's step record")
     finally:
         for p in procs:
             p.kill()

@@ -190,6 +190,9 @@ class RankProcess:
         self.child_pid, self.child_uid = msg["pid"], msg["uid"]
         self._up.set()
         log.info("rank process pid %d serves %s as uid %d", proc.pid, self.socket_path, msg["uid"])
+        if msg["uid"] == 0:
+            log.warning("the rank process runs as uid 0 (this agent may not change uids: no CAP_SETUID/CAP_SETGID); "
+                        "it still has no capabilities, no_new_privs and its limits (docs/security.md)")
 
     def _supervise(self) -> None:
         """Read the child's frames; when it dies, say so, fail what was pending and start another."""

@@ -7,8 +7,9 @@ folder and file: this process needs no write access to any host path), and its e
 
 1. sets its limits: address space (``RLIMIT_AS``), CPU time (``RLIMIT_CPU``: a lifetime budget; at the soft
    limit it exits and the root part starts a fresh one), no core files;
-2. drops to the configured uid/gid with no supplementary groups (when it runs as root; otherwise it
-   keeps its uid, which is then already unprivileged) — every capability goes with root;
+2. drops to the configured uid/gid with no supplementary groups (when it runs as root and may; otherwise it
+   keeps its uid) and empties its capability sets (a uid change does that too; root without CAP_SETUID
+   keeps uid 0 but no capability);
 3. sets ``PR_SET_NO_NEW_PRIVS`` (no exec can give privileges back) and ``PR_SET_PDEATHSIG`` (it dies with
    the agent).
 
@@ -41,6 +42,9 @@ log = logging.getLogger("gpuhealth.agent.rank_process")
 
 PR_SET_PDEATHSIG = 1
 PR_SET_NO_NEW_PRIVS = 38
+PR_CAP_AMBIENT = 47
+PR_CAP_AMBIENT_CLEAR_ALL = 4
+_LINUX_CAPABILITY_VERSION_3 = 0x20080522
 EXIT_CPU_BUDGET = 75  # the CPU-time budget is spent: the root part restarts it (a fresh budget)
 MAX_REQUESTS = 16  # dump/stacks requests served at once (the coordinator link has 4 workers)
 VERIFY_TIMEOUT_S = 2.0  # the root part reads /proc/<pid>/environ and cgroup: milliseconds
@@ -56,16 +60,39 @@ def sandbox(uid: int | None, gid: int | None, memory_bytes: int, cpu_seconds: in
         resource.setrlimit(resource.RLIMIT_CPU, (cpu_seconds, cpu_seconds + 10))
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # a core file would hold tenants' dumps
     if uid is not None and os.geteuid() == 0:
-        os.setgroups([])
-        os.setresgid(gid if gid is not None else uid, gid if gid is not None else uid,
-                     gid if gid is not None else uid)
-        os.setresuid(uid, uid, uid)
-        if os.geteuid() != uid or os.getuid() != uid:  # never go on as root by mistake
-            raise SystemExit(f"rank process: could not drop to uid {uid}")
+        group = gid if gid is not None else uid
+        try:
+            os.setgroups([])
+            os.setresgid(group, group, group)
+            os.setresuid(uid, uid, uid)
+        except PermissionError:  # root without CAP_SETUID/CAP_SETGID (a container with capabilities dropped)
+            log.warning("cannot change to uid %d (no CAP_SETUID/CAP_SETGID): serving as uid %d, without "
+                        "capabilities", uid, os.geteuid())
+        else:
+            if os.geteuid() != uid or os.getuid() != uid:  # never go on as root after a drop that seemed to work
+                raise SystemExit(f"rank process: could not drop to uid {uid}")
     libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    _drop_capabilities(libc)  # (a uid change dropped them already; uid 0 kept: dropped here)
     if libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
         raise SystemExit(f"rank process: prctl(PR_SET_NO_NEW_PRIVS) failed: errno {ctypes.get_errno()}")
     libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)  # after setuid: a credential change clears it
+
+
+class _CapHeader(ctypes.Structure):
+    _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
+
+
+class _CapData(ctypes.Structure):
+    _fields_ = [("effective", ctypes.c_uint32), ("permitted", ctypes.c_uint32), ("inheritable", ctypes.c_uint32)]
+
+
+def _drop_capabilities(libc: ctypes.CDLL) -> None:
+    """Empty effective, permitted, inheritable and ambient sets (lowering one's own needs no privilege)."""
+    libc.prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0)
+    header = _CapHeader(_LINUX_CAPABILITY_VERSION_3, 0)
+    data = (_CapData * 2)()
+    if libc.capset(ctypes.byref(header), data) != 0:
+        raise SystemExit(f"rank process: capset failed: errno {ctypes.get_errno()}")
 
 
 class Server:
