@@ -51,6 +51,7 @@ log = logging.getLogger("gpuhealth.agent")
 DEFAULT_USER = "nobody"
 NOBODY_UID = 65534  # where the name is unknown (a minimal container image)
 READY_TIMEOUT_S = 30.0
+EXIT_CPU_BUDGET = 75  # as tenant_proc.EXIT_CPU_BUDGET (not imported: the root part does not load the child's code)
 CALL_TIMEOUT_S = 5.0
 ANSWER_GRACE_S = 10.0  # past a request's own timeout, how long the root part waits for the child's end
 _DEAD: tuple[str, dict[str, Any], bytes] = ("dead", {}, b"")
@@ -97,8 +98,10 @@ class RankProcess:
 
     def __init__(self, socket_path: str | os.PathLike[str], *, user: str = DEFAULT_USER, mode: int = 0o666,
                  memory_bytes: int = 384 * 1024 * 1024, cpu_seconds: int = 3600,
-                 restart_backoff_s: tuple[float, float] = (1.0, 30.0)) -> None:
+                 restart_backoff_s: tuple[float, float] = (1.0, 30.0),
+                 child_module: str = "gpuhealth.agent.tenant_proc") -> None:
         self.socket_path = Path(socket_path)
+        self.child_module = child_module  # what runs as the child (tests put a misbehaving one here)
         self.user = user
         self.mode = mode
         self.memory_bytes = memory_bytes
@@ -122,7 +125,7 @@ class RankProcess:
         self._listeners: list[tuple[OnIdentity | None, OnSteps | None, OnDisconnect | None]] = []
         # Counted here, not by the child: a restarted child starts from zero, these do not.
         self._stats = {"records": 0, "rejected_frames": 0, "bad_records": 0}
-        self._last_exit = ""
+        self.last_exit = ""  # why the last child stopped (for the log, and tests)
 
     # -- lifecycle -------------------------------------------------------------------------------
     def start(self, agent: object | None = None) -> None:
@@ -162,7 +165,7 @@ class RankProcess:
     def _spawn(self) -> None:
         assert self._listen is not None
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        cmd = [sys.executable, "-m", "gpuhealth.agent.tenant_proc", "--listen-fd", str(self._listen.fileno()),
+        cmd = [sys.executable, "-m", self.child_module, "--listen-fd", str(self._listen.fileno()),
                "--channel-fd", str(theirs.fileno()), "--socket-path", str(self.socket_path),
                "--memory-bytes", str(self.memory_bytes), "--cpu-seconds", str(self.cpu_seconds)]
         if self._uid is not None:
@@ -206,7 +209,9 @@ class RankProcess:
             if self._stopping.is_set():
                 return
             self.restarts += 1
-            self._last_exit = f"{why}; exit status {code}"
+            if code == EXIT_CPU_BUDGET:
+                why = f"it spent its CPU-time budget of {self.cpu_seconds} s"
+            self.last_exit = f"{why}; exit status {code}"
             failures = 0 if time.monotonic() - started > 60 else failures + 1
             delay = min(self.restart_backoff_s[1], self.restart_backoff_s[0] * (2 ** max(0, failures - 1)))
             log.error("rank process stopped (%s, exit status %s): restarting it in %.0f s (restart %d); "

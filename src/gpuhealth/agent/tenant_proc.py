@@ -262,10 +262,19 @@ def main(argv: list[str] | None = None) -> int:
     server = Server(hub, channel)
     hub.start()
     channel.send({"op": "ready", "pid": os.getpid(), "uid": os.geteuid()})
-    try:
-        server.serve()
-    except ChannelError as exc:
-        log.info("the agent closed the channel (%s): exiting", exc)
+
+    def serve() -> None:
+        try:
+            server.serve()
+        except ChannelError as exc:
+            log.info("the agent closed the channel (%s): exiting", exc)
+
+    # The channel is served on a thread: Python runs signal handlers on the main thread only, and a main thread
+    # blocked in recv would never see SIGXCPU (the hard limit's SIGKILL would come first, unexplained).
+    serving = threading.Thread(target=serve, name="rank-channel", daemon=True)
+    serving.start()
+    while serving.is_alive():
+        serving.join(1.0)
     os._exit(0)  # the hub's threads and connections go with the process
 
 

@@ -127,3 +127,72 @@ def test_stacks_of_an_untraceable_pid_say_why_and_run_no_py_spy(tmp_path: Any) -
         ex.close()
     assert not marker.exists()
     assert len(out) == 1 and not out[0].ok and "not traced" in out[0].error
+
+
+BAD_CHILD = r'''
+import argparse, os, socket, sys, time
+from gpuhealth.agent.tenant_channel import TO_RANK_PROCESS, Channel
+ap = argparse.ArgumentParser()
+for a in ("--listen-fd", "--channel-fd", "--socket-path", "--uid", "--gid", "--memory-bytes", "--cpu-seconds"):
+    ap.add_argument(a)
+args = ap.parse_args()
+ch = Channel(socket.socket(fileno=int(args.channel_fd)), TO_RANK_PROCESS)
+ch.send({"op": "ready", "pid": os.getpid(), "uid": os.geteuid()})
+time.sleep(0.2)
+ch.send({"op": "identity", "identity": {"job_id": "j", "rank": 0}, "admin": True})  # a field no op has
+time.sleep(30)
+'''
+
+
+def _wait(cond: Any, timeout: float = 20.0) -> None:
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
+
+
+def test_a_frame_outside_the_schema_costs_the_child_its_life(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The root part treats the rank process as untrusted: a frame with a field its op does not have closes the
+    channel, the child is killed and another is started (the agent's listeners never see the frame)."""
+    (tmp_path / "bad_child.py").write_text(BAD_CHILD)
+    monkeypatch.setenv("PYTHONPATH", f"{tmp_path}:{os.environ.get('PYTHONPATH', '')}")
+    rp = RankProcess(tmp_path / "s" / "agent.sock", child_module="bad_child", restart_backoff_s=(0.2, 0.2))
+    seen: list[Any] = []
+    rp.add_listener(on_identity=seen.append)
+    rp.start()
+    try:
+        _wait(lambda: rp.restarts >= 1)
+        assert "unexpected fields" in rp.last_exit, rp.last_exit
+        assert rp.stats()["rank_process_rejected_frames"] >= 1
+        assert seen == []
+    finally:
+        rp.stop()
+
+
+def test_a_spent_cpu_budget_gives_a_fresh_rank_process(tmp_path: Any) -> None:
+    """RLIMIT_CPU is a lifetime budget: at its soft limit the child exits and the root part starts another."""
+    rp = RankProcess(tmp_path / "s" / "agent.sock", cpu_seconds=1, restart_backoff_s=(0.2, 0.2))
+    rp.start()
+    first = rp.child_pid
+    try:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.connect(str(tmp_path / "s" / "agent.sock"))
+        sock.settimeout(1.0)
+        line = b'{"type":"hello","identity":{"job_id":"j","rank":0,"world_size":1,"host":"h","pid":1}}\n'
+        junk = b"[" + b"1," * 400_000 + b"1]\n"  # parsed and refused, over and over: CPU time in the child
+        import time
+
+        deadline = time.monotonic() + 60
+        try:
+            sock.sendall(line)
+            while rp.restarts == 0 and time.monotonic() < deadline:
+                sock.sendall(junk)
+        except OSError:
+            pass  # the child died under it
+        _wait(lambda: rp.restarts >= 1 and rp.child_pid != first, 30)
+        assert "CPU-time budget of 1 s" in rp.last_exit and "exit status 75" in rp.last_exit, rp.last_exit
+        _wait(lambda: rp.ranks() == [] and rp.stats().get("connected") == 0)  # the new one serves
+    finally:
+        rp.stop()
