@@ -362,10 +362,20 @@ def agent(tmp_path: Path, sock_dir: Path) -> Iterator[Any]:
 
 
 def _kib(pid: int, key: str) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith(key + ":"):
-            return int(line.split()[1])
-    raise KeyError(key)
+    """``key`` of the agent and every child (its rank process parses what ranks send: issue 30), summed."""
+    total = 0
+    for p in [pid, *(int(e.name) for e in Path("/proc").iterdir() if e.name.isdigit() and _ppid(e) == pid)]:
+        for line in Path(f"/proc/{p}/status").read_text().splitlines():
+            if line.startswith(key + ":"):
+                total += int(line.split()[1])
+    return total
+
+
+def _ppid(entry: Path) -> int | None:
+    try:
+        return int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
 
 
 def _counter(agent: Any, name: str, labels: str = "") -> float:
