@@ -91,6 +91,19 @@ def pid_may_be_traced(pid: int, job_id: str, proc: Path = Path("/proc")) -> bool
     return owner != 0 or process_names_job(pid, job_id, proc)
 
 
+def sandbox_breach(pid: int, proc: Path = Path("/proc")) -> str:
+    """What ``/proc/<pid>/status`` says is missing of the rank process's sandbox ("" when nothing): no_new_privs
+    and empty capability sets (its uid is logged; a root agent without CAP_SETUID cannot change it)."""
+    try:
+        status = dict(line.split(":", 1) for line in (proc / str(pid) / "status").read_text().splitlines()
+                      if ":" in line)
+    except OSError as exc:
+        return f"cannot read its status: {exc}"
+    missing = [key for key, want in (("NoNewPrivs", "1"), ("CapEff", "0" * 16), ("CapPrm", "0" * 16),
+                                     ("CapAmb", "0" * 16)) if status.get(key, "").strip() not in (want, "")]
+    return ", ".join(f"{key} is {status[key].strip()}" for key in missing)
+
+
 class RankProcess:
     """The rank socket at ``socket_path``, served by an unprivileged child (``tenant_proc``)."""
 
@@ -189,6 +202,12 @@ class RankProcess:
             proc.wait()
             raise
         ours.settimeout(None)
+        why = sandbox_breach(proc.pid)
+        if why:  # the kernel's word, not the child's: a child that is not sandboxed never serves
+            channel.close()
+            proc.kill()
+            proc.wait()
+            raise ChannelError(f"the rank process is not sandboxed ({why})")
         self._proc, self._channel = proc, channel
         self.child_pid, self.child_uid = msg["pid"], msg["uid"]
         self._up.set()
@@ -460,4 +479,4 @@ class RankProcess:
         return RankRequestError(f"rank {msg['rank']}: the rank process answered {kind!r} without its content")
 
 
-__all__ = ["RankProcess", "pid_may_be_traced", "resolve_user"]
+__all__ = ["RankProcess", "pid_may_be_traced", "resolve_user", "sandbox_breach"]

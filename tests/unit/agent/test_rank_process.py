@@ -87,8 +87,10 @@ def test_py_spy_is_pointed_only_at_a_pid_it_may_trace() -> None:
     """A root process that does not name the job is never traced on the rank process's word; one whose own
     environment names the job is."""
     env = {**os.environ, "GPUHEALTH_JOB_ID": "named-job"}
-    proc = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE, env=env)
+    proc = subprocess.Popen([sys.executable, "-c", "import sys; print('up', flush=True); sys.stdin.read()"],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
     try:
+        assert proc.stdout is not None and proc.stdout.readline() == b"up\n"  # exec'd: its own environment now
         owner_root = os.stat(f"/proc/{proc.pid}").st_uid == 0
         assert pid_may_be_traced(proc.pid, "named-job")
         assert pid_may_be_traced(proc.pid, "another-job") is (not owner_root)
@@ -137,6 +139,8 @@ for a in ("--listen-fd", "--channel-fd", "--socket-path", "--uid", "--gid", "--m
     ap.add_argument(a)
 args = ap.parse_args()
 ch = Channel(socket.socket(fileno=int(args.channel_fd)), TO_RANK_PROCESS)
+from gpuhealth.agent.tenant_proc import sandbox  # SANDBOX
+sandbox(None, None, 0, 0)  # SANDBOX
 ch.send({"op": "ready", "pid": os.getpid(), "uid": os.geteuid()})
 time.sleep(0.2)
 ch.send({"op": "identity", "identity": {"job_id": "j", "rank": 0}, "admin": True})  # a field no op has
@@ -196,3 +200,17 @@ def test_a_spent_cpu_budget_gives_a_fresh_rank_process(tmp_path: Any) -> None:
         _wait(lambda: rp.ranks() == [] and rp.stats().get("connected") == 0)  # the new one serves
     finally:
         rp.stop()
+
+
+def test_a_child_that_did_not_sandbox_itself_never_serves(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The root part reads the child's /proc status after its ready: a child without no_new_privs (here one
+    that skips the sandbox) is killed, and the socket is not served by it."""
+    lax = "\n".join(line for line in BAD_CHILD.splitlines() if "# SANDBOX" not in line)
+    (tmp_path / "lax_child.py").write_text(lax)
+    monkeypatch.setenv("PYTHONPATH", f"{tmp_path}:{os.environ.get('PYTHONPATH', '')}")
+    from gpuhealth.agent.ranks import RankHubError
+
+    rp = RankProcess(tmp_path / "s" / "agent.sock", child_module="lax_child")
+    with pytest.raises(RankHubError, match=r"not sandboxed .*NoNewPrivs is 0"):
+        rp.start()
+    assert not (tmp_path / "s" / "agent.sock").exists()
