@@ -214,3 +214,17 @@ def test_a_child_that_did_not_sandbox_itself_never_serves(tmp_path: Any, monkeyp
     with pytest.raises(RankHubError, match=r"not sandboxed .*NoNewPrivs is 0"):
         rp.start()
     assert not (tmp_path / "s" / "agent.sock").exists()
+
+
+def test_the_rank_process_imports_only_what_it_needs() -> None:
+    """docs/architecture.md: the rank process loads the hub, the instrument protocol and the vocabulary — none of
+    the tracker, the config, the wire to the coordinator, grpc, yaml or torch (it parses tenants' bytes: less code,
+    less to attack, and each agent pays its memory)."""
+    code = "import sys, gpuhealth.agent.tenant_proc; print(' '.join(sorted(sys.modules)))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    loaded = set(out.split())
+    ours = {m for m in loaded if m.startswith("gpuhealth")}
+    assert ours == {"gpuhealth", "gpuhealth.agent", "gpuhealth.agent.ranks", "gpuhealth.agent.tenant_channel",
+                    "gpuhealth.agent.tenant_proc", "gpuhealth.instrument", "gpuhealth.instrument.protocol",
+                    "gpuhealth.model"}, sorted(ours)
+    assert not loaded & {"torch", "grpc", "yaml", "numpy", "google.protobuf", "psutil"}
