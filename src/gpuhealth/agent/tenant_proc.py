@@ -65,9 +65,9 @@ def sandbox(uid: int | None, gid: int | None, memory_bytes: int, cpu_seconds: in
             os.setgroups([])
             os.setresgid(group, group, group)
             os.setresuid(uid, uid, uid)
-        except PermissionError:  # root without CAP_SETUID/CAP_SETGID (a container with capabilities dropped)
-            log.warning("cannot change to uid %d (no CAP_SETUID/CAP_SETGID): serving as uid %d, without "
-                        "capabilities", uid, os.geteuid())
+        except OSError as exc:  # root without CAP_SETUID/CAP_SETGID, or a uid its user namespace does not map
+            log.warning("cannot change to uid %d (%s): serving as uid %d, without capabilities", uid,
+                        exc.strerror or exc, os.geteuid())
         else:
             if os.geteuid() != uid or os.getuid() != uid:  # never go on as root after a drop that seemed to work
                 raise SystemExit(f"rank process: could not drop to uid {uid}")
