@@ -50,13 +50,17 @@ def _get(url: str, accept: str | None = None) -> bytes:
         return resp.read()  # type: ignore[no-any-return]
 
 
-def measure_process(seconds: float, warmup: float, dcgm_compat: bool, live: bool = False) -> dict[str, Any]:
-    """``live``: the agent reads this machine's GPUs through NVML instead of 8 simulated ones."""
+def measure_process(seconds: float, warmup: float, dcgm_compat: bool, live: bool = False,
+                    in_process_ranks: bool = False) -> dict[str, Any]:
+    """``live``: the agent reads this machine's GPUs through NVML instead of 8 simulated ones.
+    ``in_process_ranks``: ``agent.rank_process: false`` (the rank socket in the agent's own process, as before
+    issue 30). ``rss_tree_*`` sums VmRSS over the agent and all its processes (the rank process, children)."""
     work = Path(tempfile.mkdtemp(prefix="gpuhealth-bench-"))
     scenario = work / "eight.yaml"
     scenario.write_text(SCENARIO)
     cfg = work / "agent.yaml"
-    cfg.write_text(f"agent:\n  pod_resources_socket: {work / 'none.sock'}\n  socket_path: {work / 'agent.sock'}\n")
+    cfg.write_text(f"agent:\n  pod_resources_socket: {work / 'none.sock'}\n  socket_path: {work / 'agent.sock'}\n"
+                   + ("  rank_process: false\n" if in_process_ranks else ""))
     port = _free_port()
     source = [] if live else ["--scenario", str(scenario)]
     args = [sys.executable, "-m", "gpuhealth.cli.main", "agent", "--config", str(cfg), *source,
@@ -83,6 +87,8 @@ def measure_process(seconds: float, warmup: float, dcgm_compat: bool, live: bool
         cpu0 = ps.cpu_times()
         t0 = time.monotonic()
         rss: list[int] = []
+        tree: list[int] = []
+        procs = 1
         scrape_ms: list[float] = []
         sizes: list[int] = []
         next_scrape = t0
@@ -95,6 +101,9 @@ def measure_process(seconds: float, warmup: float, dcgm_compat: bool, live: bool
                 sizes.append(len(body))
                 next_scrape += 15.0
             rss.append(ps.memory_info().rss)
+            kids = ps.children(recursive=True)
+            procs = 1 + len(kids)
+            tree.append(rss[-1] + sum(_rss(k) for k in kids))
             time.sleep(1.0)
         cpu1 = ps.cpu_times()
         elapsed = time.monotonic() - t0
@@ -110,6 +119,9 @@ def measure_process(seconds: float, warmup: float, dcgm_compat: bool, live: bool
             "cpu_percent_of_one_core": round(cpu_s / elapsed * 100, 2),
             "rss_mib_max": round(max(rss) / 2**20, 1),
             "rss_mib_last": round(rss[-1] / 2**20, 1),
+            "rss_tree_mib_max": round(max(tree) / 2**20, 1),
+            "rss_tree_mib_last": round(tree[-1] / 2**20, 1),
+            "processes": procs,
             "threads": ps.num_threads(),
             "scrapes": len(scrape_ms),
             "scrape_ms_median": round(statistics.median(scrape_ms), 2),
@@ -119,6 +131,13 @@ def measure_process(seconds: float, warmup: float, dcgm_compat: bool, live: bool
         proc.terminate()
         proc.wait(15)
         log.close()
+
+
+def _rss(p: psutil.Process) -> int:
+    try:
+        return int(p.memory_info().rss)
+    except psutil.Error:  # it ended between the listing and the reading
+        return 0
 
 
 def measure_render(repeat: int = 200) -> list[dict[str, Any]]:
@@ -181,13 +200,15 @@ def main() -> None:
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--live", action="store_true",
                     help="the agent process reads this machine's GPUs through NVML (not 8 simulated ones)")
+    ap.add_argument("--in-process-ranks", action="store_true",
+                    help="agent.rank_process: false (the rank socket in the agent's own process, as before issue 30)")
     args = ap.parse_args()
     env = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "python": platform.python_version(),
            "cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
            "load_avg_1m": round(os.getloadavg()[0], 2), "thread_wakeup_cpu_us": wakeup_cost_us()}
     render = measure_render()
     process = [] if args.skip_process else [measure_process(args.seconds, args.warmup, dcgm_compat=False,
-                                                            live=args.live)]
+                                                            live=args.live, in_process_ranks=args.in_process_ranks)]
     if args.json:
         print(json.dumps({"env": env, "render": render, "process": process}, indent=1))
         return
@@ -201,7 +222,8 @@ def main() -> None:
         print(f"agent process ({'LIVE' if p['live'] else 'simulated'}, {p['gpus']} GPUs, {p['seconds']} s, "
               f"scraped every 15 s): {p['cpu_seconds_per_minute']} CPU-s/min = "
               f"{p['cpu_percent_of_one_core']}% of one core (goal ≤ 1%), RSS max {p['rss_mib_max']} MiB "
-              f"(goal ≤ 80 MiB), {p['threads']} threads, scrape {p['scrape_ms_median']} ms median over HTTP, "
+              f"(goal ≤ 80 MiB), all {p['processes']} processes {p['rss_tree_mib_max']} MiB max, "
+              f"{p['threads']} threads, scrape {p['scrape_ms_median']} ms median over HTTP, "
               f"{p['metrics_bytes']} bytes")
 
 

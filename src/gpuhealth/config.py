@@ -65,6 +65,13 @@ class AgentConfig:
     coordinator: str | None = None  # host:port of the coordinator, None = standalone
     state_dir: str = "/var/lib/gpuhealth"
     socket_path: str = "/run/gpuhealth/agent.sock"  # instrument hook → agent
+    # The rank socket is served by an unprivileged child (docs/security.md "Privilege separation"): its uid
+    # (a name or number; when the agent runs as root), its address-space cap and its lifetime CPU-time budget
+    # (spent: a fresh child). ``rank_process: false`` serves it in the agent's own process: for debugging only.
+    rank_process: bool = True
+    rank_process_user: str = "nobody"
+    rank_process_memory_mib: int = 384
+    rank_process_cpu_seconds: int = 3600
     # GPU → pod attribution (kubelet PodResources API); used only when the socket exists.
     pod_resources_socket: str = "/var/lib/kubelet/pod-resources/kubelet.sock"
     slurm_job_dir: str | None = None  # GPU → Slurm job mapping files (written by the prolog)
@@ -207,6 +214,8 @@ class Config:
 # Every numeric key's allowed range, inclusive: (low, high), low excluded where the key names a time
 # that must pass (``_ABOVE``). A numeric key missing here is a bug the tests catch.
 _RANGES: dict[str, tuple[float, float]] = {
+    "agent.rank_process_memory_mib": (64, 65_536),  # under 64 MiB the interpreter alone does not start
+    "agent.rank_process_cpu_seconds": (60, 10_000_000),
     "collectors.fast_interval_s": (0.0, 86_400.0),
     "collectors.slow_interval_s": (0.0, 86_400.0),
     "collectors.timeout_s": (0.0, 3_600.0),

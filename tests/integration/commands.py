@@ -103,9 +103,11 @@ class Coordinator(Proc):
 class Agent(Proc):
     """``gpuhealth agent --config FILE``; ``url`` is where its log says it serves."""
 
-    def __init__(self, work: Path, config: Path, env: Mapping[str, str] | None = None) -> None:
+    def __init__(self, work: Path, config: Path, env: Mapping[str, str] | None = None, *,
+                 argv_prefix: list[str] | None = None) -> None:
         work.mkdir(parents=True, exist_ok=True)
-        super().__init__([*CLI, "agent", "--config", str(config)], work / "agent.log", env)
+        # argv_prefix: run it under a wrapper (setpriv, to start it with fewer capabilities)
+        super().__init__([*(argv_prefix or []), *CLI, "agent", "--config", str(config)], work / "agent.log", env)
         self._url: str | None = None
 
     @property
@@ -194,6 +196,34 @@ class Ranks(Proc):
 
     def wait_sent(self, timeout: float = 30) -> None:
         until(lambda: "sent" in self.log() or (not self.alive() and _raise(self.log())), timeout, "the ranks' steps")
+
+
+def rank_process_of(agent_pid: int) -> int | None:
+    """The pid of the agent's unprivileged rank process (``gpuhealth.agent.tenant_proc``), or None."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            if ppid == agent_pid and b"gpuhealth.agent.tenant_proc" in (entry / "cmdline").read_bytes():
+                return int(entry.name)
+        except (OSError, IndexError, ValueError):
+            continue
+    return None
+
+
+def proc_status(pid: int) -> dict[str, str]:
+    """``/proc/<pid>/status`` as a dict (values as the kernel writes them)."""
+    text = Path(f"/proc/{pid}/status").read_text()
+    return dict(line.split(":\t", 1) for line in text.splitlines() if ":\t" in line)
+
+
+def proc_limit(pid: int, name: str) -> str:
+    """The soft limit ``name`` ("Max address space", …) of ``/proc/<pid>/limits``, as written there."""
+    for line in Path(f"/proc/{pid}/limits").read_text().splitlines():
+        if line.startswith(name):
+            return line[len(name):].split()[0]
+    raise AssertionError(f"no {name} in /proc/{pid}/limits")
 
 
 def _raise(text: str) -> bool:

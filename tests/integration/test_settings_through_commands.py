@@ -41,6 +41,9 @@ from commands import (
     http_get,
     make_pki,
     metric_value,
+    proc_limit,
+    proc_status,
+    rank_process_of,
     run_cli,
     until,
     write_config,
@@ -127,6 +130,10 @@ OBSERVED: dict[str, Observed] = {
     "agent.nvlink_per_link": Observed("agent", "agent", True),
     "agent.nvml_snapshot": Observed("agent", "agent", str(SCENARIO)),
     "agent.socket_path": Observed("agent", "agent", _path("sock/ranks.sock")),
+    "agent.rank_process_user": Observed("agent", "agent", "65533"),
+    "agent.rank_process_memory_mib": Observed("agent", "agent", 300),
+    "agent.rank_process_cpu_seconds": Observed("agent", "agent", 1200),
+    "agent.rank_process": Observed("link", "agent", False),
     "agent.slurm_job_dir": Observed("agent", "agent", _dir("slurm-jobs")),
     "collectors.fast_interval_s": Observed("agent", "agent", 2.5),
     "collectors.slow_interval_s": Observed("agent", "agent", 45.0),
@@ -357,6 +364,12 @@ def run_agent(s: Setup, cleanup: Cleanup) -> None:
     assert any('link="' in ln for ln in metrics.splitlines() if ln.startswith("gpuhealth_gpu_nvlink_")), \
         "agent.nvlink_per_link: no per-link NVLink series"
     assert Path(s.value("agent.socket_path")).exists()  # agent.socket_path
+    child = until(lambda: rank_process_of(agent.proc.pid), 10, "the agent's rank process")
+    until(lambda: proc_status(child)["NoNewPrivs"].strip() == "1", 10, "the rank process sandboxed")
+    want = "65533" if os.geteuid() == 0 else str(os.geteuid())  # a non-root agent cannot change uid
+    assert proc_status(child)["Uid"].split() == [want] * 4  # agent.rank_process_user
+    assert proc_limit(child, "Max address space") == str(300 << 20)  # agent.rank_process_memory_mib
+    assert proc_limit(child, "Max cpu time") == "1200"  # agent.rank_process_cpu_seconds
     # agent.slurm_job_dir: the job map is read on a scrape and kept for its TTL (one read may precede the GPU list)
     until(lambda: metric_value(agent.get("/metrics"), "gpuhealth_gpu_health", gpu="0", slurm_job_id="4711")
           is not None, 30, "GPU 0's series labelled with the Slurm job in agent.slurm_job_dir")
@@ -405,6 +418,7 @@ def run_link(s: Setup, cleanup: Cleanup) -> None:
     until(lambda: _connected(coord.address(), "link-node"), 30, "agent.coordinator: the agent's stream")
     spool = Path(s.value("agent.state_dir")) / "coordinator-spool.db"
     assert spool.exists()  # agent.state_dir holds the spool
+    assert rank_process_of(agent.proc.pid) is None  # agent.rank_process: false, the socket in the agent's process
     ranks = cleanup.add(Ranks(s.work, str(s.work / "r.sock"), "link-job", steps=10))
     ranks.wait_sent()
     until(lambda: metric_value(agent.get("/metrics"), "gpuhealth_agent_rank_step_records_total") == 20, 10,

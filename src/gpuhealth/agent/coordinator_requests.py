@@ -191,7 +191,10 @@ class RequestExecutor:
         rank = None if req.rank < 0 else req.rank
         timeout = req.timeout_s or 10.0
         hook = self.ranks.request_stacks(req.job_id, rank, timeout_s=timeout)
-        pids = {i.rank: i.pid for i in self.ranks.ranks(req.job_id)}
+        # A rank source served apart (the unprivileged rank process) vouches for no pid: py-spy, run from here with
+        # ptrace rights, is pointed only at a pid it may trace (rank_process.pid_may_be_traced).
+        traceable = getattr(self.ranks, "traceable_pid", None)
+        pids = {i.rank: (traceable(i) if traceable is not None else i.pid) for i in self.ranks.ranks(req.job_id)}
         for r in sorted(set(hook) | set(pids if rank is None else {})):
             answer: dict[str, Any] = {}
             hook_res = hook.get(r)
@@ -202,11 +205,15 @@ class RequestExecutor:
             pid = pids.get(r)
             if pid and self.settings.pyspy:
                 answer.update(pyspy_dump(pid, timeout_s=min(timeout, 15.0), exe=self.settings.pyspy_path))
+            elif r in pids and self.settings.pyspy:
+                answer["py_spy_error"] = ("not traced: the rank's pid is a root process that does not name the job "
+                                          "(the rank process's word alone does not point py-spy at a process)")
             answer["source"] = "py-spy" if "py_spy" in answer else ("hook" if "hook" in answer else "none")
             ok = "hook" in answer or "py_spy" in answer
             emit(pb.RequestResult(request_id=req.request_id, rank=r, ok=ok, format="stacks_json",
                                   payload=json.dumps(answer, default=str).encode() if ok else b"",
-                                  error="" if ok else str(answer.get("hook_error") or answer.get("py_spy_error"))))
+                                  error="" if ok else "; ".join(str(answer[k]) for k in ("hook_error", "py_spy_error")
+                                                                if answer.get(k))))
 
     # ------------------------------------------------------------------ diagnostics
     def diagnostic(self, req: pb.AgentRequest, emit: Emit) -> None:

@@ -1,6 +1,8 @@
 """Which optional parts an agent starts, decided from config (the seam they plug into: ``view.py``).
 
-- ``agent.socket_path`` set (the default): a ``RankHub`` listens for instrumented training ranks.
+- ``agent.socket_path`` set (the default): a ``RankHub`` listens for instrumented training ranks, in an
+  unprivileged child process (``rank_process.RankProcess``; ``agent.rank_process: false``: in the agent's
+  own process, for debugging).
 - ``agent.coordinator`` set: a ``CoordinatorLink`` streams findings and step records to the
   coordinator and serves its requests through that same rank hub, handed to it here (needs
   ``gpuhealth[coordinator]``).
@@ -27,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 from gpuhealth.agent.view import AgentExtension, AgentView
 
 if TYPE_CHECKING:
+    from gpuhealth.agent.rank_process import RankProcess
     from gpuhealth.agent.ranks import RankHub
     from gpuhealth.config import Config
     from gpuhealth.diag.screen import ScreenResult
@@ -42,7 +45,7 @@ class _RankHubGuard:
 
     name = "ranks"
 
-    def __init__(self, hub: RankHub) -> None:
+    def __init__(self, hub: RankHub | RankProcess) -> None:
         self.hub = hub
         self.error: str | None = None
 
@@ -149,6 +152,21 @@ def _is_loopback(host: str) -> bool:
     return addr.is_loopback
 
 
+def _rank_socket(config: Config) -> Any:
+    """The rank socket's server: an unprivileged child (``rank_process``), or in this process when
+    ``agent.rank_process`` is off (debugging only: tenants' bytes are then parsed by the root process)."""
+    if config.agent.rank_process:
+        from gpuhealth.agent.rank_process import RankProcess
+
+        return RankProcess(config.agent.socket_path, user=config.agent.rank_process_user,
+                           memory_bytes=config.agent.rank_process_memory_mib * 1024 * 1024,
+                           cpu_seconds=config.agent.rank_process_cpu_seconds)
+    from gpuhealth.agent.ranks import RankHub
+
+    log.warning("agent.rank_process is off: the rank socket is served by the agent's own (privileged) process")
+    return RankHub(config.agent.socket_path)
+
+
 def default_extensions(config: Config) -> list[AgentExtension]:
     """Extensions the config asks for, rank hub first (the coordinator link uses it), then zero-code."""
     from gpuhealth.agent.zerocode.watcher import ZeroCodeWatcher, settings_from
@@ -157,9 +175,7 @@ def default_extensions(config: Config) -> list[AgentExtension]:
     hub = None
     link: Any = None
     if config.agent.socket_path:
-        from gpuhealth.agent.ranks import RankHub
-
-        hub = RankHub(config.agent.socket_path)
+        hub = _rank_socket(config)
         extensions.append(_RankHubGuard(hub))
     zero_code = settings_from(config)
     watcher = ZeroCodeWatcher(zero_code) if zero_code.enabled else None

@@ -172,6 +172,80 @@ def claim_verified(peer: PeerCredentials, job_id: str, verified_uids: set[int],
     return cgroup_names_job(peer.pid, job_id, proc)
 
 
+def bind_rank_socket(path: Path, mode: int = 0o666) -> tuple[socket.socket, int]:
+    """Listen on ``path`` (its own folder made if missing; a stale socket of a dead agent replaced): the
+    listening socket and the file's inode (to remove the file on stop only while it is still that one)."""
+    if len(os.fsencode(str(path))) > _UNIX_PATH_MAX:
+        raise RankHubError(f"socket path {path} is longer than {_UNIX_PATH_MAX} bytes (unix socket limit)")
+    # Only the socket's own folder is made (as systemd's RuntimeDirectory would): a path whose folder above
+    # that does not exist is a typo, not a tree to create as root.
+    try:
+        path.parent.mkdir(exist_ok=True)
+    except FileNotFoundError as exc:
+        raise RankHubError(f"agent.socket_path: {path.parent.parent} does not exist (only the socket's own "
+                           f"folder {path.parent.name}/ is created)") from exc
+    except OSError as exc:
+        raise RankHubError(f"agent.socket_path: cannot create {path.parent}: {exc.strerror or exc}") from exc
+    try:
+        st = path.lstat()
+    except FileNotFoundError:
+        st = None
+    if st is not None:
+        if not stat.S_ISSOCK(st.st_mode):
+            raise RankHubError(f"{path} exists and is not a socket; not removing it")
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        probe.settimeout(1.0)
+        try:
+            probe.connect(str(path))
+            live = True
+        except OSError:
+            live = False  # stale socket from a dead agent
+        finally:
+            probe.close()
+        if live:
+            raise RankHubError(f"another process is already listening on {path}")
+        path.unlink()
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.bind(str(path))
+        os.chmod(path, mode)
+        sock.listen(128)
+    except OSError as exc:
+        sock.close()
+        raise RankHubError(f"cannot listen on {path}: {exc.strerror or exc}") from exc
+    return sock, path.lstat().st_ino
+
+
+def rank_samples(st: Mapping[str, int], ranks: list[RankIdentity]) -> list[Sample]:
+    """For the agent's /metrics: who is connected, what arrived, what was refused (``RankHub.stats()`` and
+    ``RankHub.ranks()``, in the agent's process or from the rank process over the channel)."""
+    per_job: dict[str, int] = {}
+    for ident in ranks:
+        per_job[ident.job_id] = per_job.get(ident.job_id, 0) + 1
+    out = [
+        Sample("agent_ranks_connected", float(st.get("ranks", 0)),
+               "Training ranks connected to this agent's socket (gpuhealth.instrument)"),
+        Sample("agent_rank_step_records", float(st.get("records", 0)), "Step records received from ranks",
+               MetricKind.COUNTER),
+        Sample("agent_rank_malformed_messages", float(st.get("malformed", 0) + st.get("bad_records", 0)),
+               "Lines or step records from ranks that were not valid (skipped)", MetricKind.COUNTER),
+        Sample("agent_dump_budget_refusals", float(st.get("dump_budget_refusals", 0)),
+               "Flight-recorder dumps refused for the agent's memory budget (asked again one at a time)",
+               MetricKind.COUNTER),
+        Sample("agent_rank_socket_refusals",
+               float(sum(st.get(k, 0) for k in ("refused_connections", "refused_hellos", "hello_timeouts",
+                                                "line_timeouts", "refused_over_share", "refused_before_hello",
+                                                "displaced_over_share"))),
+               "Rank-socket connections the agent closed: over the connection cap or one user's or process's "
+               "share, a hello claiming a live rank or another user's job, anything but a hello first, no hello "
+               "in time, a line left unfinished (docs/security.md)",
+               MetricKind.COUNTER),
+    ]
+    out += [Sample("agent_job_ranks_connected", float(n), "Connected ranks of one job on this node",
+                   labels=(("job_id", job),)) for job, n in sorted(per_job.items())]
+    return out
+
+
 class _Trimmer:
     """Hands freed heap memory back to the OS (glibc ``malloc_trim``): without it, the megabytes a burst
     of partial lines took stay in the agent's RSS after they are freed. A no-op elsewhere."""
@@ -276,8 +350,16 @@ class RankHub:
                  max_connections: int = 1024, max_buffered_bytes: int = 64 * 1024 * 1024,
                  hello_timeout_s: float = 10.0, line_timeout_s: float = 30.0,
                  max_connections_per_uid: int | None = None, max_connections_per_pid: int = 64,
-                 max_connections_per_job: int = 64, max_unidentified_per_uid: int = 32) -> None:
+                 max_connections_per_job: int = 64, max_unidentified_per_uid: int = 32,
+                 listen_socket: socket.socket | None = None,
+                 names_job: Callable[[int, str], bool] = process_names_job) -> None:
         self.socket_path = Path(socket_path)
+        # Does a process name a job (its environment, its Slurm cgroup)? The unprivileged rank process asks the
+        # agent's root part: only root reads another user's /proc/<pid>/environ.
+        self._names_job = names_job
+        # A socket bound by someone else (the agent's root part, for the unprivileged rank process:
+        # tenant_proc.py): this hub only accepts on it, and neither binds nor removes the file.
+        self._given_listen = listen_socket
         # Whatever connects: open connections, bytes of unfinished lines over all of them, and how long a
         # connection may stay silent about who it is, or keep a line unfinished (a rank's line is
         # written in one go: milliseconds).
@@ -334,7 +416,7 @@ class RankHub:
         """Bind the socket and start the hub thread (does not block). ``agent`` is unused."""
         if self._thread is not None:
             return
-        self._listen = self._bind()
+        self._listen = self._given_listen if self._given_listen is not None else self._bind()
         self._sel = selectors.DefaultSelector()
         self._wake_r, self._wake_w = socket.socketpair()
         for s in (self._wake_r, self._wake_w, self._listen):
@@ -369,46 +451,7 @@ class RankHub:
                 self.socket_path.unlink()
 
     def _bind(self) -> socket.socket:
-        path = self.socket_path
-        if len(os.fsencode(str(path))) > _UNIX_PATH_MAX:
-            raise RankHubError(f"socket path {path} is longer than {_UNIX_PATH_MAX} bytes (unix socket limit)")
-        # Only the socket's own folder is made (as systemd's RuntimeDirectory would): a path whose folder above
-        # that does not exist is a typo, not a tree to create as root.
-        try:
-            path.parent.mkdir(exist_ok=True)
-        except FileNotFoundError as exc:
-            raise RankHubError(f"agent.socket_path: {path.parent.parent} does not exist (only the socket's own "
-                               f"folder {path.parent.name}/ is created)") from exc
-        except OSError as exc:
-            raise RankHubError(f"agent.socket_path: cannot create {path.parent}: {exc.strerror or exc}") from exc
-        try:
-            st = path.lstat()
-        except FileNotFoundError:
-            st = None
-        if st is not None:
-            if not stat.S_ISSOCK(st.st_mode):
-                raise RankHubError(f"{path} exists and is not a socket; not removing it")
-            probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            probe.settimeout(1.0)
-            try:
-                probe.connect(str(path))
-                live = True
-            except OSError:
-                live = False  # stale socket from a dead agent
-            finally:
-                probe.close()
-            if live:
-                raise RankHubError(f"another process is already listening on {path}")
-            path.unlink()
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            sock.bind(str(path))
-            os.chmod(path, self.mode)
-            sock.listen(128)
-        except OSError as exc:
-            sock.close()
-            raise RankHubError(f"cannot listen on {path}: {exc.strerror or exc}") from exc
-        self._inode = path.lstat().st_ino
+        sock, self._inode = bind_rank_socket(self.socket_path, self.mode)
         return sock
 
     def _wake(self) -> None:
@@ -439,32 +482,7 @@ class RankHub:
 
     def samples(self) -> list[Sample]:
         """For the agent's /metrics: who is connected, what arrived, what was refused."""
-        st = self.stats()
-        per_job: dict[str, int] = {}
-        for ident in self.ranks():
-            per_job[ident.job_id] = per_job.get(ident.job_id, 0) + 1
-        out = [
-            Sample("agent_ranks_connected", float(st["ranks"]),
-                   "Training ranks connected to this agent's socket (gpuhealth.instrument)"),
-            Sample("agent_rank_step_records", float(st["records"]), "Step records received from ranks",
-                   MetricKind.COUNTER),
-            Sample("agent_rank_malformed_messages", float(st["malformed"] + st["bad_records"]),
-                   "Lines or step records from ranks that were not valid (skipped)", MetricKind.COUNTER),
-            Sample("agent_dump_budget_refusals", float(st["dump_budget_refusals"]),
-                   "Flight-recorder dumps refused for the agent's memory budget (asked again one at a time)",
-                   MetricKind.COUNTER),
-            Sample("agent_rank_socket_refusals", float(st["refused_connections"] + st["refused_hellos"]
-                                                       + st["hello_timeouts"] + st["line_timeouts"]
-                                                       + st["refused_over_share"] + st["refused_before_hello"]
-                                                       + st["displaced_over_share"]),
-                   "Rank-socket connections the agent closed: over the connection cap or one user's or process's "
-                   "share, a hello claiming a live rank or another user's job, anything but a hello first, no hello "
-                   "in time, a line left unfinished (docs/security.md)",
-                   MetricKind.COUNTER),
-        ]
-        out += [Sample("agent_job_ranks_connected", float(n), "Connected ranks of one job on this node",
-                       labels=(("job_id", job),)) for job, n in sorted(per_job.items())]
-        return out
+        return rank_samples(self.stats(), self.ranks())
 
     def stats(self) -> dict[str, int]:
         with self._lock:
@@ -986,7 +1004,7 @@ class RankHub:
         # and count as progress); the environment only lets another user's process join, unverified.
         verified = claim_verified(conn.peer, ident.job_id,
                                   {c.peer.uid for c in others if c.job_verified and c.peer.uid is not None})
-        named = verified or (bool(conn.peer.pid) and process_names_job(conn.peer.pid or 0, ident.job_id))
+        named = verified or (bool(conn.peer.pid) and self._names_job(conn.peer.pid or 0, ident.job_id))
         ident = dataclasses.replace(ident, verified=verified)
         evict = None
         if holder is not None and holder is not conn:

@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import math
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -55,18 +57,23 @@ class Evidence:
         }
 
 
-# The child caps its own address space and volunteers for the OOM killer, then runs the command (no preexec_fn:
-# the agent has threads).
-_CHILD = ("import resource, runpy, sys; cap = int(sys.argv.pop(1)); "
-          "resource.setrlimit(resource.RLIMIT_AS, (cap, cap)); sys.argv[0] = 'gpuhealth'\n"
+# The child volunteers for the OOM killer, then takes the rank process's sandbox (tenant_proc.sandbox: address
+# space, CPU time = the triage's timeout, no core, no capabilities, no_new_privs, dies with the agent) before it reads
+# a byte of the dumps (tenants' pickles and JSON), then runs the command (no preexec_fn: the agent has threads).
+# It keeps the agent's uid: the evidence folder is the agent's own (0700).
+_CHILD = ("import runpy, sys\n"
+          "from gpuhealth.agent.tenant_proc import sandbox\n"
+          "cap, cpu = int(sys.argv.pop(1)), int(sys.argv.pop(1)); sys.argv[0] = 'gpuhealth'\n"
           "try:\n    open('/proc/self/oom_score_adj', 'w').write('1000')\nexcept OSError:\n    pass\n"
+          "sandbox(None, None, cap, cpu)\n"
           "runpy.run_module('gpuhealth.cli.main', run_name='__main__')")
 
 
 def run_triage(folder: str | Path, *, world_size: int | None = None, timeout_s: float = 120.0
                ) -> tuple[dict[str, Any] | None, str]:
     """``gpuhealth triage FOLDER --json`` in a child: (report, "") or (None, why not)."""
-    cmd = [sys.executable, "-c", _CHILD, str(TRIAGE_MEMORY_BYTES), "triage", str(folder), "--json"]
+    cmd = [sys.executable, "-c", _CHILD, str(TRIAGE_MEMORY_BYTES), str(max(1, math.ceil(timeout_s))), "triage",
+           str(folder), "--json"]
     if world_size:
         cmd += ["--world-size", str(world_size)]
     env = {k: v for k, v in os.environ.items() if not k.startswith("GPUHEALTH_")}  # the folder is the input
@@ -82,6 +89,8 @@ def run_triage(folder: str | Path, *, world_size: int | None = None, timeout_s: 
         report = json.loads(proc.stdout)
     except ValueError:
         err = proc.stderr.decode(errors="replace").strip()[-400:]
+        if proc.returncode == -signal.SIGXCPU:
+            return None, f"triage used its CPU-time budget ({math.ceil(timeout_s)} s) and was stopped"
         return None, f"triage failed (exit {proc.returncode}): {err or 'no output'}"
     return (report, "") if isinstance(report, dict) else (None, "triage printed no report")
 

@@ -68,6 +68,14 @@ class CombinedRanks:
                                                        "discovery): stacks come from py-spy"))
         return out
 
+    def traceable_pid(self, ident: RankIdentity) -> int | None:
+        """A discovered rank's pid is the agent's own finding (from /proc); a hooked rank's is the rank
+        socket's word, judged by the hub when it runs apart (``RankProcess.traceable_pid``)."""
+        if any(i.pid == ident.pid and i.rank == ident.rank for i in self.watcher.ranks(ident.job_id)):
+            return ident.pid
+        judge = getattr(self.hub, "traceable_pid", None)
+        return judge(ident) if judge is not None else ident.pid
+
     def add_listener(self, on_identity: Callable[[RankIdentity], None] | None = None,
                      on_steps: Callable[[RankIdentity | None, Sequence[StepRecord]], None] | None = None,
                      ) -> None:

@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 
+import gpuhealth
 from gpuhealth.agent.view import GpuProcess
 from gpuhealth.agent.zerocode import ras
 from gpuhealth.agent.zerocode.discovery import discover
@@ -122,6 +123,6 @@ def test_the_triage_child_is_capped_under_the_pod_limit_and_killed_first(tmp_pat
     (tmp_path / "oomprobe.py").write_text("import resource\nprint(open('/proc/self/oom_score_adj').read().strip(), "
                                           "resource.getrlimit(resource.RLIMIT_AS)[0])\n")
     out = subprocess.run([sys.executable, "-c", _CHILD.replace("gpuhealth.cli.main", "oomprobe"),
-                          str(TRIAGE_MEMORY_BYTES)], capture_output=True, text=True, timeout=60, check=True,
-                         env={"PYTHONPATH": str(tmp_path)})
+                          str(TRIAGE_MEMORY_BYTES), "60"], capture_output=True, text=True, timeout=60, check=True,
+                         env={"PYTHONPATH": f"{tmp_path}:{Path(gpuhealth.__file__).parents[1]}"})  # + the sandbox
     assert out.stdout.split() == ["1000", str(768 << 20)]
