@@ -139,8 +139,8 @@ def test_rank_socket_is_served_by_an_unprivileged_child_that_is_restarted(work: 
 
         # A live triage: the coordinator asks the agent, the agent asks the child, the ranks dump.
         res = run_cli("triage", "--job", "privsep-job", "--coordinator", coord.address(), "--json", timeout=120)
-        assert res.returncode in (0, 1, 2), res.stderr
         live = json.loads(res.stdout)
+        assert res.returncode in (0, 1, 2), res.stdout[:4000]
         assert live["ranks_seen"] == [0, 1], live
         assert live["verdict"] in ("healthy", "straggler", "hang", "mismatch"), live
 

@@ -167,7 +167,10 @@ def test_an_unverified_claim_neither_hides_a_hang_nor_moves_or_refuses_a_verifie
             return j if j and j["state"] == "hung" and any(
                 v.get("kind") == "hang" for v in j.get("verdicts") or []) else None
 
-        job = until(hung, 60, "the job's hang and its verdict")
+        try:
+            job = until(hung, 60, "the job's hang and its verdict")
+        except AssertionError:
+            raise AssertionError(f"no hang verdict: {_job(address)}") from None
         assert job["nodes"] == ["real-node"], job  # rank 1 stays placed where the job runs
         assert job["last_step"] < 1000, job  # neither intruder's steps counted
         assert job["ranks_verified"] == 4 and job["claims_ignored"] >= 1, job

@@ -16,6 +16,7 @@ here with ptrace rights) only when it is no root process, or names the job itsel
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 import logging
 import os
@@ -283,7 +284,7 @@ class RankProcess:
     # -- frames from the child -------------------------------------------------------------------
     def _dispatch(self, op: str, msg: dict[str, Any], payload: bytes) -> None:
         if op in ("identity", "disconnect", "steps"):
-            ident = protocol.read_identity(msg)
+            ident = _child_identity(msg["identity"])
             with self._lock:
                 listeners = list(self._listeners)
             if op == "steps":
@@ -364,7 +365,7 @@ class RankProcess:
         out: list[RankIdentity] = []
         for item in (value or {}).get("ranks") or []:
             try:
-                ident = protocol.read_identity({"identity": item})
+                ident = _child_identity(item)
             except protocol.ProtocolError:
                 with self._lock:
                     self._stats["rejected_frames"] += 1
@@ -480,3 +481,11 @@ class RankProcess:
 
 
 __all__ = ["RankProcess", "pid_may_be_traced", "resolve_user", "sandbox_breach"]
+
+
+def _child_identity(item: Any) -> RankIdentity:
+    """An identity the rank process sends, checked as a hello is. ``verified`` is the child's judgement of the
+    kernel evidence (its hub read the peer's cgroup and uid): a hello's own word never sets it, the child's
+    frame does. (A child taken over by a tenant could claim it; see docs/security.md.)"""
+    ident = protocol.read_identity({"identity": item})
+    return dataclasses.replace(ident, verified=isinstance(item, dict) and item.get("verified") is True)

@@ -115,7 +115,7 @@ class Channel:
         self._send_lock = threading.Lock()
         self.closed = False
 
-    def send(self, message: Mapping[str, Any], payload: bytes = b"") -> None:
+    def send(self, message: Mapping[str, Any], payload: bytes | bytearray = b"") -> None:
         header = json.dumps(message, separators=(",", ":"), allow_nan=False).encode()
         if len(header) > MAX_HEADER_BYTES or len(payload) > MAX_PAYLOAD_BYTES:
             raise ChannelError(f"{message.get('op')}: frame over the channel's limits")

@@ -198,14 +198,14 @@ class Server:
         more = [True]
         with self._lock:
             self._pulls[rid] = (wake, more)
-        dumps: Generator[tuple[int, bytes | str | Exception], None, None] = self.hub.iter_dumps(  # type: ignore[assignment]
+        dumps: Generator[tuple[int, bytes | bytearray | str | Exception], None, None] = self.hub.iter_dumps(  # type: ignore[assignment]
             msg["job_id"], msg["rank"], msg["out_dir"], timeout_s=timeout)
         deadline = time.monotonic() + timeout + NEXT_GRACE_S
         try:
             for rank, res in dumps:
                 if isinstance(res, Exception):
                     self._error(rid, rank, type(res).__name__, str(res))
-                elif isinstance(res, bytes):
+                elif isinstance(res, bytes | bytearray):  # the hub gathers an inline dump in a bytearray
                     self.channel.send({"op": "answer", "rid": rid, "rank": rank, "kind": "dump", "path": None,
                                        "stacks": None, "error_type": None, "error": None}, res)
                 else:
