@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 SUBNET = "10.31.0"
+SWITCH_IP = f"{SUBNET}.254"  # the bridge's own address, in the switch's namespace: where a coordinator listens
 
 
 def available() -> str | None:
@@ -60,6 +61,8 @@ class NetnsCluster:
         self.made.append(self.switch)
         _sh("ip", "-n", self.switch, "link", "add", "br0", "type", "bridge")
         _sh("ip", "-n", self.switch, "link", "set", "br0", "up")
+        _sh("ip", "-n", self.switch, "addr", "add", f"{SWITCH_IP}/24", "dev", "br0")
+        _sh("ip", "-n", self.switch, "link", "set", "lo", "up")
         for i in range(self.n):
             ns = self.node_ns(i)
             _sh("ip", "netns", "add", ns)
@@ -103,8 +106,9 @@ class NetnsCluster:
         _sh("tc", "-n", ns, "filter", "add", "dev", "eth0", "parent", "1:", "protocol", "ip", "prio", "1", "u32",
             "match", "ip", "dst", f"{self.ip(dst)}/32", "flowid", "1:30")
 
-    def exec_args(self, i: int) -> list[str]:
-        return ["ip", "netns", "exec", self.node_ns(i)]
+    def exec_args(self, i: int | None) -> list[str]:
+        """``ip netns exec`` into node i's namespace (None: the switch's)."""
+        return ["ip", "netns", "exec", self.switch if i is None else self.node_ns(i)]
 
     def leftovers(self) -> list[str]:
         out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
@@ -112,7 +116,8 @@ class NetnsCluster:
 
 
 def run_probe(cluster: NetnsCluster, work: Path, cli: list[str], extra: list[str], *, port: int = 29531,
-              timeout: float = 120.0) -> tuple[int, dict[str, Any], list[str]]:
+              timeout: float = 300.0, per_rank: dict[int, list[str]] | None = None
+              ) -> tuple[int, dict[str, Any], list[str]]:
     """Every node runs the shipped command ``gpuhealth diag fabric --from-env`` in its namespace, as torchrun
     or srun would start it (RANK, WORLD_SIZE, MASTER_ADDR/PORT; Gloo on eth0). Returns rank 0's exit code,
     its --json output, and every rank's stderr tail."""
@@ -123,7 +128,8 @@ def run_probe(cluster: NetnsCluster, work: Path, cli: list[str], extra: list[str
         env = {**os.environ, "RANK": str(i), "WORLD_SIZE": str(cluster.n), "LOCAL_RANK": "0",
                "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": cluster.ip(0), "MASTER_PORT": str(port),
                "GLOO_SOCKET_IFNAME": "eth0"}
-        cmd = [*cluster.exec_args(i), *cli, "diag", "fabric", "--from-env", "--node", f"n{i}", "--json", *extra]
+        cmd = [*cluster.exec_args(i), *cli, "diag", "fabric", "--from-env", "--node", f"n{i}", "--json", *extra,
+               *(per_rank or {}).get(i, [])]
         procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
                                       cwd=work))
     outs = []

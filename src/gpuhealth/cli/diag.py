@@ -187,13 +187,16 @@ def bandwidth_cmd(device: str, force: bool, config_path: str | None, as_json: bo
 @click.option("--heatmap", metavar="FILE.png", default=None, help="Rank 0 writes the pair matrix as a PNG here.")
 @click.option("--out", metavar="FILE.json", default=None, help="Rank 0 writes the result document here.")
 @click.option("--timeout", "timeout_s", type=float, default=600.0, show_default=True, help="Seconds for the probe.")
+@click.option("--agent", "agent_url", metavar="URL", envvar="GPUHEALTH_AGENT_URL", default=None,
+              help="This node's agent (http://127.0.0.1:9502): each rank tells it the probe's verdict on its node.")
 @click.option("--config", "config_path", metavar="FILE", default=None, help="gpuhealth YAML config file.")
 @click.option("--json", "as_json", is_flag=True, help="Print the outcome as JSON.")
 @click.option("--exit-codes", "profile", type=click.Choice(PROFILE_NAMES), default="default", show_default=True,
               help="Exit-code dialect: default (0/1/2/3), slurm, npd, nagios.")
 def fabric_cmd(from_env: bool, ranks: int, node: str | None, schedule: str, size_bytes: int, iters: int,
                backend: str | None, slow_fraction: float, latency_floor_us: float, heatmap: str | None,
-               out: str | None, timeout_s: float, config_path: str | None, as_json: bool, profile: str) -> None:
+               out: str | None, timeout_s: float, agent_url: str | None, config_path: str | None, as_json: bool,
+               profile: str) -> None:
     """Fabric probe: bandwidth per direction and round trips between every pair of nodes, in rounds;
     names a slow node, the slow direction of a NIC, or a slow link. Multi-node: every rank runs
     `gpuhealth diag fabric --from-env` under torchrun or srun; rank 0 prints the result."""
@@ -204,7 +207,7 @@ def fabric_cmd(from_env: bool, ranks: int, node: str | None, schedule: str, size
         outcome = run_fabric(FabricRequest(
             from_env=from_env, ranks=ranks, node=node or config.node_name, schedule=schedule, size_bytes=size_bytes,
             iters=iters, backend=backend, slow_fraction=slow_fraction, latency_floor_us=latency_floor_us,
-            heatmap=heatmap, out=out, timeout_s=timeout_s))
+            heatmap=heatmap, out=out, timeout_s=timeout_s, agent_url=agent_url))
     except FabricRunError as exc:
         _fail(str(exc), profile)
         return

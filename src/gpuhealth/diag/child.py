@@ -202,7 +202,8 @@ def _fabric_rank_args(args: argparse.Namespace) -> list[str]:
 def cmd_fabric_rank(args: argparse.Namespace) -> dict[str, Any] | None:
     from gpuhealth.diag.fabric_rank import run_rank
 
-    return run_rank(_fabric_plan(args), node=args.node, backend=args.backend, init_method=args.init_method)
+    return run_rank(_fabric_plan(args), node=args.node, backend=args.backend, init_method=args.init_method,
+                    every_rank=getattr(args, "every_rank", False))
 
 
 def cmd_fabric(args: argparse.Namespace) -> dict[str, Any]:
@@ -231,12 +232,14 @@ def cmd_fabric(args: argparse.Namespace) -> dict[str, Any]:
                            latency_factor=args.latency_factor, latency_floor_us=args.latency_floor_us)
     verdict = fabric.judge(m, th)
     result = {**raw, "verdict": verdict.to_dict()}
-    if args.heatmap:
+    if args.heatmap and raw.get("rank", 0) == 0:
         ratios = ({p: v / verdict.reference_bps for p, v in m.bandwidth.items()} if verdict.reference_bps else {})
         Path(args.heatmap).write_bytes(heatmap.render(len(m.names), ratios, th.slow_fraction))
         result["heatmap"] = args.heatmap
     doc = _doc("fabric", "ok", result=result)
     doc["findings"] = [f.to_dict() for f in verdict.findings]
+    if raw.get("rank", 0) != 0:  # --every-rank: the others print (to their launcher), only rank 0 writes files
+        return doc
     if args.out:
         doc["wall_s"] = raw.get("probe_s")
         Path(args.out).write_text(json.dumps(doc, indent=2, sort_keys=True) + "\n")
@@ -371,6 +374,7 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--heatmap", help="rank 0 writes the pair matrix here (PNG)")
     f.add_argument("--out", help="rank 0 writes the result document here (JSON)")
     f.add_argument("--rank-timeout", type=float, default=300.0)
+    f.add_argument("--every-rank", action="store_true", help="with --from-env: every rank prints the document")
     fabric_args(sub.add_parser("fabric-rank"))
 
     w = sub.add_parser("bandwidth")

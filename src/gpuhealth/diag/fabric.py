@@ -14,8 +14,9 @@ clock cannot time one direction of it), then bandwidth a→b, then b→a (each m
 the receiver's acknowledgement, the best of a few kept), so each direction is measured alone.
 
 Judgement (``judge``), relative to this probe's own fleet, never to a line rate:
-- reference R = the median of every node's median send and median receive bandwidth (2N values: a
-  slow node moves 2 of them, a slow link none), so a minority of slow nodes or links cannot drag it;
+- reference R = over nodes, the median of each node's better side (its median send or median receive
+  bandwidth, the higher): a slow node moves one value of N, a NIC slow one way none, a slow link barely
+  a node's median — so a minority of faults, and a busy host's noise, cannot drag it;
 - a direction i→j is slow when its bandwidth is below ``slow_fraction`` × R;
 - node i: when at least ``node_quorum`` of its measured sends AND of its receives are slow →
   ``netprobe.node_slow``; only its sends → ``netprobe.nic_send_slow``; only its receives →
@@ -139,14 +140,18 @@ def _median(xs: Sequence[float]) -> float | None:
 
 
 def reference(m: Measurements) -> float | None:
-    """The median of every node's median send and median receive bandwidth (robust to a few slow nodes)."""
+    """The fleet's healthy speed: over nodes, the median of each node's better side (its median send or its
+    median receive bandwidth, whichever is higher). A slow node moves one value of N, a NIC slow in one
+    direction none (its other side is fine), a slow link barely a node's median."""
     n = len(m.names)
     sends: dict[int, list[float]] = {i: [] for i in range(n)}
     recvs: dict[int, list[float]] = {i: [] for i in range(n)}
     for (s, d), bw in m.bandwidth.items():
         sends[s].append(bw)
         recvs[d].append(bw)
-    return _median([med for i in range(n) for side in (sends[i], recvs[i]) if (med := _median(side)) is not None])
+    best = [max(meds) for i in range(n) if (meds := [x for side in (sends[i], recvs[i])
+                                                      if (x := _median(side)) is not None])]
+    return _median(best)
 
 
 RETEST_MARGIN = 1.5  # directions up to 1.5 × the slow line are retested: noise near the line is what a retest clears

@@ -114,10 +114,11 @@ def measure(torch: Any, dist: Any, device: Any, rank: int, world: int, plan: Pro
     return bw, rtt, round_s
 
 
-def run_rank(plan: ProbePlan, *, node: str, backend: str | None = None, init_method: str = "env://"
-             ) -> dict[str, Any] | None:
+def run_rank(plan: ProbePlan, *, node: str, backend: str | None = None, init_method: str = "env://",
+             every_rank: bool = False) -> dict[str, Any] | None:
     """One rank (under torchrun/srun with RANK, WORLD_SIZE, LOCAL_RANK set, or launched locally).
-    Returns rank 0's document: names, measurements, round times; None on other ranks."""
+    Returns the document (names, measurements, round times, this rank's name) on rank 0 — on every rank
+    with ``every_rank``: all of them hold the same measurements — else None."""
     import torch
     import torch.distributed as dist
 
@@ -151,44 +152,53 @@ def run_rank(plan: ProbePlan, *, node: str, backend: str | None = None, init_met
         wall = time.perf_counter() - t0
     finally:
         dist.destroy_process_group()
-    if rank != 0:
+    if rank != 0 and not every_rank:
         return None
     if len(set(m.names)) != len(m.names):  # several ranks claim one name (no --node in namespaces): tell them apart
         m.names = [f"{n}#{i}" for i, n in enumerate(m.names)]
     return {"measurements": m.to_dict(), "round_s": [round(s, 4) for s in round_s], "probe_s": round(wall, 3),
+            "rank": rank, "rank_name": m.names[rank],
             "retested": [list(p) for p in retested], "retest_s": round(retest_s, 3),
             "backend": backend, "world": world, "plan": plan.__dict__}
 
 
-def retest(torch: Any, dist: Any, device: Any, rank: int, m: Measurements, plan: ProbePlan) -> list[tuple[int, int]]:
-    """Measure again, one at a time, the directions that look slow (at most ``plan.retest``) and keep the
-    better reading: a busy host can stall one transfer in a round, a slow link stalls both. Every rank
-    holds the same measurements, so every rank picks the same list without a message."""
-    suspects = suspects_of(m, plan.slow_fraction)[:plan.retest]
-    slow_rtts = rtt_suspects(m, Thresholds(latency_floor_us=plan.latency_floor_us))[:plan.retest]
-    plan = replace(plan, iters=3 * plan.iters, rtt_iters=3 * plan.rtt_iters)  # alone, and longer
+def retest(torch: Any, dist: Any, device: Any, rank: int, m: Measurements, plan: ProbePlan,
+           passes: int = 2) -> list[tuple[int, int]]:
+    """Measure again, one at a time, the directions that look slow (at most ``plan.retest`` a pass) and keep
+    the better reading: a busy host can stall one transfer in a round, a slow link stalls every one. A
+    second pass looks at what still looks slow. Every rank holds the same measurements, so every rank picks
+    the same list without a message."""
+    th = Thresholds(latency_floor_us=plan.latency_floor_us)
+    longer = replace(plan, iters=3 * plan.iters, rtt_iters=3 * plan.rtt_iters)  # alone, and longer
     tp = _Transport(torch, dist, device)
     big, token = tp.buffer(plan.size_bytes), tp.buffer(8)
-    for src, dst in suspects:
-        if rank in (src, dst):
-            v = _direction(tp, rank, src, dst, big, token, plan)
-            if v is not None:
-                m.bandwidth[(src, dst)] = max(m.bandwidth[(src, dst)], v)
-        dist.barrier()
-    for lo, hi in slow_rtts:
-        if rank in (lo, hi):
-            r = _rtt_us(tp, rank, hi if rank == lo else lo, token, plan)
-            if r is not None:
-                m.rtt_us[(lo, hi)] = min(m.rtt_us[(lo, hi)], r)
-        dist.barrier()
-    # the senders (the lower rank for a round trip) updated their own readings: share them with rank 0
-    updates: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(updates, ({p: m.bandwidth[p] for p in suspects if p[0] == rank},
-                                     {p: m.rtt_us[p] for p in slow_rtts if p[0] == rank}))
-    for bw, rtt in updates:
-        m.bandwidth.update(bw)
-        m.rtt_us.update(rtt)
-    return suspects + [p for p in slow_rtts if p not in suspects]
+    seen: list[tuple[int, int]] = []
+    for _ in range(passes):
+        suspects = suspects_of(m, plan.slow_fraction)[:plan.retest]
+        slow_rtts = rtt_suspects(m, th)[:plan.retest]
+        if not suspects and not slow_rtts:
+            break
+        for src, dst in suspects:
+            if rank in (src, dst):
+                v = _direction(tp, rank, src, dst, big, token, longer)
+                if v is not None:
+                    m.bandwidth[(src, dst)] = max(m.bandwidth[(src, dst)], v)
+            dist.barrier()
+        for lo, hi in slow_rtts:
+            if rank in (lo, hi):
+                r = _rtt_us(tp, rank, hi if rank == lo else lo, token, longer)
+                if r is not None:
+                    m.rtt_us[(lo, hi)] = min(m.rtt_us[(lo, hi)], r)
+            dist.barrier()
+        # the senders (the lower rank for a round trip) updated their own readings: share them with everyone
+        updates: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(updates, ({p: m.bandwidth[p] for p in suspects if p[0] == rank},
+                                         {p: m.rtt_us[p] for p in slow_rtts if p[0] == rank}))
+        for bw, rtt in updates:
+            m.bandwidth.update(bw)
+            m.rtt_us.update(rtt)
+        seen += [p for p in (*suspects, *slow_rtts) if p not in seen]
+    return seen
 
 
 __all__ = ["ProbePlan", "measure", "run_rank"]

@@ -11,7 +11,11 @@ import json
 import os
 import subprocess
 import sys
+import urllib.error
+import urllib.parse
+import urllib.request
 from dataclasses import dataclass
+from typing import Any
 
 from gpuhealth.diag.runner import DiagOutcome
 from gpuhealth.model import Finding
@@ -37,13 +41,14 @@ class FabricRequest:
     heatmap: str | None = None
     out: str | None = None
     timeout_s: float = 600.0
+    agent_url: str | None = None  # tell this node's agent what the probe concluded about it (POST /fabric)
 
 
 def child_args(r: FabricRequest) -> list[str]:
     args = ["fabric", "--node", r.node, "--schedule", r.schedule, "--size-bytes", str(r.size_bytes),
             "--iters", str(r.iters), "--slow-fraction", str(r.slow_fraction),
             "--latency-floor-us", str(r.latency_floor_us), "--rank-timeout", str(r.timeout_s)]
-    args += ["--from-env"] if r.from_env else ["--world", str(r.ranks), "--backend", "gloo"]
+    args += ["--from-env", "--every-rank"] if r.from_env else ["--world", str(r.ranks), "--backend", "gloo"]
     if r.backend and r.from_env:
         args += ["--backend", r.backend]
     if r.heatmap:
@@ -77,9 +82,49 @@ def run_fabric(r: FabricRequest) -> DiagOutcome | None:
         doc = json.loads(text.splitlines()[-1])
     except json.JSONDecodeError as exc:
         raise FabricRunError(f"the fabric probe printed no result: {text[-300:]!r}") from exc
+    if r.agent_url and doc.get("status") == "ok":
+        report_to_agent(r.agent_url, doc, r.node)
+    if from_env and (doc.get("result") or {}).get("rank", 0) != 0:
+        return None
     return DiagOutcome(doc.get("diag", "fabric"), doc.get("status", "failed"), doc.get("reason", ""),
                        [Finding.from_dict(f) for f in doc.get("findings", [])], doc.get("result", {}),
                        wall_s=float(doc.get("wall_s") or 0.0))
 
 
-__all__ = ["FabricRequest", "FabricRunError", "child_args", "run_fabric"]
+def node_reports(doc: dict[str, Any], node: str) -> list[dict[str, str]]:
+    """The query of ``POST /fabric`` for each probe name of ``node`` (the node, or its rails ``node/N``)."""
+    result = doc.get("result") or {}
+    verdict = result.get("verdict") or {}
+    names = (result.get("measurements") or {}).get("names") or []
+    ref = verdict.get("reference_bytes_per_second")
+    out = []
+    for name in names:
+        if name != node and not name.startswith(node + "/"):
+            continue
+        per = (verdict.get("per_node") or {}).get(name) or {}
+        word = (verdict.get("nodes") or {}).get(name) or ("not_judged" if name in (verdict.get("not_judged") or {})
+                                                          else "ok")
+        slow_to = [link["dst"] for link in verdict.get("links") or [] if link.get("src") == name]
+        q = {"name": name, "verdict": word, "nodes": str(len(names)), "slow_to": ",".join(slow_to)}
+        for key in ("send_ratio", "recv_ratio"):
+            if per.get(key) is not None:
+                q[key] = str(per[key])
+        if ref:
+            q["reference_gbps"] = str(round(ref * 8 / 1e9, 4))
+        out.append(q)
+    return out
+
+
+def report_to_agent(agent_url: str, doc: dict[str, Any], node: str) -> None:
+    """POST this node's part of the verdict to its agent; a refusal is one line on stderr, never fatal."""
+    for q in node_reports(doc, node):
+        url = agent_url.rstrip("/") + "/fabric?" + urllib.parse.urlencode(q)
+        try:
+            with urllib.request.urlopen(urllib.request.Request(url, method="POST"), timeout=10) as resp:
+                resp.read()
+        except (urllib.error.URLError, OSError) as exc:
+            print(f"gpuhealth diag fabric: the agent at {agent_url} did not take the report for {q['name']}: {exc}",
+                  file=sys.stderr)
+
+
+__all__ = ["FabricRequest", "FabricRunError", "child_args", "node_reports", "report_to_agent", "run_fabric"]
