@@ -41,12 +41,12 @@ CLI = [sys.executable, "-m", "gpuhealth.cli.main"]
 ARGS = ["--size-bytes", str(1 << 20), "--iters", "4", "--slow-fraction", "0.3", "--latency-floor-us", "20000"]
 
 
-def probe(n: int, work: Path, port: int, shape: Any = None) -> dict[str, Any]:
+def probe(n: int, work: Path, port: int, shape: Any = None, args: list[str] = ARGS) -> dict[str, Any]:
     with NetnsCluster(n, prefix=f"gh31b{port}") as c:
         if shape:
             shape(c)
         t0 = time.monotonic()
-        _, doc, tails = run_probe(c, work, CLI, ARGS, port=port, timeout=600)
+        _, doc, tails = run_probe(c, work, CLI, args, port=port, timeout=600)
         wall = time.monotonic() - t0
     if doc.get("status") != "ok":
         raise SystemExit("probe failed:\n" + "\n".join(tails))
@@ -115,12 +115,61 @@ def quality(healthy: list[fabric.Measurements], faults: int, slow_fraction: floa
             "missed": fn, "notes": misses}
 
 
+def real_random(n: int, work: Path, port: int, healthy: list[fabric.Measurements], faults: int,
+                slow_fraction: float, seed: int = 3131) -> dict[str, Any]:
+    """Random faults shaped with tc: a node's link, a NIC's send or receive side, one direction of one pair, at
+    severity × the healthy reference (tbf/htb rates), each probed through the shipped command."""
+    rng = random.Random(seed)
+    ref_bps = statistics.median(ref for m in healthy if (ref := fabric.reference(m))) * 8
+    args = [*ARGS[:ARGS.index("--slow-fraction")], "--slow-fraction", str(slow_fraction),
+            *ARGS[ARGS.index("--slow-fraction") + 2:]]
+    tp = fp = fn = 0
+    runs = []
+    for k in range(faults):
+        kind = ("node", "send", "recv", "pair")[k % 4]
+        who = rng.sample(range(n), 2)
+        severity = 1 / rng.uniform(2, 20)
+        rate = f"{max(1, int(ref_bps * severity / 1000))}kbit"
+        if kind == "node":
+            def shape(c: NetnsCluster, w: list[int] = who, r: str = rate) -> None:
+                c.slow_node(w[0], r)
+            want = ("netprobe.node_slow", f"n{who[0]}")
+        elif kind == "send":
+            def shape(c: NetnsCluster, w: list[int] = who, r: str = rate) -> None:
+                c.slow_sends(w[0], r)
+            want = ("netprobe.nic_send_slow", f"n{who[0]}")
+        elif kind == "recv":
+            def shape(c: NetnsCluster, w: list[int] = who, r: str = rate) -> None:
+                c.slow_receives(w[0], r)
+            want = ("netprobe.nic_recv_slow", f"n{who[0]}")
+        else:
+            def shape(c: NetnsCluster, w: list[int] = who, r: str = rate) -> None:
+                c.slow_pair(w[0], w[1], r)
+            want = ("netprobe.link_slow", f"n{who[0]}->n{who[1]}")
+        port += 1
+        t0 = time.monotonic()
+        r = probe(n, work, port, shape, args)
+        named = {tuple(x) for x in r["named"] if x[0] != "netprobe.latency_high"}
+        hit = want in named
+        tp, fn, fp = tp + hit, fn + (not hit), fp + len(named - {want})
+        runs.append({"fault": kind, "severity": round(severity, 3), "rate": rate, "want": want,
+                     "named": sorted(named), "probe_s": r["probe_s"], "command_s": round(time.monotonic() - t0, 1)})
+        print(f"real {kind} ×{severity:.3f} ({rate}): want {want}, named {sorted(named)}, probe {r['probe_s']} s",
+              flush=True)
+    return {"faults": faults, "slow_fraction": slow_fraction, "precision": round(tp / max(tp + fp, 1), 3),
+            "recall": round(tp / max(tp + fn, 1), 3), "true_positives": tp, "false_positives": fp, "missed": fn,
+            "median_probe_s": statistics.median(x["probe_s"] for x in runs), "runs": runs}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--nodes", default="4,8")
     ap.add_argument("--faults", type=int, default=24)
     ap.add_argument("--healthy-runs", type=int, default=2, help="healthy probes at the largest size")
     ap.add_argument("--real", action="store_true", help="also shape three faults for real at the largest size")
+    ap.add_argument("--real-faults", type=int, default=0,
+                    help="random faults shaped for real with tc (severity 1/2..1/20 of the healthy reference)")
+    ap.add_argument("--real-slow-fraction", type=float, default=0.6)
     ap.add_argument("--json", dest="out")
     args = ap.parse_args()
     sizes = [int(x) for x in args.nodes.split(",")]
@@ -152,6 +201,8 @@ def main() -> int:
             real.append({"fault": name, "want": want, "named": r["named"], "probe_s": r["probe_s"]})
             print(f"real {name}: named {r['named']}", flush=True)
         doc["real"] = real
+    if args.real_faults:
+        doc["real_random"] = real_random(sizes[-1], work, port, mats, args.real_faults, args.real_slow_fraction)
     print(json.dumps({k: v for k, v in doc.items()}, indent=2))
     if args.out:
         Path(args.out).write_text(json.dumps(doc, indent=2) + "\n")
