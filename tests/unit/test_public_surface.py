@@ -45,7 +45,7 @@ PUBLIC: dict[str, set[str]] = {
     "gpuhealth.agent.daemon": {"Agent", "config_problem"},
     "gpuhealth.catalog.findings": {"CodeInfo", "code_info", "finding_codes", "parse_codes"},
     "gpuhealth.catalog.metrics": {"FamilyInfo", "metric_families", "parse_families"},
-    "gpuhealth.catalog.thresholds": {"EccThresholds", "HostThresholds", "InfinibandThresholds", "MemoryThresholds",
+    "gpuhealth.catalog.thresholds": {"EccThresholds", "EthernetThresholds", "HostThresholds", "InfinibandThresholds", "MemoryThresholds",
                                      "NvlinkThresholds", "PcieThresholds", "ThermalThresholds", "Thresholds",
                                      "ThresholdsError", "ThrottleThresholds", "default_thresholds", "load_thresholds",
                                      "parse_thresholds", "thresholds_from"},
