@@ -421,6 +421,32 @@ table(
 )
 next_line(7)
 
+# ---------------------------------------------------------------- NICs and the fabric probe (issue 31)
+row("NICs and the fabric probe of $instance")
+ts("InfiniBand/RoCE port rate", [target(f"gpuhealth_ib_port_rate_bits_per_second{{{N}}}",
+                                        "{{instance}} {{device}}/{{port}}")], 0, w=8, unit="bps",
+   desc="A port below its peers of the same HCA model trained down (ib.link_degraded).")
+ts("InfiniBand/RoCE port width", [target(f"gpuhealth_ib_port_width{{{N}}}", "{{instance}} {{device}}/{{port}}")],
+   8, w=8)
+ts("port_xmit_wait (rate)", [target(f"rate(gpuhealth_ib_port_xmit_wait_total{{{N}}}[5m])",
+                                    "{{instance}} {{device}}/{{port}}")], 16, w=8, unit="ops",
+   desc="Ticks with data to send and no credits: compare a port with its peers (ib.congestion).")
+next_line(8)
+ts("Ethernet speed", [target(f"gpuhealth_net_speed_bits_per_second{{{N}}}", "{{instance}} {{interface}}")], 0, w=8,
+   unit="bps")
+ts("Link flaps (carrier changes / 5 min)", [target(f"increase(gpuhealth_net_carrier_changes_total{{{N}}}[5m])",
+                                                   "{{instance}} {{interface}}")], 8, w=8)
+ts("NIC errors and drops (rate)", [target(f"rate(gpuhealth_net_errors_total{{{N}}}[5m])",
+                                          "{{instance}} {{interface}} {{counter}}")], 16, w=8, unit="ops")
+next_line(8)
+ts("Fabric probe: bandwidth against the fleet", [target(f"gpuhealth_netprobe_bandwidth_ratio{{{N}}}",
+                                                        "{{instance}} {{probe_name}} {{direction}}")], 0, w=12,
+   desc="The last gpuhealth diag fabric probe's median bandwidth of the node against the probe's reference; "
+        "1 is like the fleet, under 0.6 is slow (netprobe.*).")
+table("Fabric probe findings", f'gpuhealth_findings{{{N}, code=~"netprobe\\\\..+|net\\\\..+|ib\\\\..+"}}', 12, w=12,
+      h=8, exclude=("__name__", "job", "gpu", "uuid", "pci_bus_id", "model_name"), rename={"Value": "count"})
+next_line(8)
+
 # ---------------------------------------------------------------- findings
 row("Findings")
 table(

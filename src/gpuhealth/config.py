@@ -43,6 +43,11 @@ class CollectorsConfig:
     disabled: list[str] = field(default_factory=list)
     sysfs_root: str = "/"
     kmsg_path: str | None = None  # None: /dev/kmsg when readable
+    # Ethernet NICs the ethernet collector judges; empty: every physical one (a ``device`` link; not lo, veth,
+    # docker*, bridges). Name veths here to have them judged (a cluster of namespaces in tests).
+    net_interfaces: list[str] = field(default_factory=list)
+    expected_net_speed_mbps: int | None = None  # None: the fastest NIC of the same driver on the node
+    expected_ib_rate_gbps: float | None = None  # None: the fastest active port of the same HCA model
 
 
 @dataclass(slots=True)
@@ -222,6 +227,8 @@ _RANGES: dict[str, tuple[float, float]] = {
     "collectors.history_len": (1, 1_000_000),
     "collectors.expected_gpus": (0, 4_096),
     "collectors.expected_nvlinks": (0, 1_024),
+    "collectors.expected_net_speed_mbps": (1, 10_000_000),  # up to 10 Tb/s
+    "collectors.expected_ib_rate_gbps": (0.0, 100_000.0),
     "diag.interval_s": (0.0, 366 * 86_400.0),
     "diag.gpu_seconds_per_hour": (0.0, 3_600.0),
     "diag.timeout_s": (0.0, 86_400.0),

@@ -142,6 +142,29 @@ def service_monitor_job(target: str, *, node: str, agent_pod: str) -> dict[str, 
 
 # ------------------------------------------------------------------------------------------ stack
 
+def nic_tree(root: Path) -> None:
+    """One InfiniBand port and one physical Ethernet NIC in a sysfs tree."""
+    port = root / "sys" / "class" / "infiniband" / "mlx5_0" / "ports" / "1"
+    (port / "counters").mkdir(parents=True)
+    (root / "sys" / "class" / "infiniband" / "mlx5_0" / "hca_type").write_text("MT4129\n")
+    for name, text in (("state", "4: ACTIVE"), ("phys_state", "5: LinkUp"), ("rate", "400 Gb/sec (4X NDR)"),
+                       ("link_layer", "InfiniBand")):
+        (port / name).write_text(text + "\n")
+    for counter in ("port_xmit_wait", "symbol_error", "port_xmit_data"):
+        (port / "counters" / counter).write_text("0\n")
+    nic = root / "sys" / "class" / "net" / "ens1"
+    (nic / "statistics").mkdir(parents=True)
+    dev, drv = root / "sys" / "devices" / "ens1", root / "sys" / "bus" / "pci" / "drivers" / "ice"
+    dev.mkdir(parents=True)
+    drv.mkdir(parents=True)
+    os.symlink(drv, dev / "driver")
+    os.symlink(dev, nic / "device")
+    for key, value in (("speed", 100000), ("duplex", "full"), ("operstate", "up"), ("carrier_changes", 2)):
+        (nic / key).write_text(f"{value}\n")
+    for counter in ("rx_errors", "tx_errors", "rx_dropped", "tx_dropped"):
+        (nic / "statistics" / counter).write_text("0\n")
+
+
 class Stack:
     def __init__(self, root: Path) -> None:
         self.root = root
@@ -201,7 +224,9 @@ def stack() -> Iterator[Stack]:
             wait_for(lambda: (root / "coordinator.ports").exists(), "coordinator ports", procs=s.procs)
             ports = json.loads((root / "coordinator.ports").read_text())
             s.coord_port, s.coord_metrics_port = ports["grpc_port"], ports["metrics_port"]
-            (root / "agent.yaml").write_text(yaml.safe_dump({"agent": {
+            nic_tree(root / "sysroot")  # the node's NICs (a replay reads them from collectors.sysfs_root)
+            (root / "agent.yaml").write_text(yaml.safe_dump({"collectors": {"sysfs_root": str(root / "sysroot")},
+                                                             "agent": {
                 "state_dir": str(root / "state"),
                 "socket_path": str(root / "run" / "agent.sock"),
                 "pod_resources_socket": str(root / "kubelet.sock"),
@@ -227,6 +252,12 @@ def stack() -> Iterator[Stack]:
             }))
             wait_for(lambda: http_get(f"http://127.0.0.1:{s.agent_port}/ready")[0] == 200, "agent /ready",
                      procs=s.procs)
+            # what a fabric probe's rank tells its node's agent (gpuhealth diag fabric --agent)
+            fabric = urllib.request.Request(f"http://127.0.0.1:{s.agent_port}/fabric?" + urllib.parse.urlencode(
+                {"name": "node-a", "verdict": "ok", "send_ratio": "0.98", "recv_ratio": "1.01", "nodes": "8"}),
+                method="POST")
+            with urllib.request.urlopen(fabric, timeout=10) as resp:
+                assert resp.status == 200
             wait_for(lambda: http_get(f"http://127.0.0.1:{s.coord_metrics_port}/metrics")[0] == 200,
                      "coordinator /metrics", procs=s.procs)
             s.spawn([PROMETHEUS, f"--config.file={root / 'prometheus.yml'}",

@@ -195,8 +195,13 @@ EXEMPT: dict[str, str] = {
                               "shows only after that many sweeps; tests/unit/collectors drive it",
     "collectors.expected_nvlinks": "judged only on GPUs whose NVLink count NVML reports lower than expected; the "
                                    "recordings' GPUs report theirs in full and a scenario cannot lower it",
-    "collectors.sysfs_root": "a recording or scenario replays its own recorded sysfs; only a live NVML backend "
-                             "reads sysfs_root (no GPU here)",
+    "collectors.sysfs_root": "a recording or scenario replays its own recorded GPU sysfs; its NICs are read from "
+                             "sysfs_root: tests/integration/test_nic_health_commands.py drives it through "
+                             "gpuhealth status and agent",
+    "collectors.net_interfaces": "tests/integration/test_nic_health_commands.py: the agent's /metrics serve the "
+                                 "NICs named (a veth) and not the others",
+    "collectors.expected_net_speed_mbps": "judged against a NIC tree: tests/unit/collectors/test_nic_health.py",
+    "collectors.expected_ib_rate_gbps": "judged against a NIC tree: tests/unit/collectors/test_nic_health.py",
     "agent.pod_resources_socket": "needs the kubelet's PodResources gRPC service; tests/unit/agent/test_attribution* "
                                   "run the agent's provider against a real gRPC stand-in of it",
     "agent.web_config_file": "turns the agent's HTTP into HTTPS, which this run's checks do not speak; "

@@ -21,11 +21,12 @@ An extension that fails to start is logged by the agent, which keeps running wit
 
 from __future__ import annotations
 
-import ipaddress
 import logging
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
+from gpuhealth.agent.netprobe import NetprobeReports
+from gpuhealth.agent.netprobe import is_loopback as _is_loopback
 from gpuhealth.agent.view import AgentExtension, AgentView
 
 if TYPE_CHECKING:
@@ -140,18 +141,6 @@ class _PeriodicDiagnostics:
             self.periodic.stop()
 
 
-def _is_loopback(host: str) -> bool:
-    try:
-        addr = ipaddress.ip_address(host.split("%", 1)[0])
-    except ValueError:
-        return False
-    # A dual-stack listener ([::]:9502) sees a local IPv4 client as ::ffff:127.0.0.1, which Python 3.11
-    # does not call loopback: the epilog's POST would be refused.
-    if isinstance(addr, ipaddress.IPv6Address) and addr.ipv4_mapped is not None:
-        return addr.ipv4_mapped.is_loopback
-    return addr.is_loopback
-
-
 def _rank_socket(config: Config) -> Any:
     """The rank socket's server: an unprivileged child (``rank_process``), or in this process when
     ``agent.rank_process`` is off (debugging only: tenants' bytes are then parsed by the root process)."""
@@ -196,6 +185,7 @@ def default_extensions(config: Config) -> list[AgentExtension]:
             link = link_from_config(config, rank_hub=ranks)
             if link is not None:
                 extensions.append(link)
+    extensions.append(NetprobeReports())  # POST /fabric: the fabric probe's word about this node
     if config.diag.enabled:
         # with a coordinator, the first scheduled screen waits a little for the node's turn to arrive
         diag = _PeriodicDiagnostics(config.diag.interval_s,

@@ -40,7 +40,12 @@ IB_COUNTERS = (
     "excessive_buffer_overrun_errors",
     "port_rcv_data",
     "port_xmit_data",
+    "port_xmit_wait",
+    "port_xmit_packets",
+    "port_rcv_packets",
 )
+# /sys/class/net/<if>/statistics counters read for Ethernet NICs (bytes are traffic; the rest errors/drops).
+NET_STATISTICS = ("rx_bytes", "tx_bytes", "rx_errors", "tx_errors", "rx_dropped", "tx_dropped", "rx_crc_errors")
 
 
 def parse_cpulist(text: str | None) -> frozenset[int]:
@@ -158,10 +163,19 @@ class IbPort:
     rate: str | None = None  # "400 Gb/sec (4X NDR)"
     link_layer: str | None = None  # "InfiniBand" or "Ethernet" (RoCE)
     counters: Mapping[str, int] = field(default_factory=dict)
+    model: str | None = None  # the HCA's hca_type ("MT4129"), else its board_id: peers share it
 
     @property
     def id(self) -> str:
         return f"{self.device}/{self.port}"
+
+    @property
+    def width(self) -> int | None:
+        """Lanes from the rate's "(4X NDR)" → 4."""
+        if not self.rate or "(" not in self.rate:
+            return None
+        word = self.rate.split("(", 1)[1].split()[0].upper()
+        return _int(word[:-1]) if word.endswith("X") else None
 
     @property
     def state_name(self) -> str:
@@ -180,6 +194,20 @@ class IbPort:
             return float(self.rate.split()[0])
         except (ValueError, IndexError):
             return None
+
+
+@dataclass(frozen=True, slots=True)
+class NetInterface:
+    """One network interface (``class/net/<name>``): link facts and statistics."""
+
+    name: str
+    physical: bool  # backed by a device (a ``device`` link): not lo, veth, bridges, bonds, tunnels
+    operstate: str | None = None  # "up", "down", "lowerlayerdown", "unknown"
+    speed_mbps: int | None = None  # None when absent or -1 (unknown: no link, or a virtual NIC)
+    duplex: str | None = None  # "full" / "half" / "unknown"
+    carrier_changes: int | None = None
+    driver: str | None = None  # device/driver link name ("mlx5_core", "ice"): peers share it
+    statistics: Mapping[str, int] = field(default_factory=dict)
 
 
 def _state_word(text: str | None) -> str:
@@ -219,6 +247,10 @@ class Sysfs(Protocol):
         ...
 
     def infiniband_ports(self) -> list[IbPort]: ...
+
+    def net_interfaces(self) -> list[NetInterface]:
+        """Every ``/sys/class/net`` interface; empty where there is no such tree (a recording)."""
+        ...
 
     def numa_nodes(self) -> dict[int, frozenset[int]]:
         """NUMA node → its CPUs; empty when the platform exposes no NUMA topology."""
@@ -340,8 +372,31 @@ class RealSysfs:
                         rate=self._read(pdir / "rate"),
                         link_layer=self._read(pdir / "link_layer"),
                         counters=counters,
+                        model=self._read(base / dev / "hca_type") or self._read(base / dev / "board_id"),
                     )
                 )
+        return out
+
+    def net_interfaces(self) -> list[NetInterface]:
+        base = self._sys / "class" / "net"
+        try:
+            names = sorted(os.listdir(base))
+        except OSError:
+            return []
+        out = []
+        for name in names:
+            d = base / name
+            speed = _int(self._read(d / "speed"))
+            stats: dict[str, int] = {}
+            for counter in NET_STATISTICS:
+                value = _int(self._read(d / "statistics" / counter))
+                if value is not None:
+                    stats[counter] = value
+            out.append(NetInterface(
+                name=name, physical=(d / "device").exists() and not (d / "bridge").exists(),
+                operstate=self._read(d / "operstate"), speed_mbps=speed if speed is not None and speed > 0 else None,
+                duplex=self._read(d / "duplex"), carrier_changes=_int(self._read(d / "carrier_changes")),
+                driver=_link_name(d / "device" / "driver"), statistics=stats))
         return out
 
     def numa_nodes(self) -> dict[int, frozenset[int]]:
@@ -364,11 +419,15 @@ class RealSysfs:
 class RecordedSysfs:
     """Answers from a recording's per-GPU ``sysfs`` key (``backend.query(i, "sysfs")``).
 
-    A recording holds only its GPUs' PCI attributes: there are no InfiniBand ports and no NUMA
-    node list in it, so those answer empty (what a host without them would say)."""
+    A recording holds only its GPUs' PCI attributes: there are no InfiniBand ports, network
+    interfaces or NUMA node list in it, so those answer empty (what a host without them would say) —
+    unless ``nic_root`` names a sysfs tree for the node's NICs (a configured ``collectors.sysfs_root``
+    other than ``/``: a replayed GPU node given a fixture NIC tree; the host's own NICs never leak
+    into a replay)."""
 
-    def __init__(self, backend: Any) -> None:
+    def __init__(self, backend: Any, nic_root: str | os.PathLike[str] | None = None) -> None:
         self._backend = backend
+        self._nics = RealSysfs(nic_root) if nic_root is not None else None
 
     @property
     def description(self) -> str:
@@ -455,14 +514,18 @@ class RecordedSysfs:
         return self._other_node(minor) == "refused"
 
     def infiniband_ports(self) -> list[IbPort]:
-        return []
+        return self._nics.infiniband_ports() if self._nics else []
+
+    def net_interfaces(self) -> list[NetInterface]:
+        return self._nics.net_interfaces() if self._nics else []
 
     def numa_nodes(self) -> dict[int, frozenset[int]]:
         return {}
 
 
 def sysfs_for(backend: Any, root: str | os.PathLike[str] = "/") -> Sysfs:
-    """The sysfs that matches a backend: the recording's own for a simulated one, else the host's."""
+    """The sysfs that matches a backend: the recording's own for a simulated one (NICs from ``root`` when
+    it is a tree other than ``/``), else the host's."""
     if getattr(backend, "simulated", False):
-        return RecordedSysfs(backend)
+        return RecordedSysfs(backend, nic_root=None if os.path.abspath(root) == "/" else root)
     return RealSysfs(root)

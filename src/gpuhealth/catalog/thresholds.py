@@ -84,6 +84,16 @@ class InfinibandThresholds:
     link_downed_per_window_warning: int
     rcv_errors_per_hour_warning: float
     min_window_s: float
+    xmit_wait_peer_ratio_warning: float
+    xmit_wait_min_per_second: float
+
+
+@dataclass(frozen=True, slots=True)
+class EthernetThresholds:
+    errors_per_hour_warning: float
+    drops_per_hour_warning: float
+    carrier_changes_per_window_warning: int
+    min_window_s: float
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,6 +117,7 @@ class Thresholds:
     pcie: PcieThresholds = field(default_factory=_bundled("pcie"))
     nvlink: NvlinkThresholds = field(default_factory=_bundled("nvlink"))
     infiniband: InfinibandThresholds = field(default_factory=_bundled("infiniband"))
+    ethernet: EthernetThresholds = field(default_factory=_bundled("ethernet"))
     host: HostThresholds = field(default_factory=_bundled("host"))
     xid: XidPolicy = field(default_factory=_bundled("xid"))  # catalog/xid_policy.py
 
@@ -218,6 +229,7 @@ def thresholds_from(ctx: Any) -> Thresholds:
     return default_thresholds()
 
 
-__all__ = ["EccThresholds", "HostThresholds", "InfinibandThresholds", "MemoryThresholds", "NvlinkThresholds",
+__all__ = ["EccThresholds", "EthernetThresholds", "HostThresholds", "InfinibandThresholds", "MemoryThresholds",
+           "NvlinkThresholds",
            "PcieThresholds", "ThermalThresholds", "Thresholds", "ThresholdsError", "ThrottleThresholds",
            "default_thresholds", "load_thresholds", "parse_thresholds", "thresholds_from"]

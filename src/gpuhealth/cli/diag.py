@@ -159,7 +159,7 @@ def _with_common(f: Any) -> Any:
 
 @click.group(name="diag")
 def command() -> None:
-    """Run one diagnostic: sdc, busbw, bandwidth."""
+    """Run one diagnostic: sdc, busbw, bandwidth, fabric."""
 
 
 @command.command(name="sdc")
@@ -206,6 +206,94 @@ def bandwidth_cmd(device: str, force: bool, config_path: str | None, as_json: bo
     """Device memory bandwidth and pinned host↔device bandwidth per GPU (NUMA-pinned)."""
     config = _config(config_path, profile)
     _run("bandwidth", bandwidth_args(config, cpu=device == "cpu"), device, force, config, profile, as_json)
+
+
+@command.command(name="fabric")
+@click.option("--from-env", is_flag=True,
+              help="Run as one rank of a multi-node probe (under torchrun/srun: RANK, WORLD_SIZE, MASTER_ADDR set).")
+@click.option("--ranks", type=click.IntRange(min=2), default=4, show_default=True,
+              help="Without --from-env: Gloo ranks on this host (exercises the logic, not a fabric).")
+@click.option("--node", default=None, help="This rank's node name (default: config node_name).")
+@click.option("--schedule", type=click.Choice(["full", "nodes"]), default="full", show_default=True,
+              help="full: every pair in N-1 rounds; nodes: fewer rounds (recursive halving), enough to name a node.")
+@click.option("--size-bytes", type=click.IntRange(min=1), default=4 << 20, show_default=True,
+              help="Message size per direction.")
+@click.option("--iters", type=click.IntRange(min=1), default=3, show_default=True,
+              help="Timed messages per direction (the best one counts).")
+@click.option("--backend", type=click.Choice(["nccl", "gloo"]), default=None,
+              help="Default: nccl when CUDA is available, else gloo.")
+@click.option("--slow-fraction", type=click.FloatRange(0.01, 0.99), default=0.6, show_default=True,
+              help="A direction below this share of the fleet's reference bandwidth is slow.")
+@click.option("--latency-floor-us", type=click.FloatRange(min=0), default=500.0, show_default=True,
+              help="A pair's round trip is high only this far above the median (and 4x it).")
+@click.option("--heatmap", metavar="FILE.png", default=None, help="Rank 0 writes the pair matrix as a PNG here.")
+@click.option("--out", metavar="FILE.json", default=None, help="Rank 0 writes the result document here.")
+@click.option("--timeout", "timeout_s", type=float, default=600.0, show_default=True, help="Seconds for the probe.")
+@click.option("--agent", "agent_url", metavar="URL", envvar="GPUHEALTH_AGENT_URL", default=None,
+              help="This node's agent (http://127.0.0.1:9502): each rank tells it the probe's verdict on its node.")
+@click.option("--config", "config_path", metavar="FILE", default=None, help="gpuhealth YAML config file.")
+@click.option("--json", "as_json", is_flag=True, help="Print the outcome as JSON.")
+@click.option("--exit-codes", "profile", type=click.Choice(PROFILE_NAMES), default="default", show_default=True,
+              help="Exit-code dialect: default (0/1/2/3), slurm, npd, nagios.")
+def fabric_cmd(from_env: bool, ranks: int, node: str | None, schedule: str, size_bytes: int, iters: int,
+               backend: str | None, slow_fraction: float, latency_floor_us: float, heatmap: str | None,
+               out: str | None, timeout_s: float, agent_url: str | None, config_path: str | None, as_json: bool,
+               profile: str) -> None:
+    """Fabric probe: bandwidth per direction and round trips between every pair of nodes, in rounds;
+    names a slow node, the slow direction of a NIC, or a slow link. Multi-node: every rank runs
+    `gpuhealth diag fabric --from-env` under torchrun or srun; rank 0 prints the result."""
+    from gpuhealth.diag.fabric_run import FabricRequest, FabricRunError, run_fabric
+
+    config = _config(config_path, profile)
+    try:
+        outcome = run_fabric(FabricRequest(
+            from_env=from_env, ranks=ranks, node=node or config.node_name, schedule=schedule, size_bytes=size_bytes,
+            iters=iters, backend=backend, slow_fraction=slow_fraction, latency_floor_us=latency_floor_us,
+            heatmap=heatmap, out=out, timeout_s=timeout_s, agent_url=agent_url))
+    except FabricRunError as exc:
+        _fail(str(exc), profile)
+        return
+    if outcome is None:  # a rank other than 0: rank 0 reports
+        sys.exit(0)
+    unjudged = any(f.code == "netprobe.unjudged" for f in outcome.findings)
+    health = health_of(outcome.findings) if outcome.status == "ok" else Health.UNKNOWN
+    if health is Health.HEALTHY and unjudged:  # nothing slow among what was judged is not "healthy"
+        health = Health.UNKNOWN
+    if as_json:
+        click.echo(json.dumps(outcome.to_dict(), indent=2, default=str))
+    else:
+        render_fabric(outcome, output_console())
+    sys.exit(exit_code(health, profile))
+
+
+def render_fabric(o: DiagOutcome, console: Console) -> None:
+    r = o.result
+    console.print(f"[bold]fabric[/bold]: {o.status}" + (f" — {escape(o.reason)}" if o.reason else "")
+                  + f"  [dim]({o.wall_s:.1f} s)[/dim]")
+    v = r.get("verdict") or {}
+    names = (r.get("measurements") or {}).get("names") or []
+    if names:
+        ref = v.get("reference_bytes_per_second")
+        rounds = r.get("round_s") or []
+        console.print(f"{r.get('backend')} × {r.get('world')} ranks, {len(rounds)} rounds in {r.get('probe_s')} s; "
+                      f"reference {ref * 8 / 1e9:.3g} Gb/s" if ref else "reference: none (not judged)")
+        t = Table()
+        for col in ("#", "node", "send ×ref", "receive ×ref", "slow sends", "slow receives", "verdict"):
+            t.add_column(col)
+        per = v.get("per_node") or {}
+        for i, n in enumerate(names):
+            p = per.get(n) or {}
+            t.add_row(str(i), escape(n), str(p.get("send_ratio", "-")), str(p.get("recv_ratio", "-")),
+                      f"{p.get('slow_sends', '-')}/{p.get('sends', '-')}",
+                      f"{p.get('slow_recvs', '-')}/{p.get('recvs', '-')}",
+                      p.get("verdict", "not judged") if p.get("judged", False) else "not judged")
+        console.print(t)
+    if r.get("heatmap"):
+        console.print(f"pair matrix: {escape(r['heatmap'])} (row = sender #, column = receiver #)")
+    for f in o.findings:
+        console.print(f"[red]{f.severity}[/red] {f.code}: {escape(f.message)} → {f.action}")
+    if o.status == "ok" and not o.findings:
+        console.print("[green]no slow node, NIC direction or link[/green]")
 
 
 @command.command(name="golden")

@@ -8,6 +8,7 @@ import time
 from typing import Any
 
 import click
+from rich.markup import escape
 
 from gpuhealth.cli._console import output_console
 from gpuhealth.cli._coordinator_client import CoordinatorClientError, coordinator_options, resolve
@@ -27,10 +28,10 @@ def command(address: str | None, config_path: str | None, token: str | None,
             tls_key: str | None, tls_ca: str | None, as_json: bool, run_sdc: bool, device: str | None,
             nodes: tuple[str, ...], timeout_s: float) -> None:
     """Fleet view from the coordinator: nodes, version drift, SDC votes, unhealthy GPUs, and screening
-    (coverage, the GPUs screened longest ago, failed screens, who holds a screening turn). Nodes whose agent
-    replays a recording are marked SIMULATED. Exit 0 when clean, 1 on drift/SDC/unhealthy GPUs or a failed
-    screen, 3 when the coordinator could not be asked (or the config is bad) or no node has registered with it
-    (nothing to judge)."""
+    (coverage, the GPUs screened longest ago, failed screens, who holds a screening turn), the fabric probe's
+    word on each node. Nodes whose agent replays a recording are marked SIMULATED. Exit 0 when clean, 1 on
+    drift/SDC/unhealthy GPUs, a failed screen or a slow node or link, 3 when the coordinator could not be asked
+    (or the config is bad) or no node has registered with it (nothing to judge)."""
     try:
         addr, tok, tls = resolve(config_path, address, token, tls_cert, tls_key, tls_ca, token_file)
     except CoordinatorClientError as exc:
@@ -83,12 +84,16 @@ def command(address: str | None, config_path: str | None, token: str | None,
         for g in doc.get("unhealthy_gpus", []):
             console.print(f"[red]{g['health']}: node {g['node']} GPU {g['gpu']} ({g['uuid']}): "
                           f"{', '.join(g['codes'])} → {g['action']}[/red]")
+        for f in doc.get("fabric", []):
+            colour = "yellow" if f["severity"] == "warning" else "dim"
+            console.print(f"[{colour}]{f['code']} {escape(f['entity']['id'])}: {escape(f['message'])}[/{colour}]")
         for line in _screening_lines(doc.get("screening"), doc.get("generated_at") or time.time()):
             console.print(line, markup=False, highlight=False)
     if not registered:
         sys.exit(3)  # no node to judge: "could not check", never a clean fleet
     bad = (doc.get("version_drift") or doc.get("sdc") or doc.get("unhealthy_gpus")
-           or (doc.get("screening") or {}).get("failed"))
+           or (doc.get("screening") or {}).get("failed")
+           or any(f["severity"] != "info" for f in doc.get("fabric", [])))
     sys.exit(1 if bad else 0)
 
 

@@ -7,11 +7,20 @@
   is a warning; a port never seen up (not cabled) is info only — nothing says it should carry traffic.
 - Error counters (symbol errors, link downed, receive errors, link error recovery, …) growing over
   the history window → ``ib.errors`` warning.
+- An active port whose rate (speed × width, "400 Gb/sec (4X NDR)") is below its expected rate → ``ib.link_degraded``
+  warning: the link trained down (a bad cable or transceiver, a dirty connector). sysfs has no "maximum" file, so
+  the expected rate is ``collectors.expected_ib_rate_gbps`` when set, else the fastest active port of the same HCA
+  model and link layer on this node; a port with no such peer and no setting is not judged.
+- ``port_xmit_wait`` (ticks with data to send and no credits: congestion) per second above
+  ``xmit_wait_peer_ratio_warning`` × the median of the node's other ports of the same model, and above
+  ``xmit_wait_min_per_second`` → ``ib.congestion`` warning. Tick lengths differ per device, so only peers are
+  compared.
 A host without InfiniBand has no ports: no observations, no findings.
 """
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Iterable
 from typing import Any
 
@@ -69,6 +78,8 @@ class InfinibandCollector:
                 "rate_gbps": p.rate_gbps,
                 "link_layer": p.link_layer,
                 "counters": dict(p.counters),
+                "model": p.model,
+                "width": p.width,
             }
         self._ever_up.update(pid for pid, p in ports.items() if _is_up(p))
         obs.node["ports"] = ports
@@ -79,6 +90,8 @@ class InfinibandCollector:
         th = thresholds_from(ctx).infiniband
         out: list[Finding] = []
         ports: dict[str, dict[str, Any]] = obs.node.get("ports") or {}
+        expected = expected_rates(ports, ctx.config.collectors.expected_ib_rate_gbps)
+        waits = xmit_wait_rates(ports, history, obs)
         for pid, p in sorted(ports.items()):
             ent = Entity(EntityKind.LINK, f"{ctx.node_name}/ib/{pid}")
             ev = {"port": pid, "state": p.get("state"), "phys_state": p.get("phys_state"), "rate": p.get("rate"),
@@ -98,6 +111,26 @@ class InfinibandCollector:
                     "ib.port_down", sev, ent,
                     f"{pid} {how}: state {p.get('state') or '?'}, physical {p.get('phys_state') or '?'}",
                     action, {**ev, "was_up": was_up}, NAME,
+                ))
+            want = expected.get(pid)
+            if _is_up(p) and want is not None and is_number(p.get("rate_gbps")) and p["rate_gbps"] < want - 1e-9:
+                why = ("configured" if ctx.config.collectors.expected_ib_rate_gbps
+                       else f"its fastest peer of model {p.get('model') or '?'}")
+                out.append(Finding(
+                    "ib.link_degraded", Severity.WARNING, ent,
+                    f"{pid} trained down: {p.get('rate') or '?'} where {want:g} Gb/s is expected ({why})",
+                    Action.MONITOR, {**ev, "rate_gbps": p["rate_gbps"], "expected_gbps": want, "width": p.get("width"),
+                                     "model": p.get("model")}, NAME,
+                ))
+            congested = _congested(pid, ports, waits, th.xmit_wait_peer_ratio_warning, th.xmit_wait_min_per_second)
+            if congested is not None:
+                rate, peers_median = congested
+                out.append(Finding(
+                    "ib.congestion", Severity.WARNING, ent,
+                    f"{pid}: port_xmit_wait {rate:.3g}/s, {rate / max(peers_median, 1.0):.0f}× its peers' median "
+                    f"{peers_median:.3g}/s (no credits to send: congestion past this port)", Action.MONITOR,
+                    {**ev, "xmit_wait_per_second": round(rate, 1), "peers_median_per_second": round(peers_median, 1)},
+                    NAME,
                 ))
             grown: dict[str, int] = {}
             window = 0.0
@@ -131,11 +164,59 @@ class InfinibandCollector:
             if is_number(p.get("rate_gbps")):
                 out.append(Sample("ib_port_rate_bits_per_second", float(p["rate_gbps"]) * 1e9,
                                   "Negotiated port rate.", labels=labels))
+            if is_number(p.get("width")):
+                out.append(Sample("ib_port_width", float(p["width"]), "Negotiated port width in lanes.",
+                                  labels=labels))
+            if is_number(p.get("counters", {}).get("port_xmit_wait")):
+                out.append(Sample("ib_port_xmit_wait", float(p["counters"]["port_xmit_wait"]),
+                                  "Ticks the port had data to send but no credits (congestion); device tick length.",
+                                  MetricKind.COUNTER, labels=labels))
             for counter, v in sorted((p.get("counters") or {}).items()):
                 if counter in ERROR_COUNTERS:
                     out.append(Sample("ib_port_errors", float(v), "Port error counters from sysfs by counter.",
                                       MetricKind.COUNTER, labels=(*labels, ("counter", counter))))
         return out
+
+
+def expected_rates(ports: dict[str, dict[str, Any]], configured: float | None) -> dict[str, float]:
+    """Port → the rate it should run at: the configured one, else the fastest active port of the same HCA
+    model and link layer on the node (a port alone in its group is left out: nothing to compare with)."""
+    if configured:
+        return {pid: float(configured) for pid in ports}
+    groups: dict[tuple[Any, Any], list[str]] = {}
+    for pid, p in ports.items():
+        if _is_up(p) and is_number(p.get("rate_gbps")):
+            groups.setdefault((p.get("model"), p.get("link_layer")), []).append(pid)
+    out: dict[str, float] = {}
+    for members in groups.values():
+        if len(members) > 1:
+            best = max(float(ports[m]["rate_gbps"]) for m in members)
+            out.update({m: best for m in members})
+    return out
+
+
+def xmit_wait_rates(ports: dict[str, dict[str, Any]], history: History, obs: Observations) -> dict[str, float]:
+    """Port → port_xmit_wait ticks per second since the previous sweep (ports with an earlier reading)."""
+    out: dict[str, float] = {}
+    for pid in ports:
+        d = counter_delta(history, obs, _port_key(pid, "port_xmit_wait"), latest=True)
+        if d is not None and d[1] > 0:
+            out[pid] = d[0] / d[1]
+    return out
+
+
+def _congested(pid: str, ports: dict[str, dict[str, Any]], waits: dict[str, float], ratio: float, floor: float
+               ) -> tuple[float, float] | None:
+    """(rate, peers' median) when ``pid`` waits far more than the other ports of its model, else None."""
+    rate = waits.get(pid)
+    if rate is None or rate < floor:
+        return None
+    model = ports[pid].get("model")
+    peers = [waits[q] for q in waits if q != pid and ports[q].get("model") == model]
+    if not peers:
+        return None
+    median = statistics.median(peers)
+    return (rate, median) if rate > ratio * max(median, 1.0) else None
 
 
 def create() -> Collector:

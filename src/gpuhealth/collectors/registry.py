@@ -27,6 +27,7 @@ COLLECTOR_MODULES: tuple[str, ...] = (
     "nvlink",
     "numa",
     "infiniband",
+    "ethernet",
     "host",
 )
 

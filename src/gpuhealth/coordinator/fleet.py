@@ -199,6 +199,25 @@ def sdc_votes_from_findings(node: NodeView) -> list[SdcVote]:
     return out
 
 
+def _about(node: str, f: Finding) -> bool:
+    """A fabric-probe finding a node's agent may report: about itself, one of its rails, or a link it sends on."""
+    ident = f.entity.id
+    if f.entity.kind is EntityKind.LINK:
+        ident = ident.split("->", 1)[0]
+    return ident == node or ident.startswith(node + "/")
+
+
+def fabric_findings(nodes: Iterable[NodeView]) -> list[dict[str, Any]]:
+    """The fabric probe's word (``netprobe.*``) as each node's agent reported it about itself — a finding
+    about another node is not taken from it — slow ones first."""
+    rows = []
+    for n in nodes:
+        for f in n.findings:
+            if f.code.startswith("netprobe.") and _about(n.name, f):
+                rows.append({"node": n.name, **f.to_dict()})
+    return sorted(rows, key=lambda r: (r["severity"] != "warning", r["node"], r["code"], r["entity"]["id"]))
+
+
 def unhealthy_gpus(nodes: Iterable[NodeView]) -> list[dict[str, Any]]:
     """GPUs whose current findings — on the GPU or on its links — make them degraded or unhealthy, worst first."""
     rows = []

@@ -125,6 +125,14 @@ class CoordinatorCollector(Collector):
         for f in s.get("fleet_findings", []):
             fleet.add_metric([f["code"], f["severity"], f["action"], f["node"], f["gpu"], f["uuid"], f["entity"]], 1.0)
         yield fleet
+        fabric = GaugeMetricFamily(
+            "gpuhealth_fleet_" + "netprobe_findings", "The fabric probe's findings each node's "
+                                   "agent reports about itself (netprobe.node_slow, nic_send_slow, nic_recv_slow, "
+                                   "link_slow, latency_high, unjudged): how many, by node and code.",
+                                   labels=["node", "code"])
+        for (node, code), n in sorted(s.get("fabric_findings", {}).items()):
+            fabric.add_metric([node, code], float(n))
+        yield fabric
 
 
 def _screening(s: dict[str, Any]) -> Iterator[Metric]:

@@ -361,6 +361,7 @@ class CoordinatorServer:
 
     async def _refresh_metrics(self) -> None:
         fleet: list[dict[str, Any]] = []
+        fabric: dict[tuple[str, str], int] = {}
         fleet_at = -FLEET_METRICS_INTERVAL_S
         while True:
             with contextlib.suppress(Exception):
@@ -369,8 +370,11 @@ class CoordinatorServer:
                 if time.monotonic() - fleet_at >= FLEET_METRICS_INTERVAL_S:
                     where = {str(g.get("uuid")): (n.name, g.get("index"))
                              for n in list(self.coord.nodes.values()) for g in n.gpus if g.get("uuid")}
-                    fleet, fleet_at = fleet_findings(self.coord.fleet_doc(), where), time.monotonic()
+                    doc = self.coord.fleet_doc()
+                    fleet, fleet_at = fleet_findings(doc, where), time.monotonic()
+                    fabric = fabric_counts(doc)
                 snapshot["fleet_findings"] = fleet
+                snapshot["fabric_findings"] = fabric
                 self.collector.update(snapshot)
             await asyncio.sleep(self.metrics_interval_s)
 
@@ -407,6 +411,16 @@ def fleet_findings(doc: dict[str, Any], gpus: dict[str, tuple[str, Any]]) -> lis
                      "node": str(node), "gpu": "" if index is None else str(index), "uuid": uuid,
                      "entity": f"{kind}:{ident}"})
     return rows
+
+
+def fabric_counts(doc: dict[str, Any]) -> dict[tuple[str, str], int]:
+    """(node, code) → how many ``netprobe.*`` findings the node's agent reports (``gpuhealth_fleet_netprobe_findings``:
+    one series per node and code, however many links a probe named)."""
+    counts: dict[tuple[str, str], int] = {}
+    for row in doc.get("fabric", []):
+        key = (str(row.get("node", "")), str(row.get("code", "")))
+        counts[key] = counts.get(key, 0) + 1
+    return counts
 
 
 def write_ready_file(path: str, endpoints: Endpoints) -> None:

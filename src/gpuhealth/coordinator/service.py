@@ -34,6 +34,7 @@ from gpuhealth.coordinator.fleet import (
     NodeView,
     SdcVote,
     culprit_line,
+    fabric_findings,
     gpu_findings,
     sdc_votes,
     sdc_votes_from_findings,
@@ -1068,6 +1069,7 @@ class Coordinator:
             "identity": [f.to_dict() for f in conflicts],
             "sdc_digests": {"votes": len(unique), "keys": len({v.key for v in unique.values()})},
             "unhealthy_gpus": unhealthy_gpus(nodes),
+            "fabric": fabric_findings(nodes),
             "screening": self.screening_doc(),
             "generated_at": self.clock(),
         }

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import socket
 import sys
 import time
 import traceback
@@ -179,6 +180,72 @@ def cmd_busbw(args: argparse.Namespace) -> dict[str, Any]:
     return doc
 
 
+def _fabric_plan(args: argparse.Namespace) -> Any:
+    from gpuhealth.diag.fabric import SCHEDULES
+    from gpuhealth.diag.fabric_rank import ProbePlan
+
+    if args.schedule not in SCHEDULES:
+        raise ValueError(f"unknown schedule {args.schedule!r} (known: {', '.join(SCHEDULES)})")
+    return ProbePlan(size_bytes=args.size_bytes, iters=args.iters, warmup=args.warmup, rtt_iters=args.rtt_iters,
+                     schedule=args.schedule, retest=args.retest, slow_fraction=args.slow_fraction,
+                     latency_floor_us=args.latency_floor_us)
+
+
+def _fabric_rank_args(args: argparse.Namespace) -> list[str]:
+    return ["--size-bytes", str(args.size_bytes), "--iters", str(args.iters), "--warmup", str(args.warmup),
+            "--rtt-iters", str(args.rtt_iters), "--schedule", args.schedule, "--node", args.node,
+            "--retest", str(args.retest), "--slow-fraction", str(args.slow_fraction),
+            "--latency-floor-us", str(args.latency_floor_us),
+            *(["--backend", args.backend] if args.backend else [])]
+
+
+def cmd_fabric_rank(args: argparse.Namespace) -> dict[str, Any] | None:
+    from gpuhealth.diag.fabric_rank import run_rank
+
+    return run_rank(_fabric_plan(args), node=args.node, backend=args.backend, init_method=args.init_method,
+                    every_rank=getattr(args, "every_rank", False))
+
+
+def cmd_fabric(args: argparse.Namespace) -> dict[str, Any]:
+    """Pairwise bandwidth and round trips in rounds, judged by ``fabric.judge`` on rank 0; a heatmap
+    and the document written where asked (under torchrun stdout is every rank's)."""
+    if _import_torch() is None:
+        return _doc("fabric", "skipped", "torch is not installed (pip install 'gpuhealth[diag]')")
+    from pathlib import Path
+
+    from gpuhealth.diag import fabric, heatmap
+    from gpuhealth.diag.launch import run_local_ranks
+
+    _fabric_plan(args)  # bad arguments fail here, before any rank starts
+    if args.from_env:  # under torchrun/srun: every rank runs this; rank 0 reports
+        raw = cmd_fabric_rank(args)
+        if raw is None:
+            return {}
+    else:
+        if args.world < 2:
+            return _doc("fabric", "skipped", "a fabric probe needs at least 2 ranks")
+        out0 = run_local_ranks(args.world, "fabric-rank", _fabric_rank_args(args), what="fabric probe",
+                               timeout_s=args.rank_timeout)
+        raw = json.loads(out0)
+    m = fabric.Measurements.from_dict(raw["measurements"])
+    th = fabric.Thresholds(slow_fraction=args.slow_fraction, node_quorum=args.node_quorum,
+                           latency_factor=args.latency_factor, latency_floor_us=args.latency_floor_us)
+    verdict = fabric.judge(m, th)
+    result = {**raw, "verdict": verdict.to_dict()}
+    if args.heatmap and raw.get("rank", 0) == 0:
+        ratios = ({p: v / verdict.reference_bps for p, v in m.bandwidth.items()} if verdict.reference_bps else {})
+        Path(args.heatmap).write_bytes(heatmap.render(len(m.names), ratios, th.slow_fraction))
+        result["heatmap"] = args.heatmap
+    doc = _doc("fabric", "ok", result=result)
+    doc["findings"] = [f.to_dict() for f in verdict.findings]
+    if raw.get("rank", 0) != 0:  # --every-rank: the others print (to their launcher), only rank 0 writes files
+        return doc
+    if args.out:
+        doc["wall_s"] = raw.get("probe_s")
+        Path(args.out).write_text(json.dumps(doc, indent=2, sort_keys=True) + "\n")
+    return doc
+
+
 def cmd_bandwidth(args: argparse.Namespace) -> dict[str, Any]:
     torch = _import_torch()
     if torch is None:
@@ -284,6 +351,32 @@ def build_parser() -> argparse.ArgumentParser:
     add_plan_arguments(qr)
     qr.add_argument("--init-method", default="env://")
 
+    def fabric_args(f: argparse.ArgumentParser) -> None:
+        f.add_argument("--size-bytes", type=int, default=4 << 20)
+        f.add_argument("--iters", type=int, default=3)
+        f.add_argument("--warmup", type=int, default=1)
+        f.add_argument("--rtt-iters", type=int, default=5)
+        f.add_argument("--schedule", default="full", help="full (every pair) | nodes (fewer rounds: which node)")
+        f.add_argument("--backend", choices=["nccl", "gloo"])
+        f.add_argument("--node", default=socket.gethostname(), help="this rank's node name")
+        f.add_argument("--init-method", default="env://")
+        f.add_argument("--retest", type=int, default=16, help="slow-looking directions measured again, alone")
+        f.add_argument("--slow-fraction", type=float, default=0.6)
+        f.add_argument("--latency-floor-us", type=float, default=500.0)
+
+    f = sub.add_parser("fabric")
+    fabric_args(f)
+    f.add_argument("--device", default="cpu")
+    f.add_argument("--world", type=int, default=4, help="local ranks (without --from-env)")
+    f.add_argument("--from-env", action="store_true", help="run as one rank under torchrun/srun (multi-node)")
+    f.add_argument("--node-quorum", type=float, default=0.75)
+    f.add_argument("--latency-factor", type=float, default=4.0)
+    f.add_argument("--heatmap", help="rank 0 writes the pair matrix here (PNG)")
+    f.add_argument("--out", help="rank 0 writes the result document here (JSON)")
+    f.add_argument("--rank-timeout", type=float, default=300.0)
+    f.add_argument("--every-rank", action="store_true", help="with --from-env: every rank prints the document")
+    fabric_args(sub.add_parser("fabric-rank"))
+
     w = sub.add_parser("bandwidth")
     w.add_argument("--device", default="cuda")
     w.add_argument("--d2d-mib", type=int, default=1024)
@@ -343,9 +436,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     _die_with_parent()
     t0 = time.monotonic()
     handlers = {"probe": cmd_probe, "sdc": cmd_sdc, "busbw": cmd_busbw, "busbw-rank": cmd_busbw_rank,
-                "bandwidth": cmd_bandwidth, "quick": cmd_quick}
-    if args.cmd in ("busbw-rank", "quick-rank"):  # a rank that fails must exit non-zero: the launcher watches
-        out = cmd_busbw_rank(args) if args.cmd == "busbw-rank" else cmd_quick_rank(args)
+                "bandwidth": cmd_bandwidth, "quick": cmd_quick, "fabric": cmd_fabric}
+    rank_cmds = {"busbw-rank": cmd_busbw_rank, "quick-rank": cmd_quick_rank, "fabric-rank": cmd_fabric_rank}
+    if args.cmd in rank_cmds:  # a rank that fails must exit non-zero: the launcher watches
+        out = rank_cmds[args.cmd](args)
         if out:
             _emit(out)
         return 0

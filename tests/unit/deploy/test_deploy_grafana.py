@@ -57,11 +57,13 @@ def test_templated_by_node_and_gpu() -> None:
 
 def test_has_the_sections_users_look_for() -> None:
     rows = [p["title"] for p in dashboard()["panels"] if p["type"] == "row"]
-    assert rows == ["Fleet overview", "GPUs of $instance", "Findings", "Collective bandwidth and diagnostics",
-                    "Stragglers and hangs", "gpuhealth agent"]
+    assert rows == ["Fleet overview", "GPUs of $instance", "NICs and the fabric probe of $instance", "Findings",
+                    "Collective bandwidth and diagnostics", "Stragglers and hangs", "gpuhealth agent"]
     titles = {p["title"] for p in dashboard()["panels"]}
     assert {"SDC check results", "Bandwidth probes below threshold", "Straggler score by rank",
-            "Seconds since progress", "Active findings"} <= titles
+            "Seconds since progress", "Active findings", "InfiniBand/RoCE port width", "port_xmit_wait (rate)",
+            "Ethernet speed", "Link flaps (carrier changes / 5 min)", "Fabric probe: bandwidth against the fleet",
+            "Fabric probe findings"} <= titles
 
 
 def test_gpu_health_timeline_job_filter_and_the_agents_driver_columns() -> None:
