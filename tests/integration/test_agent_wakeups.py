@@ -13,10 +13,25 @@ from agent_process import AgentProcess
 pytestmark = pytest.mark.integration
 
 
+def _family(pid: int) -> list[int]:
+    """The agent and its children (the rank socket is served by an unprivileged child: docs/security.md)."""
+    pids, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        pids.append(p)
+        for task in Path(f"/proc/{p}/task").glob("*/children"):
+            try:
+                todo += [int(c) for c in task.read_text().split()]
+            except OSError:
+                continue
+    return pids
+
+
 def _threads(pid: int) -> dict[int, tuple[str, int]]:
-    """tid → (kernel name, context switches so far)."""
+    """tid → (kernel name, context switches so far), over the agent and its children."""
     out = {}
-    for task in Path(f"/proc/{pid}/task").iterdir():
+    tasks = [t for p in _family(pid) for t in Path(f"/proc/{p}/task").iterdir()]
+    for task in tasks:
         try:
             comm = (task / "comm").read_text().strip()
             status = (task / "status").read_text()

@@ -116,8 +116,15 @@ def test_a_slow_node_a_slow_nic_direction_and_a_slow_pair_direction_are_each_nam
             metrics = until(scraped, 30, "gpuhealth_fleet_netprobe_findings", interval=1.0)
             assert metric_value(metrics, "gpuhealth_fleet_netprobe_findings", node="n5",
                                 code="netprobe.node_slow") == 1.0
-            agent_metrics = _in_ns(c, 5, sys.executable, "-c", "import urllib.request as u; print(u.urlopen("
+
+            def agent_scraped() -> str | None:
+                # The agent exports its extensions' samples on its fast lane (every 5 s): wait for the one after
+                # the probe's report, which /health and the coordinator had at once (as findings).
+                text: str = _in_ns(c, 5, sys.executable, "-c", "import urllib.request as u; print(u.urlopen("
                                    f"'{agent_url}/metrics').read().decode())").stdout
+                return text if metric_value(text, "gpuhealth_netprobe_slow", probe_name="n5") is not None else None
+
+            agent_metrics = until(agent_scraped, 30, "gpuhealth_netprobe_slow on the agent", interval=1.0)
             assert metric_value(agent_metrics, "gpuhealth_netprobe_slow", probe_name="n5") == 1.0
             assert metric_value(agent_metrics, "gpuhealth_netprobe_bandwidth_ratio", probe_name="n5",
                                 direction="send") < 0.1

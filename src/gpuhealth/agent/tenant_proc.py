@@ -37,6 +37,7 @@ from typing import Any
 from gpuhealth.agent.ranks import RankHub
 from gpuhealth.agent.tenant_channel import STEPS_PER_FRAME, TO_RANK_PROCESS, Channel, ChannelError
 from gpuhealth.model import RankIdentity, StepRecord
+from gpuhealth.runtime import logs, threadnames
 
 log = logging.getLogger("gpuhealth.agent.rank_process")
 
@@ -241,8 +242,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--memory-bytes", type=int, default=0)
     ap.add_argument("--cpu-seconds", type=int, default=0)
     args = ap.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s gpuhealth rank process[%(process)d]: %(message)s")
+    # The agent's own text format: every tenant-controlled character escaped (job ids, refusal reasons), so no
+    # line this process writes into the agent's log can pose as another record.
+    logs.setup_logging(level="info")
+    threadnames.install()  # "gh-rankhub" in top -H, as in the agent's own process
     listen = socket.socket(fileno=args.listen_fd)
     channel = Channel(socket.socket(fileno=args.channel_fd), TO_RANK_PROCESS)
     sandbox(args.uid, args.gid, args.memory_bytes, args.cpu_seconds)

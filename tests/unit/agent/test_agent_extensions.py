@@ -17,15 +17,16 @@ def test_default_extensions_follow_the_config(tmp_path: Any) -> None:
     cfg = fast_config()
     cfg.agent.socket_path = ""
     # zero-code discovery and screening need no config (screening never runs on a simulated backend)
-    assert [e.name for e in default_extensions(cfg)] == ["zerocode", "diagnostics"]
+    # netprobe: the fabric probe's word about this node (POST /fabric), always there
+    assert [e.name for e in default_extensions(cfg)] == ["zerocode", "netprobe", "diagnostics"]
     cfg.diag.enabled = False  # the one line that turns screening off
-    assert [e.name for e in default_extensions(cfg)] == ["zerocode"]
+    assert [e.name for e in default_extensions(cfg)] == ["zerocode", "netprobe"]
     cfg.agent.socket_path = str(tmp_path / "agent.sock")
     cfg.agent.coordinator = "127.0.0.1:1"
     cfg.agent.state_dir = str(tmp_path / "state")
     cfg.diag.enabled = True
     extensions = default_extensions(cfg)
-    assert [e.name for e in extensions] == ["ranks", "zerocode", "coordinator_link", "diagnostics"]
+    assert [e.name for e in extensions] == ["ranks", "zerocode", "coordinator_link", "netprobe", "diagnostics"]
     # with a coordinator, the first scheduled screen waits for this node's turn to arrive
     assert extensions[-1]._first_delay_s == 120.0  # type: ignore[attr-defined]
 

@@ -226,5 +226,6 @@ def test_the_rank_process_imports_only_what_it_needs() -> None:
     ours = {m for m in loaded if m.startswith("gpuhealth")}
     assert ours == {"gpuhealth", "gpuhealth.agent", "gpuhealth.agent.ranks", "gpuhealth.agent.tenant_channel",
                     "gpuhealth.agent.tenant_proc", "gpuhealth.instrument", "gpuhealth.instrument.protocol",
-                    "gpuhealth.model"}, sorted(ours)
+                    "gpuhealth.model", "gpuhealth.runtime", "gpuhealth.runtime.logs",
+                    "gpuhealth.runtime.threadnames"}, sorted(ours)
     assert not loaded & {"torch", "grpc", "yaml", "numpy", "google.protobuf", "psutil"}

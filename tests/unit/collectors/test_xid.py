@@ -464,15 +464,24 @@ def test_one_shot_reads_sxids_the_agent_saw_before_its_last_save(tmp_path: Path,
     assert [f.code for f in status.run(state_dir=str(state), one_shot=True).findings] == ["nvswitch.sxid"]
 
 
-def test_a_reset_found_across_a_gap_does_not_hide_the_xid_that_came_back(tmp_path: Path, clock) -> None:  # type: ignore[no-untyped-def]
+def test_a_reset_found_across_a_gap_does_not_hide_the_xid_that_came_back(  # type: ignore[no-untyped-def]
+        tmp_path: Path, clock, monkeypatch: pytest.MonkeyPatch) -> None:
     """The agent saw XID 48 and saved its ledger 5 min ago; then GPU 0 was reset (its volatile ECC count fell)
     and the DBE came back 1 min ago. The reset happened some time after the save: the recurrence stands (not
     called 'from before the reset'), and it is not escalated either (nobody knows it followed the reset)."""
     import os
 
+    from gpuhealth.backends import kmsg as kmsg_backend
+    from gpuhealth.collectors import xid as xid_collector
+
+    # This boot began an hour ago, whatever the machine's uptime: a record 10 min old must exist in it (on a
+    # machine booted minutes ago, the test's 'boot − 600 s' was before the boot and its record was dropped).
+    booted_at = time.time() - 3600
+    monkeypatch.setattr(kmsg_backend, "boot_time", lambda: booted_at)
+    monkeypatch.setattr(xid_collector, "boot_time", lambda: booted_at)
     state = tmp_path / "state"
     key = "TotalEccErrors_UNCORRECTED_VOLATILE"
-    booted = int(time.clock_gettime(time.CLOCK_BOOTTIME) * 1e6)
+    booted = 3600 * 1_000_000  # microseconds since that boot, now
     old = f"6,100,{booted - 600_000_000},-;NVRM: Xid (PCI:0000:00:06): 48, pid=1, name=python3, DBE"
     agent = Harness(tmp_path, clock, kmsg=[old], overrides={0: {key: 3}})
     assert [f.code for f in agent.run(state_dir=str(state), agent=True).findings] == ["xid.48"]

@@ -239,7 +239,8 @@ def test_finding_alerts_are_keyed_on_the_gpu_and_code_not_on_the_job_holding_it(
             assert "instance" in labels and "code" in labels, (a["alert"], labels)
             holders = labels & HOLDER_LABELS
             assert not holders, f"{a['alert']}: grouped by the job holding the GPU ({holders})"
-        if a["alert"] != "GpuhealthCannotCheckGpus":  # about the agent, never about a job
+        # About the agent, or about a node's network as the fabric probe measured it between jobs: never a job's.
+        if a["alert"] not in ("GpuhealthCannotCheckGpus", "GpuhealthFabricSlow"):
             assert "holder" in a["annotations"], a["alert"]
 
 
