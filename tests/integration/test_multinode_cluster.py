@@ -21,6 +21,7 @@ from typing import Any
 
 import pytest
 from cluster import Cluster, available
+from commands import until
 
 pytestmark = pytest.mark.skipif(available() is not None, reason=f"cluster in one box: {available()}")
 
@@ -83,11 +84,15 @@ def test_a_node_link_shaped_to_a_tenth_gets_comm_slow_naming_it(cluster: Cluster
         assert "node1" in named, v
         assert v["ratio"] >= 2.0 and v["compute_s"] <= 1.5 * v["best_compute_s"] + 0.005, v
         if not v["nodes"]:  # not separated: it says so and names the probe
-            assert v["probe_advised"] and "gpuhealth probe" in v["summary"], v
+            assert v["probe_advised"] and "gpuhealth diag fabric" in v["summary"], v
         assert doc["comm_slow"] is not None and doc["comm_slow"]["ratio"] >= 2.0
         assert verdict["summary"].startswith("comm_slow: communication")
-        metrics = cluster.metrics()
-        assert 'gpuhealth_coordinator_verdicts_total{kind="comm_slow"} 1.0' in metrics
+        # /metrics is refreshed from the coordinator's state once a second: the scrape after the verdict has it
+        def counted() -> str | None:
+            text: str = cluster.metrics()
+            return text if 'gpuhealth_coordinator_verdicts_total{kind="comm_slow"} 1.0' in text else None
+
+        metrics = until(counted, 15, "the comm_slow verdict counted on the coordinator's /metrics")
         ratio = [line for line in metrics.splitlines()
                  if line.startswith('gpuhealth_coordinator_job_comm_slow_ratio{job_id="shaped"}')]
         assert ratio and float(ratio[0].split()[-1]) >= 2.0, ratio

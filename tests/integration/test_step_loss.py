@@ -16,6 +16,8 @@ pytestmark = pytest.mark.integration
 @pytest.mark.slow
 def test_step_records_survive_sigkill(tmp_path: Path) -> None:
     result = measure(tmp_path, ranks=4, rate_per_rank=200.0, kills=3, every_s=2.5)
-    assert result.sent > 5000, result  # the ranks really streamed through the kills
+    # the ranks really streamed through the kills (~6,000 on a quiet machine; 4,172 on 2 cores shared with three
+    # other test workers, whose load slows the sender, not what is lost per kill)
+    assert result.sent > 3000, result
     assert result.duplicates == 0, result
     assert result.lost_ms_per_kill <= 100.0, result.to_dict()

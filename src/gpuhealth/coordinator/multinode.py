@@ -12,7 +12,7 @@ hours (and a box whose load changes) but never takes a slow link for the pace.
 Which node? In a ring or tree every rank waits on the slowest hop, so per-rank times barely point at it
 (docs/multinode.md). The evidence, strongest first: a node's own NIC findings (``nic.*``, ``ib.*``); a node
 whose ranks' wait stands apart from the others' in the slow window and not before it (the wait pattern);
-else the candidates are all the job's nodes, said plainly, with a fabric probe (``gpuhealth probe``) as the
+else the candidates are all the job's nodes, said plainly, with a fabric probe (``gpuhealth diag fabric``) as the
 way to tell them apart.
 """
 
@@ -282,7 +282,7 @@ def comm_slow_verdict(job_id: str, episode: CommSlow, where: Localisation, creat
                f"({episode.pattern.get(n, 0.0):+.1%} of the median) since the slowdown; confirm with a fabric probe")
     else:
         who = (f"passive evidence cannot tell which of nodes {shown}; run a fabric probe across them "
-               "(gpuhealth probe) to name the node, direction or pair")
+               "(gpuhealth diag fabric) to name the node, direction or pair")
     return {
         "verdict": "comm_slow", "code": "job.comm_slow", "job_id": job_id, "nodes": where.nodes,
         "candidates": where.candidates[:MAX_NODES_NAMED * 16], "basis": where.basis,

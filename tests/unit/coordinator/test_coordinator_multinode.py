@@ -118,7 +118,7 @@ def test_nic_findings_name_the_node_wait_pattern_next_else_the_candidates() -> N
     where = localise(NODES, {}, episode, settings)
     assert where.nodes == [] and where.candidates == NODES and where.basis == "none"
     doc = comm_slow_verdict("j", episode, where, 1.0)
-    assert doc["probe_advised"] and "gpuhealth probe" in doc["summary"] and "n0, n1, n2, n3" in doc["summary"]
+    assert doc["probe_advised"] and "gpuhealth diag fabric" in doc["summary"] and "n0, n1, n2, n3" in doc["summary"]
 
 
 def test_a_node_whose_wait_stands_apart_since_the_slowdown_is_named() -> None:
