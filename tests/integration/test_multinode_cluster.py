@@ -114,7 +114,8 @@ def test_a_node_cut_off_is_named_with_its_network_as_the_cause(cluster: Cluster)
         doc = cluster.job_doc("cut")
         assert doc is not None and doc["cut_off"] == ["node2"]
         assert not [v for v in doc["verdicts"] if v["kind"] == "hang"], doc["verdicts"]  # not "incomplete"
-        assert 'gpuhealth_coordinator_job_nodes_cut_off{job_id="cut"} 1.0' in cluster.metrics()
+        until(lambda: 'gpuhealth_coordinator_job_nodes_cut_off{job_id="cut"} 1.0' in cluster.metrics(), 15,
+              "the cut-off node on the coordinator's /metrics (refreshed once a second)")
     finally:
         cluster.restore(2)
         job.kill()
